@@ -1,0 +1,148 @@
+"""Timing and peak-memory measurement shared by the benchmarks and `farsight eval bench`.
+
+CPU peak memory has no allocator statistics in PyTorch, so each measured case runs in a fresh
+spawned process and reports the growth of its peak resident set size (ru_maxrss) over the level
+reached after setup. On CUDA the allocator's own peak counter is used.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident set size (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def current_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    device: torch.device | str = "cpu",
+    warmup: int = 1,
+    repeat: int = 3,
+    min_seconds: float = 0.0,
+) -> float:
+    """Median wall time of `fn()` in seconds over `repeat` runs (more while under `min_seconds`)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeat or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
+    """Bytes allocated by `fn()` above what was in use when it started.
+
+    On CPU this is only meaningful in a process that has not yet reached a higher peak,
+    which is what `run_isolated` provides.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    base = max(current_rss_bytes(), peak_rss_bytes())
+    fn()
+    return max(0, peak_rss_bytes() - base)
+
+
+def _isolated_entry(target: Callable[[dict], dict], case: dict, conn) -> None:
+    try:
+        conn.send(("ok", target(case)))
+    except BaseException as exc:  # report any failure (including MemoryError) to the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def run_isolated(target: Callable[[dict], dict], case: dict, timeout: float | None = None) -> dict:
+    """Run `target(case)` in a fresh spawned process and return its result dict.
+
+    `target` must be a module-level function. Failures come back as {"error": message} so a
+    benchmark table can show "out of memory" or "timeout" instead of aborting the whole run.
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_isolated_entry, args=(target, case, child))
+    proc.start()
+    child.close()
+    if not parent.poll(timeout):
+        proc.kill()
+        proc.join()
+        return {"error": f"timeout after {timeout:.0f}s"}
+    try:
+        status, payload = parent.recv()
+    except EOFError:
+        proc.join()
+        return {"error": f"worker died (exit code {proc.exitcode}; out of memory?)"}
+    proc.join()
+    return payload if status == "ok" else {"error": payload}
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """Plain-text table with right-aligned columns; floats get 4 significant digits."""
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")
+
+
+def machine_description() -> dict:
+    import platform
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "processor": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
