@@ -1,0 +1,35 @@
+"""nn.Modules built on farsight.ops: norms, MLP, positions, attention kinds, blocks."""
+
+from farsight.layers.attention import (
+    ATTENTION_KINDS,
+    BidirectionalAttention,
+    CausalSelfAttention,
+    SlidingWindowAttention,
+    build_attention,
+    register_attention,
+)
+from farsight.layers.block import TransformerBlock
+from farsight.layers.kv_cache import KVCache, SlidingKVCache
+from farsight.layers.mlp import SwiGLU, swiglu_hidden_size, swiglu_reference
+from farsight.layers.norm import RMSNorm, rms_norm_reference
+from farsight.layers.position import RotaryEmbedding, alibi_slopes, rotary_reference
+
+__all__ = [
+    "ATTENTION_KINDS",
+    "BidirectionalAttention",
+    "CausalSelfAttention",
+    "KVCache",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SlidingKVCache",
+    "SlidingWindowAttention",
+    "SwiGLU",
+    "TransformerBlock",
+    "alibi_slopes",
+    "build_attention",
+    "register_attention",
+    "rms_norm_reference",
+    "rotary_reference",
+    "swiglu_hidden_size",
+    "swiglu_reference",
+]

@@ -1,0 +1,129 @@
+"""Self-attention modules and the registry that makes the attention kind of a model pluggable.
+
+A registered class may declare `positions` (supported position encodings, the first is the
+default) and `config_fields` (the config fields it requires, e.g. "window").
+
+Every registered module is built from a model config (any object with the attributes it reads),
+maps x [B, T, d_model] -> [B, T, d_model], and decodes with a cache from `new_cache()` that it
+updates in place: `forward(x, cache)` treats x as the positions that follow what the cache holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from farsight.layers.kv_cache import KVCache, SlidingKVCache
+from farsight.layers.position import RotaryEmbedding, alibi_slopes
+from farsight.ops.window import sliding_window_attention
+
+ATTENTION_KINDS: dict[str, type[nn.Module]] = {}
+
+
+def register_attention(*names: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: make an attention module available as `TransformerConfig(attention=name)`."""
+
+    def decorate(cls: type[nn.Module]) -> type[nn.Module]:
+        for name in names:
+            ATTENTION_KINDS[name] = cls
+        return cls
+
+    return decorate
+
+
+def build_attention(config: Any) -> nn.Module:
+    try:
+        cls = ATTENTION_KINDS[config.attention]
+    except KeyError:
+        raise ValueError(
+            f"unknown attention kind {config.attention!r}; choose one of {sorted(ATTENTION_KINDS)}"
+        ) from None
+    return cls(config)
+
+
+class _QKVAttention(nn.Module):
+    """Shared parts of the softmax attentions: fused QKV projection, output projection, RoPE."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        inner = self.n_heads * self.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, config.d_model, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta) if config.position == "rope" else None
+
+    def project(self, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q, k, v [B, T, H, d] with RoPE applied at positions offset.."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
+        if self.rotary is not None:
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        return q, k, v
+
+
+@register_attention("causal")
+class CausalSelfAttention(_QKVAttention):
+    """Standard causal attention (PyTorch SDPA: flash/memory-efficient kernels where available)."""
+
+    positions = ("rope", "none")
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cache.length if cache is not None else 0)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        past = k.shape[2] - t
+        if past == 0 or t == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            # SDPA's is_causal aligns the mask top-left; new queries follow `past` cached keys.
+            mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(b, t, -1))
+
+
+@register_attention("sliding")
+class SlidingWindowAttention(_QKVAttention):
+    """Causal attention over the last `window` positions, ALiBi (default) or RoPE positions.
+
+    Trains in O(T * window) time and memory (farsight.ops.window) and decodes with a rolling cache.
+    """
+
+    positions = ("alibi", "rope", "none")
+    config_fields = ("window",)
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.window = config.window
+        slopes = alibi_slopes(self.n_heads) if config.position == "alibi" else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def new_cache(self) -> SlidingKVCache:
+        return SlidingKVCache(self.window)
+
+    def forward(self, x: torch.Tensor, cache: SlidingKVCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cache.length if cache is not None else 0)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        o = sliding_window_attention(q, k, v, self.window, self.alibi_slopes)
+        return self.out(o.reshape(b, t, -1))
+
+
+class BidirectionalAttention(_QKVAttention):
+    """Unmasked attention within a sequence (DRT's chunk encoder), RoPE at positions 0..T-1."""
+
+    def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (y.transpose(1, 2) for y in self.project(x, 0))
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, t, -1))

@@ -1,0 +1,78 @@
+"""Position encodings: rotary embeddings (RoPE, Su et al. 2021) and ALiBi slopes (Press et al. 2022)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rotary_reference(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i + d/2}) by angle pos * theta^(-2i/d), written as a complex product.
+
+    x [B, T, H, d], positions [T] -> [B, T, H, d]. Computed in float64.
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d // 2, dtype=torch.float64) * 2 / d)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, d/2]
+    rot = torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+    xd = x.to(torch.float64)
+    z = torch.complex(xd[..., : d // 2], xd[..., d // 2 :]) * rot
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the "rotate half" layout; cos/sin tables grow on demand and are not saved."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
+        self.head_dim = head_dim
+        self.theta = theta
+        inv_freq = theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float64) * 2 / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cos = self._sin = None
+
+    def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
+            size = max(length, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
+            angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)[None]
+            self._cos, self._sin = angles.cos(), angles.sin()
+        return self._cos, self._sin
+
+    def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
+        """x [B, T, H, d]; the positions are offset .. offset + T - 1 (an int, or a [T] tensor of positions)."""
+        t = x.shape[1]
+        if isinstance(offset, torch.Tensor):
+            positions = offset.to(x.device)
+            cos, sin = self._tables(int(positions.max().item()) + 1 if positions.numel() else 1, x.device)
+            cos, sin = cos[positions], sin[positions]
+        else:
+            cos, sin = self._tables(offset + t, x.device)
+            cos, sin = cos[offset : offset + t], sin[offset : offset + t]
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos = cos.to(dtype)[None, :, None, :]
+        sin = sin.to(dtype)[None, :, None, :]
+        half = self.head_dim // 2
+        xf = x.to(dtype)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi head slopes: the geometric sequence 2^(-8 i / n) for a power-of-two n; otherwise
+    those of the closest smaller power of two followed by every other slope of twice that size."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+    closest = 2 ** math.floor(math.log2(n_heads))
+    slopes = power_of_two(closest)
+    if closest < n_heads:
+        slopes += power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)

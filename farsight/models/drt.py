@@ -1,0 +1,447 @@
+"""DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (SPEC section 2).
+
+Stream layout: every chunk of S real tokens is followed by a landmark slot (LMK), so slot s
+belongs to chunk s // (S+1) and is the landmark when s % (S+1) == S. The model inserts the
+landmarks itself; users pass plain token ids of any length.
+
+Forward over a span of slots (the training forward is one span from slot 0; streaming inference
+runs consecutive spans that carry state):
+  1. lower layers: sliding-window self-attention (ALiBi) + SwiGLU, pre-norm;
+  2. every chunk completed in the span goes through the bidirectional chunk encoder (in-chunk
+     RoPE); its S real rows give the shared GCA keys/values, its LMK row the landmark key W_l l_k;
+  3. for each of the G groups of upper layers: the LMK hidden state of chunk t at the group's
+     input scores the landmark keys of chunks < t (W_h^g, scaled by 1/sqrt(d_model)), takes the
+     top K (Gumbel noise in training only) and softmax weights over the clean scores; chunk t+1
+     uses that retrieval in every layer of the group: h += SWA(norm h); h += GCA(norm h); h += MLP.
+Memory is linear in the span apart from the [chunks x chunks] retrieval scores per group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from farsight.config import ConfigBase, require
+from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, swiglu_hidden_size
+from farsight.layers.kv_cache import SlidingKVCache
+from farsight.models.chunk_memory import ChunkMemory, GraphMemory
+from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
+from farsight.models.transformer import TransformerConfig, init_weights
+from farsight.ops.gca import gca
+
+RETRIEVERS = ("learned", "random", "none")
+
+
+@dataclass
+class DRTConfig(ConfigBase):
+    vocab_size: int = 260
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int | None = None
+    mlp_hidden: int | None = None
+    lower_layers: int | None = None
+    chunk_size: int = 64
+    window: int = 512
+    top_k: int = 8
+    groups: int = 1
+    encoder_layers: int = 2
+    position: str = "alibi"
+    rope_theta: float = 10000.0
+    retriever: str = "learned"
+    gumbel: bool = True
+    gumbel_temperature: float = 1.0
+    softmax_one: bool = True
+    landmark_id: int | None = None
+    pad_id: int | None = None
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "groups"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        require(isinstance(self.chunk_size, int) and self.chunk_size >= 1, f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        require(isinstance(self.top_k, int) and self.top_k >= 1, f"top_k must be an integer >= 1, got {self.top_k!r}")
+        require(
+            isinstance(self.window, int) and self.window >= self.chunk_size + 1,
+            f"window={self.window} is smaller than a chunk and its landmark (chunk_size + 1 = {self.chunk_size + 1}); "
+            "the next chunk must see the whole current chunk — raise window or lower chunk_size",
+        )
+        require(self.encoder_layers >= 0, f"encoder_layers must be >= 0, got {self.encoder_layers}")
+        if self.head_dim is None:
+            require(
+                self.d_model % self.n_heads == 0,
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; change one or set head_dim",
+            )
+            self.head_dim = self.d_model // self.n_heads
+        if self.mlp_hidden is None:
+            self.mlp_hidden = swiglu_hidden_size(self.d_model)
+        if self.lower_layers is None:
+            self.lower_layers = self.n_layers // 2
+        upper = self.n_layers - self.lower_layers
+        require(
+            0 <= self.lower_layers < self.n_layers,
+            f"lower_layers must be in [0, n_layers) so that some upper layers carry GCA, got {self.lower_layers}",
+        )
+        require(
+            upper % self.groups == 0,
+            f"the {upper} upper layers cannot be split into groups={self.groups} of equal size; "
+            "choose groups dividing n_layers - lower_layers",
+        )
+        require(self.position in ("alibi", "rope"), f"position must be 'alibi' or 'rope', got {self.position!r}")
+        require(self.head_dim % 2 == 0, f"head_dim must be even (the chunk encoder uses RoPE), got {self.head_dim}")
+        require(self.retriever in RETRIEVERS, f"retriever must be one of {list(RETRIEVERS)}, got {self.retriever!r}")
+        require(self.gumbel_temperature > 0, f"gumbel_temperature must be > 0, got {self.gumbel_temperature}")
+        if self.landmark_id is None:
+            self.landmark_id = self.vocab_size - 1
+        require(
+            0 <= self.landmark_id < self.vocab_size,
+            f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})",
+        )
+        if self.pad_id is not None:
+            require(0 <= self.pad_id < self.vocab_size, f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def upper_layers(self) -> int:
+        return self.n_layers - self.lower_layers
+
+    def block_config(self) -> TransformerConfig:
+        """The sliding-window + ALiBi block configuration shared with the BaseLM baseline."""
+        return TransformerConfig(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            head_dim=self.head_dim,
+            mlp_hidden=self.mlp_hidden,
+            attention="sliding",
+            window=self.window,
+            position=self.position,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings,
+            init_std=self.init_std,
+        )
+
+
+@dataclass
+class RetrievalInfo:
+    """Per group g, the retrieval made by chunk t's landmark (used by chunk t+1):
+    indices[g] [B, n, K] chunk ids (-1 empty) and weights[g] [B, n, K]."""
+
+    indices: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+@dataclass
+class DRTState:
+    """What a span hands to the next one.
+
+    slots: slots processed so far; caches: one rolling KV cache per decoder layer (None in the
+    training forward); pending: lower-layer outputs of the incomplete chunk [B, r, D];
+    retrieval: per group, (index [B, K], weight [B, K]) used by the current chunk.
+    """
+
+    memory: ChunkMemory
+    caches: list[SlidingKVCache] | None
+    slots: int = 0
+    pending: torch.Tensor | None = None
+    retrieval: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    record: RetrievalInfo | None = None
+
+
+@dataclass
+class _Span:
+    """Where a span of slots [start, start + length) sits on the chunk grid."""
+
+    start: int
+    length: int
+    slots_per_chunk: int
+    first_chunk: int = field(init=False)
+    n_chunks: int = field(init=False)
+    pad_left: int = field(init=False)
+    pad_right: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        s1 = self.slots_per_chunk
+        self.first_chunk = self.start // s1
+        last = (self.start + self.length - 1) // s1
+        self.n_chunks = last - self.first_chunk + 1
+        self.pad_left = self.start - self.first_chunk * s1
+        self.pad_right = self.n_chunks * s1 - self.pad_left - self.length
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, length, *rest] -> [B, n_chunks, S+1, *rest] (zeros outside the span)."""
+        if self.pad_left or self.pad_right:
+            pad = [0, 0] * (x.dim() - 2) + [self.pad_left, self.pad_right]
+            x = F.pad(x, pad)
+        return x.reshape(x.shape[0], self.n_chunks, self.slots_per_chunk, *x.shape[2:])
+
+    def from_grid(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], self.n_chunks * self.slots_per_chunk, *x.shape[3:])
+        return x[:, self.pad_left : self.pad_left + self.length]
+
+    def landmark_positions(self) -> tuple[torch.Tensor, int]:
+        """Offsets (within the span) of the landmark slots, and the chunk id of the first one."""
+        s1 = self.slots_per_chunk
+        first = self.first_chunk * s1 + s1 - 1 - self.start
+        return torch.arange(first, self.length, s1), self.first_chunk
+
+
+class GroupedCrossAttention(nn.Module):
+    """Per-layer query and output projections of GCA; keys/values are the shared chunk projections."""
+
+    def __init__(self, config: DRTConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.softmax_one = config.softmax_one
+        self.q = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
+        self.out = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, span: _Span, retrieved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        k, v, index, weight = retrieved
+        b, length, _ = x.shape
+        q = span.to_grid(self.q(x).view(b, length, self.n_heads, self.head_dim))
+        o = gca(q, k, v, index, weight, softmax_one=self.softmax_one)
+        return self.out(span.from_grid(o).reshape(b, length, -1))
+
+
+class RetrievalBlock(TransformerBlock):
+    """Upper-layer block: x += SWA(norm x); x += GCA(norm x); x += MLP(norm x)."""
+
+    def __init__(self, config: DRTConfig) -> None:
+        super().__init__(config.block_config())
+        self.cross_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.cross = GroupedCrossAttention(config)
+
+    def forward(self, x: torch.Tensor, cache: Any = None, span: _Span | None = None, retrieved: Any = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
+        if retrieved is not None:
+            x = x + self.cross(self.cross_norm(x), span, retrieved)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DRTForCausalLM(PretrainedLM):
+    model_type: ClassVar[str] = "drt"
+    config_class: ClassVar[type[ConfigBase]] = DRTConfig
+
+    def __init__(self, config: DRTConfig) -> None:
+        super().__init__()
+        self.config = config
+        block_config = config.block_config()
+        encoder_config = block_config.replace(attention="causal", window=None, position="rope")
+        d, inner = config.d_model, config.n_heads * config.head_dim
+        self.embed = nn.Embedding(config.vocab_size, d)
+        self.lower = nn.ModuleList(TransformerBlock(block_config) for _ in range(config.lower_layers))
+        self.encoder = nn.ModuleList(
+            TransformerBlock(encoder_config, BidirectionalAttention(encoder_config)) for _ in range(config.encoder_layers)
+        )
+        self.encoder_norm = RMSNorm(d, config.norm_eps)
+        self.chunk_kv = nn.Linear(d, 2 * inner, bias=False)
+        self.landmark_key = nn.Linear(d, d, bias=False)
+        self.query_norms = nn.ModuleList(RMSNorm(d, config.norm_eps) for _ in range(config.groups))
+        self.query_proj = nn.ModuleList(nn.Linear(d, d, bias=False) for _ in range(config.groups))
+        self.upper = nn.ModuleList(RetrievalBlock(config) for _ in range(config.upper_layers))
+        self.norm = RMSNorm(d, config.norm_eps)
+        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        init_weights(self, config.init_std, config.n_layers)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @classmethod
+    def config_defaults(cls, tokenizer: Any) -> dict[str, Any]:
+        return {"vocab_size": tokenizer.vocab_size, "landmark_id": tokenizer.lmk_id, "pad_id": tokenizer.pad_id}
+
+    @property
+    def slots_per_chunk(self) -> int:
+        return self.config.chunk_size + 1
+
+    def layers(self) -> list[nn.Module]:
+        return [*self.lower, *self.upper]
+
+    # ---- stream layout ------------------------------------------------------------------------
+    def to_slots(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, L] token ids -> [B, n (S+1)] slots: right-padded to whole chunks, a LMK after each."""
+        b, length = input_ids.shape
+        s = self.config.chunk_size
+        n = max(1, math.ceil(length / s))
+        pad_id = self.config.pad_id if self.config.pad_id is not None else 0
+        ids = F.pad(input_ids, (0, n * s - length), value=pad_id).view(b, n, s)
+        lmk = ids.new_full((b, n, 1), self.config.landmark_id)
+        return torch.cat([ids, lmk], dim=2).view(b, n * (s + 1))
+
+    def real_rows(self, h: torch.Tensor, length: int) -> torch.Tensor:
+        """Slot-stream rows [B, n (S+1), ...] -> the rows of the first `length` real tokens."""
+        b, n = h.shape[0], h.shape[1] // self.slots_per_chunk
+        rows = h.view(b, n, self.slots_per_chunk, *h.shape[2:])[:, :, : self.config.chunk_size]
+        return rows.reshape(b, n * self.config.chunk_size, *h.shape[2:])[:, :length]
+
+    # ---- pieces of the span forward ------------------------------------------------------------
+    def encode_chunks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rows [B, m, S+1, D] lower-layer outputs of m whole chunks -> (landmark keys [B, m, D],
+        k [B, m, S, H, d], v [B, m, S, H, d]). Each chunk is encoded on its own."""
+        b, m, s1, d = rows.shape
+        x = rows.reshape(b * m, s1, d)
+        for block in self.encoder:
+            x = block(x)
+        x = self.encoder_norm(x).view(b, m, s1, d)
+        kv = self.chunk_kv(x[:, :, :-1]).view(b, m, s1 - 1, 2, self.config.n_heads, self.config.head_dim)
+        return self.landmark_key(x[:, :, -1]), kv[:, :, :, 0], kv[:, :, :, 1]
+
+    def _select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores [B, m, n] (-inf = not a candidate) -> (index [B, m, K] with -1 for empty, weight [B, m, K])."""
+        k_max = self.config.top_k
+        n = scores.shape[-1]
+        take = min(k_max, n)
+        candidate = torch.isfinite(scores)
+        if self.config.retriever == "random":
+            key = torch.rand(scores.shape, device=scores.device).masked_fill(~candidate, float("-inf"))
+        elif self.config.gumbel and self.training:
+            uniform = torch.rand(scores.shape, device=scores.device).clamp(1e-20, 1 - 1e-7)
+            key = scores.detach() / self.config.gumbel_temperature - torch.log(-torch.log(uniform))
+        else:
+            key = scores.detach()
+        top = key.topk(take, dim=-1).indices if take else key.new_zeros((*key.shape[:2], 0), dtype=torch.long)
+        chosen = scores.gather(-1, top)
+        valid = torch.isfinite(chosen)
+        # finite stand-in for empty slots keeps softmax (and its backward) free of NaN
+        weight = torch.softmax(torch.where(valid, chosen, torch.full_like(chosen, -1e9)), dim=-1) * valid
+        index = torch.where(valid, top, torch.full_like(top, -1))
+        if take < k_max:
+            index = F.pad(index, (0, k_max - take), value=-1)
+            weight = F.pad(weight, (0, k_max - take))
+        return index, weight
+
+    def _retrieve(
+        self, group: int, h: torch.Tensor, span: _Span, state: DRTState
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Retrievals used by the span's chunks for `group`: (index [B, n_grid, K], weight [B, n_grid, K],
+        plus the new retrievals made in the span, for inspection)."""
+        offsets, first_chunk = span.landmark_positions()
+        b = h.shape[0]
+        previous = state.retrieval[group] if state.retrieval is not None else None
+        if previous is None:
+            previous = (
+                torch.full((b, self.config.top_k), -1, dtype=torch.long, device=h.device),
+                h.new_zeros(b, self.config.top_k),
+            )
+        new_index = new_weight = None
+        if len(offsets):
+            query = self.query_proj[group](self.query_norms[group](h[:, offsets.to(h.device)]))  # [B, m, D]
+            keys = state.memory.landmark_keys()  # [B, n_mem, D]
+            scores = torch.einsum("bmd,bnd->bmn", query, keys) / math.sqrt(self.config.d_model)
+            chunk_of_query = torch.arange(first_chunk, first_chunk + len(offsets), device=h.device)
+            candidates = torch.arange(keys.shape[1], device=h.device)[None, :] < chunk_of_query[:, None]
+            new_index, new_weight = self._select(scores.masked_fill(~candidates, float("-inf")))
+        # grid chunk 0 uses the retrieval carried in the state; chunk j > 0 the one made by chunk j - 1
+        index = [previous[0][:, None]]
+        weight = [previous[1][:, None]]
+        if span.n_chunks > 1:
+            index.append(new_index[:, : span.n_chunks - 1])
+            weight.append(new_weight[:, : span.n_chunks - 1])
+        return torch.cat(index, dim=1), torch.cat(weight, dim=1), new_index, new_weight
+
+    def run_span(self, slot_ids: torch.Tensor, state: DRTState) -> torch.Tensor:
+        """Slots [B, P] continuing `state` -> final hidden states [B, P, D] (before the final norm).
+
+        Updates `state` in place so the next span continues the stream.
+        """
+        cfg = self.config
+        b, length = slot_ids.shape
+        span = _Span(state.slots, length, self.slots_per_chunk)
+        caches = state.caches
+        h = self.embed(slot_ids)
+        for i, block in enumerate(self.lower):
+            h = block(h, None if caches is None else caches[i])
+
+        retrieval_on = cfg.retriever != "none"
+        if retrieval_on:
+            rows = h if state.pending is None else torch.cat([state.pending, h], dim=1)
+            complete = rows.shape[1] // self.slots_per_chunk
+            if complete:
+                chunks = rows[:, : complete * self.slots_per_chunk].view(b, complete, self.slots_per_chunk, -1)
+                state.memory.append(*self.encode_chunks(chunks))
+            state.pending = rows[:, complete * self.slots_per_chunk :] if caches is not None else None
+
+        layers_per_group = cfg.upper_layers // cfg.groups
+        new_retrievals = []
+        for g in range(cfg.groups):
+            retrieved = None
+            if retrieval_on:
+                index, weight, made_index, made_weight = self._retrieve(g, h, span, state)
+                new_retrievals.append((index, weight, made_index, made_weight))
+                if bool((index >= 0).any()):
+                    k, v, op_index = state.memory.fetch(index)
+                    retrieved = (k, v, op_index, weight.to(h.dtype))
+            for j in range(g * layers_per_group, (g + 1) * layers_per_group):
+                cache = None if caches is None else caches[cfg.lower_layers + j]
+                h = self.upper[j](h, cache, span, retrieved)
+
+        if retrieval_on:
+            next_chunk = (state.slots + length) // self.slots_per_chunk
+            carried = []
+            for index, weight, made_index, made_weight in new_retrievals:
+                if next_chunk == span.first_chunk + span.n_chunks:  # the span ended with a landmark
+                    carried.append((made_index[:, -1], made_weight[:, -1]))
+                else:
+                    carried.append((index[:, -1], weight[:, -1]))
+                if state.record is not None and made_index is not None:
+                    state.record.indices.append(made_index)
+                    state.record.weights.append(made_weight)
+            state.retrieval = carried
+        state.slots += length
+        return h
+
+    # ---- public API ---------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        return_retrieval: bool = False,
+    ) -> CausalLMOutput:
+        """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
+
+        Landmarks are inserted here and the last chunk is right-padded; neither appears in the
+        logits or the loss. With return_retrieval, `retrieval` is a RetrievalInfo (row t of each
+        group: the chunks retrieved by chunk t's landmark, used by chunk t+1).
+        """
+        input_ids = check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
+        length = input_ids.shape[1]
+        record = RetrievalInfo([], []) if return_retrieval else None
+        state = DRTState(memory=GraphMemory(input_ids.device), caches=None, record=record)
+        h = self.run_span(self.to_slots(input_ids), state)
+        logits = self.lm_head(self.norm(self.real_rows(h, length)))
+        loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
+        return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
+
+    def new_session(self, batch_size: int = 1, memory: str = "device", path: str | None = None, **kwargs: Any):
+        """A streaming inference session (see farsight.models.drt_session.DRTSession)."""
+        from farsight.models.drt_session import DRTSession
+
+        return DRTSession(self, batch_size=batch_size, memory=memory, path=path, **kwargs)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        memory: str = "device",
+        path: str | None = None,
+    ) -> torch.Tensor:
+        """Sample with a streaming session (landmarks inserted by the runtime, chunk memory in `memory`)."""
+        input_ids = check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
+        with self.new_session(input_ids.shape[0], memory=memory, path=path) as session:
+            return session.generate(input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)

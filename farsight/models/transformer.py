@@ -1,0 +1,147 @@
+"""LLaMA-style decoder-only transformer (RMSNorm, SwiGLU, RoPE/ALiBi) with a pluggable attention kind.
+
+`attention` picks the self-attention module from farsight.layers.ATTENTION_KINDS: "causal"
+(standard), "sliding" (sliding window + ALiBi, the DRT paper's BaseLM), "castle" and "castle-swl"
+(lookahead keys). A new kind only needs a module registered with `register_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+import farsight.layers  # noqa: F401  (registers the built-in attention kinds)
+from farsight.config import ConfigBase, require
+from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, swiglu_hidden_size
+from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids, generate_tokens
+
+POSITIONS = ("rope", "alibi", "none")
+
+
+@dataclass
+class TransformerConfig(ConfigBase):
+    vocab_size: int = 260
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    head_dim: int | None = None
+    mlp_hidden: int | None = None
+    attention: str = "causal"
+    window: int | None = None
+    lookahead_window: int | None = None
+    position: str | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+        if self.head_dim is None:
+            require(
+                self.d_model % self.n_heads == 0,
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
+                "change one of them or set head_dim explicitly",
+            )
+            self.head_dim = self.d_model // self.n_heads
+        require(self.head_dim >= 1, f"head_dim must be >= 1, got {self.head_dim}")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = swiglu_hidden_size(self.d_model)
+        require(self.mlp_hidden >= 1, f"mlp_hidden must be >= 1, got {self.mlp_hidden}")
+        kind = ATTENTION_KINDS.get(self.attention)
+        require(kind is not None, f"attention={self.attention!r} is unknown; choose one of {sorted(ATTENTION_KINDS)}")
+        allowed = getattr(kind, "positions", ("rope", "none"))
+        if self.position is None:
+            self.position = allowed[0]
+        require(
+            self.position in allowed,
+            f"position={self.position!r} is not supported by attention={self.attention!r}; choose one of {list(allowed)}",
+        )
+        if self.position == "rope":
+            require(self.head_dim % 2 == 0, f"rotary positions need an even head_dim, got {self.head_dim}")
+        uses = getattr(kind, "config_fields", ())
+        for name in ("window", "lookahead_window"):
+            value = getattr(self, name)
+            if name in uses:
+                require(
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                    f"{name} must be an integer >= 1 for attention={self.attention!r}, got {value!r}",
+                )
+            else:
+                require(value is None, f"{name} is not used by attention={self.attention!r}; remove it from the config")
+        require(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        require(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        require(self.init_std > 0, f"init_std must be > 0, got {self.init_std}")
+
+
+def init_weights(module: nn.Module, std: float, n_layers: int) -> None:
+    """GPT-2 style: N(0, std) everywhere, residual output projections scaled by 1/sqrt(2 n_layers)."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.Linear):
+            residual = name.endswith(("attn.out", "mlp.down", "cross.out"))
+            nn.init.normal_(sub.weight, 0.0, std / math.sqrt(2 * n_layers) if residual else std)
+            if sub.bias is not None:
+                nn.init.zeros_(sub.bias)
+        elif isinstance(sub, nn.Embedding):
+            nn.init.normal_(sub.weight, 0.0, std)
+
+
+class TransformerForCausalLM(PretrainedLM):
+    model_type: ClassVar[str] = "transformer"
+    config_class: ClassVar[type[ConfigBase]] = TransformerConfig
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        init_weights(self, config.init_std, config.n_layers)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def new_caches(self) -> list[Any]:
+        return [block.attn.new_cache() for block in self.blocks]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
+        caches: list[Any] | None = None,
+    ) -> CausalLMOutput:
+        """input_ids [B, T] -> logits [B, T, V]; with `caches` the ids continue the cached sequence."""
+        input_ids = check_input_ids(input_ids, self.config.vocab_size)
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            h = block(h, None if caches is None else caches[i])
+        logits = self.lm_head(self.norm(h))
+        loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample continuations with a KV cache; temperature=0 decodes greedily. Returns [B, T + new]."""
+        input_ids = check_input_ids(input_ids, self.config.vocab_size)
+        caches = self.new_caches()
+
+        def run(ids: torch.Tensor) -> torch.Tensor:
+            return self(ids, caches=caches).logits[:, -1]
+
+        return generate_tokens(run, run, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)

@@ -1,0 +1,76 @@
+"""Causal sliding-window attention in O(T * W) time and memory, for any device.
+
+Queries are cut into blocks of `block` rows; block i only needs the `block + W - 1` keys that end
+at its last row, which `unfold` exposes as an overlapping view. Scores are therefore
+[B, H, n_blocks, block, block + W - 1] instead of [B, H, T, T], and plain autograd gives a
+backward with the same footprint (FlexAttention, which would do this on GPU, has no CPU backward).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from farsight.ops.checks import compute_dtype
+
+
+def default_block_size(window: int) -> int:
+    # Blocks about as long as the window waste at most half of the score tile on masked entries
+    # while keeping the number of (vectorised) blocks small.
+    return min(max(window, 16), 256)
+
+
+def sliding_window_attention_blockwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq; queries are the last Tq positions) -> [B, Tq, H, d].
+
+    Key j is visible to the query at position p when p - window < j <= p. Semantics match
+    `sliding_window_attention_reference` exactly.
+    """
+    batch, tq, heads, dim = q.shape
+    tk = k.shape[1]
+    offset = tk - tq
+    scale = dim**-0.5 if scale is None else scale
+    block = min(block_size or default_block_size(window), tq)
+    n_blocks = math.ceil(tq / block)
+    span = block + window - 1
+    pad_left = max(0, window - 1 - offset)
+    pad_right = n_blocks * block - tq
+    start = pad_left + offset - (window - 1)
+    work = compute_dtype(q.dtype)
+
+    def key_windows(x: torch.Tensor) -> torch.Tensor:
+        # [B, Tk, H, d] -> [B, H, n_blocks, span, d], a view on the padded keys where possible
+        x = F.pad(x.to(work).transpose(1, 2), (0, 0, pad_left, pad_right))[:, :, start:]
+        return x.unfold(2, span, block).transpose(-1, -2)
+
+    qb = F.pad(q.to(work).transpose(1, 2), (0, 0, 0, pad_right)).reshape(batch, heads, n_blocks, block, dim)
+    scores = torch.matmul(qb, key_windows(k).transpose(-1, -2)) * scale
+
+    # Row r of a block sits at distance r + window - 1 - c from column c of its key window.
+    rows = torch.arange(block, device=q.device)[:, None]
+    cols = torch.arange(span, device=q.device)[None, :]
+    distance = rows + (window - 1) - cols
+    band = (distance >= 0) & (distance < window)
+    valid = torch.ones(tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+    valid = F.pad(valid.reshape(-1, tk), (pad_left, pad_right), value=False)[:, start:]
+    valid = valid.unfold(1, span, block)[:, None]  # [B or 1, 1, n_blocks, span]
+    # A query always keeps itself, so rows of padding never become all -inf (NaN in backward).
+    mask = band & (valid[..., None, :] | (distance == 0))
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.to(work).reshape(1, heads, 1, 1, 1) * distance.to(work)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, key_windows(v))
+    out = out.reshape(batch, heads, n_blocks * block, dim)[:, :, :tq]
+    return out.transpose(1, 2).to(q.dtype)

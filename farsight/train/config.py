@@ -1,0 +1,131 @@
+"""Training configuration: a YAML file with sections model / data / optim / train, plus --set overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from farsight.config import ConfigBase, ConfigError, require
+
+SECTIONS = ("model", "data", "optim", "train")
+
+
+@dataclass
+class OptimConfig(ConfigBase):
+    """AdamW with linear warmup and cosine decay to min_lr."""
+
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+    def validate(self) -> None:
+        require(self.lr > 0, f"optim.lr must be > 0, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        require(self.grad_clip is None or self.grad_clip > 0, f"optim.grad_clip must be > 0 or null, got {self.grad_clip}")
+
+
+@dataclass
+class RunConfig(ConfigBase):
+    """The `train` section: length, batching, logging, checkpoints, devices."""
+
+    steps: int = 1000
+    grad_accum: int = 1
+    seed: int = 0
+    out_dir: str = "runs/default"
+    log_interval: int = 10
+    eval_interval: int = 200
+    eval_batches: int = 8
+    checkpoint_interval: int = 200
+    keep_last: int = 3
+    device: str = "auto"
+    distributed: str = "ddp"
+    tensorboard: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        for name in ("steps", "grad_accum", "log_interval", "eval_interval", "checkpoint_interval", "keep_last"):
+            value = getattr(self, name)
+            require(value >= 1, f"train.{name} must be >= 1, got {value}")
+        require(self.eval_batches >= 0, f"train.eval_batches must be >= 0, got {self.eval_batches}")
+        require(self.distributed in ("ddp", "fsdp"), f"train.distributed must be 'ddp' or 'fsdp', got {self.distributed!r}")
+        require(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
+            f"train.device must be auto, cpu, cuda[:N] or mps, got {self.device!r}",
+        )
+
+
+@dataclass
+class TrainConfig:
+    """model and data stay dicts here: their schemas belong to the model type and the data kind."""
+
+    model: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> TrainConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError("a training config must be a mapping with sections model, data, optim, train")
+        unknown = [k for k in raw if k not in SECTIONS]
+        if unknown:
+            raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(SECTIONS)}")
+        for name in ("model", "data"):
+            require(isinstance(raw.get(name, {}), dict), f"section '{name}' must be a mapping")
+        require("type" in raw.get("model", {}), "model.type is required (e.g. transformer or drt)")
+        return cls(
+            model=dict(raw.get("model", {})),
+            data=dict(raw.get("data", {})),
+            optim=OptimConfig.from_dict(raw.get("optim") or {}, where="optim"),
+            train=RunConfig.from_dict(raw.get("train") or {}, where="train"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "data": self.data, "optim": self.optim.to_dict(), "train": self.train.to_dict()}
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings; values are parsed as YAML (numbers, bools, lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value (e.g. train.steps=100), got {item!r}")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2 or parts[0] not in SECTIONS:
+            raise ConfigError(f"--set key must start with a section ({', '.join(SECTIONS)}), got {key!r}")
+        node = raw
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    return TrainConfig.from_dict(apply_overrides(raw, overrides or []))
+
+
+def dump_train_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+
+
+__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config"]

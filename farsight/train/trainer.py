@@ -1,0 +1,323 @@
+"""The training loop behind `farsight train CONFIG.yaml`.
+
+AdamW (decay on matrices only), linear warmup + cosine decay to min_lr, gradient clipping and
+accumulation, bf16 autocast on CUDA (fp32 on CPU), torchrun DDP/FSDP, atomic checkpoints that
+resume to the bit-identical loss curve, graceful Ctrl-C/SIGTERM, and a stop with a clear
+message on a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from farsight.data.batches import build_batch_source
+from farsight.models.lm import PretrainedLM, build_model
+from farsight.train import distributed as dist_utils
+from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
+from farsight.train.config import TrainConfig, dump_train_config
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN/inf; nothing was updated and the last checkpoint is intact."""
+
+
+@dataclass
+class TrainResult:
+    status: str  # "completed" or "interrupted"
+    step: int
+    checkpoint: Path | None
+    losses: list[tuple[int, float]] = field(default_factory=list)
+
+
+def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay from lr to min_lr at `total`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+class _StopRequest:
+    """First Ctrl-C/SIGTERM asks the loop to checkpoint and stop; a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        run = config.train
+        self.out_dir = Path(run.out_dir)
+        self.ckpt_root = self.out_dir / "checkpoints"
+        probe = resolve_device(run.device, 0)
+        self.ctx = dist_utils.init_distributed(probe.type)
+        self.device = resolve_device(run.device, self.ctx.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(run.seed)
+        np.random.seed(run.seed)
+        random.seed(run.seed)
+        self.data = build_batch_source(config.data, run.seed)
+        self.tokenizer = self.data.tokenizer
+        self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
+        self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        opt = config.optim
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            foreach=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_at(s, opt.lr, opt.min_lr, opt.warmup_steps, run.steps) / opt.lr
+        )
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        )
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(self.device),
+            "config": self.config.to_dict(),
+            "world_size": self.ctx.world_size,
+        }
+
+    def save(self) -> Path | None:
+        path = None
+        if self.ctx.is_main:
+            path = save_checkpoint(
+                self.ckpt_root,
+                self.step,
+                lambda d: self.model.save_pretrained(d, tokenizer=self.tokenizer),
+                self._state(),
+                self.config.train.keep_last,
+            )
+        dist_utils.barrier(self.ctx)
+        return path
+
+    def latest_checkpoint(self) -> Path | None:
+        found = list_checkpoints(self.ckpt_root)
+        return found[-1][1] if found else None
+
+    def resume(self) -> bool:
+        path = self.latest_checkpoint()
+        if path is None:
+            return False
+        state = load_trainer_state(path)
+        if state["config"]["model"] != self.config.model:
+            raise ValueError(
+                f"{path} was trained with model config {state['config']['model']}, not {self.config.model}; "
+                "use a new train.out_dir or restore the original model section"
+            )
+        from safetensors.torch import load_model
+
+        load_model(self.model, path / "model.safetensors", device=str(self.device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"], self.device)
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        return True
+
+    # ---- loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        n = self.config.train.eval_batches
+        if n == 0:
+            return None
+        self.model.eval()
+        total = 0.0
+        for i in range(n):
+            batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
+            with self.autocast:
+                total += float(self.model(**batch).loss)
+        self.model.train()
+        return float(dist_utils.all_reduce_mean(torch.tensor(total / n, device=self.device), self.ctx))
+
+    def _train_step(self) -> tuple[float, float, int]:
+        run = self.config.train
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for micro in range(run.grad_accum):
+            batch = {k: v.to(self.device) for k, v in self.data.train_batch(self.step, micro, self.ctx.rank).items()}
+            tokens += batch["input_ids"].numel()
+            last = micro == run.grad_accum - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
+            with sync, self.autocast:
+                loss = self.wrapped(**batch).loss / run.grad_accum
+            loss.backward()
+            total += loss.detach()
+        loss_value = float(dist_utils.all_reduce_mean(total, self.ctx))
+        clip = self.config.optim.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf")))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            latest = self.latest_checkpoint()
+            what = "loss" if not math.isfinite(loss_value) else "gradient norm"
+            raise TrainingDiverged(
+                f"{what} is {loss_value if what == 'loss' else grad_norm} at step {self.step + 1}; stopped without "
+                f"updating the weights. Last good checkpoint: {latest or 'none saved yet'}. "
+                "Lower optim.lr, set optim.grad_clip, or check the data for bad tokens."
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return loss_value, grad_norm, tokens * self.ctx.world_size
+
+    def fit(self, resume: bool = True) -> TrainResult:
+        run = self.config.train
+        if self.ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            dump_train_config(self.config, self.out_dir / "config.yaml")
+        if resume and self.resume() and self.ctx.is_main:
+            print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
+        metrics = open(self.out_dir / "metrics.jsonl", "a") if self.ctx.is_main else None
+        writer = self._tensorboard() if run.tensorboard and self.ctx.is_main else None
+        bar = tqdm(
+            total=run.steps,
+            initial=self.step,
+            unit="step",
+            disable=not (run.progress and self.ctx.is_main),
+            dynamic_ncols=True,
+        )
+        losses: list[tuple[int, float]] = []
+        status, checkpoint, saved_step = "completed", None, -1
+        self.wrapped.train()
+        try:
+            with _StopRequest() as stop:
+                t_last, tokens_last = time.perf_counter(), 0
+                while self.step < run.steps:
+                    loss, grad_norm, tokens = self._train_step()
+                    self.tokens_seen += tokens
+                    tokens_last += tokens
+                    losses.append((self.step, loss))
+                    if self.step % run.log_interval == 0 or self.step == run.steps:
+                        elapsed = time.perf_counter() - t_last
+                        rate = tokens_last / max(elapsed, 1e-9)
+                        record = {
+                            "step": self.step,
+                            "loss": loss,
+                            "lr": self.scheduler.get_last_lr()[0],
+                            "grad_norm": grad_norm,
+                            "tokens": self.tokens_seen,
+                            "tokens_per_s": rate,
+                        }
+                        self._log(metrics, writer, record)
+                        bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+                        t_last, tokens_last = time.perf_counter(), 0
+                    bar.update(1)
+                    if self.step % run.eval_interval == 0 or self.step == run.steps:
+                        val = self.evaluate()
+                        if val is not None:
+                            self._log(metrics, writer, {"step": self.step, "val_loss": val})
+                    if self.step % run.checkpoint_interval == 0 or self.step == run.steps:
+                        checkpoint, saved_step = self.save(), self.step
+                    if dist_utils.any_rank(stop.requested, self.ctx, self.device):
+                        status = "interrupted"
+                        if saved_step != self.step:
+                            checkpoint = self.save()
+                        break
+        finally:
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+            if writer is not None:
+                writer.close()
+        if status == "interrupted" and self.ctx.is_main:
+            print(f"interrupted at step {self.step}; checkpoint saved to {checkpoint}. Run the same command to resume.")
+        return TrainResult(status=status, step=self.step, checkpoint=checkpoint or self.latest_checkpoint(), losses=losses)
+
+    def _log(self, metrics: Any, writer: Any, record: dict[str, Any]) -> None:
+        if metrics is None:
+            return
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        if writer is not None:
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+
+    def _tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ImportError("train.tensorboard=true needs TensorBoard: pip install farsight[tensorboard]") from exc
+        return SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    def close(self) -> None:
+        dist_utils.shutdown(self.ctx)
+
+
+def train(config: TrainConfig, resume: bool = True) -> TrainResult:
+    trainer = Trainer(config)
+    try:
+        return trainer.fit(resume=resume)
+    finally:
+        trainer.close()
