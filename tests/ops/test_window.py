@@ -1,0 +1,90 @@
+import pytest
+import torch
+
+from farsight.ops.window import sliding_window_attention, sliding_window_attention_reference
+
+
+def _inputs(b, tq, tk, h, d, dtype=torch.float64):
+    q = torch.randn(b, tq, h, d, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, tk, h, d, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, tk, h, d, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "b,tq,tk,h,d,window,block",
+    [
+        (2, 37, 37, 3, 8, 5, None),  # T not a multiple of the block
+        (1, 50, 50, 2, 4, 16, 7),  # several partial blocks
+        (2, 5, 5, 1, 4, 16, None),  # T < W
+        (1, 64, 64, 2, 8, 1, None),  # window of one: each query sees itself
+        (1, 10, 25, 2, 4, 7, 3),  # queries after cached keys
+        (1, 1, 9, 2, 4, 9, None),  # a decode step
+    ],
+)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_blockwise_matches_dense_reference(b, tq, tk, h, d, window, block, alibi, padding):
+    q, k, v = _inputs(b, tq, tk, h, d)
+    slopes = torch.rand(h, dtype=torch.float64) if alibi else None
+    mask = (torch.rand(b, tk) > 0.3) if padding else None
+    out = sliding_window_attention(q, k, v, window, slopes, key_padding_mask=mask, block_size=block)
+    ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g1, g2 in zip(got, want):
+        torch.testing.assert_close(g1, g2, atol=1e-12, rtol=0)
+
+
+def test_reference_sees_exactly_the_window():
+    # keys outside (p - W, p] must not influence position p
+    q, k, v = _inputs(1, 12, 12, 1, 4)
+    w = 3
+    base = sliding_window_attention(q, k, v, w)
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :5] += 10
+    v2[:, :5] += 10
+    moved = sliding_window_attention(q, k2, v2, w)
+    torch.testing.assert_close(moved[:, 5 + w - 1 :], base[:, 5 + w - 1 :])
+    assert not torch.allclose(moved[:, 5:7], base[:, 5:7])
+
+
+def test_memory_is_linear_in_length():
+    # the saved score tile has block + W - 1 columns, never T
+    q, k, v = _inputs(1, 512, 512, 1, 8, torch.float32)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sliding_window_attention(q, k, v, 16)
+    assert max(sizes) < 512 * 512 / 4
+
+
+def test_bf16_runs_in_float32():
+    q, k, v = _inputs(1, 20, 20, 2, 8, torch.float32)
+    out = sliding_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 6)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), sliding_window_attention_reference(q, k, v, 6), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (dict(window=0), "window"),
+        (dict(k=torch.randn(1, 3, 2, 4), v=torch.randn(1, 3, 2, 4)), "q has"),
+        (dict(v=torch.randn(1, 5, 2, 3)), "v must have shape"),
+        (dict(k=torch.randn(1, 5, 2, 4, dtype=torch.float64)), "dtype"),
+        (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"),
+        (dict(key_padding_mask=torch.ones(1, 5)), "bool"),
+    ],
+)
+def test_bad_inputs_name_the_problem(args, message):
+    base = dict(q=torch.randn(1, 5, 2, 4), k=torch.randn(1, 5, 2, 4), v=torch.randn(1, 5, 2, 4), window=3)
+    base.update(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        sliding_window_attention(**base)

@@ -1,0 +1,186 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from farsight.config import ConfigError
+from farsight.models import load_model
+from farsight.train.checkpoint import CheckpointError, list_checkpoints
+from farsight.train.config import apply_overrides, load_train_config
+from farsight.train.trainer import Trainer, TrainingDiverged, lr_at, train
+from tests.train.conftest import tiny_config
+
+
+def test_twenty_steps_lower_the_loss(token_dir, tmp_path):
+    result = train(tiny_config(token_dir, tmp_path / "run", steps=20))
+    assert result.status == "completed" and result.step == 20
+    first = sum(loss for _, loss in result.losses[:3]) / 3
+    last = sum(loss for _, loss in result.losses[-3:]) / 3
+    assert last < first - 0.5
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert {"step", "loss", "lr", "tokens_per_s"} <= set(records[0]) and any("val_loss" in r for r in records)
+    model = load_model(tmp_path / "run")  # a run directory resolves to its newest checkpoint
+    assert model.config.d_model == 32
+
+
+def test_schedule_warmup_then_cosine_to_min():
+    assert lr_at(0, 1.0, 0.1, 4, 20) == pytest.approx(0.25)
+    assert lr_at(3, 1.0, 0.1, 4, 20) == pytest.approx(1.0)
+    assert lr_at(20, 1.0, 0.1, 4, 20) == pytest.approx(0.1)
+    assert lr_at(12, 1.0, 0.1, 4, 20) == pytest.approx(0.55)
+
+
+def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path):
+    straight = train(tiny_config(token_dir, tmp_path / "a"))
+
+    trainer = Trainer(tiny_config(token_dir, tmp_path / "b"))
+    step = trainer._train_step
+
+    def step_then_ctrl_c():
+        out = step()
+        if trainer.step == 3:
+            signal.raise_signal(signal.SIGINT)  # what Ctrl-C delivers
+        return out
+
+    trainer._train_step = step_then_ctrl_c
+    first = trainer.fit()
+    assert first.status == "interrupted" and first.step == 3
+    assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [3]
+
+    resumed = train(tiny_config(token_dir, tmp_path / "b"))
+    assert resumed.status == "completed"
+    losses = dict(first.losses) | dict(resumed.losses)
+    assert losses == dict(straight.losses)  # exact equality, not approximate
+
+
+def test_grad_accumulation_averages_micro_batch_gradients(token_dir, tmp_path):
+    import copy
+
+    config = tiny_config(token_dir, tmp_path / "acc", steps=1, grad_accum=2)
+    config.optim.grad_clip = None
+    trainer = Trainer(config)
+    before = copy.deepcopy(trainer.model)
+    captured = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        captured.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    trainer.fit()
+    losses = [before(**trainer.data.train_batch(0, micro, 0)).loss for micro in range(2)]
+    ((losses[0] + losses[1]) / 2).backward()
+    for name, p in before.named_parameters():
+        torch.testing.assert_close(captured[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_keep_last_checkpoints(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "k", steps=5, checkpoint_interval=1, keep_last=2))
+    assert [s for s, _ in list_checkpoints(tmp_path / "k" / "checkpoints")] == [4, 5]
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(token_dir, tmp_path):
+    trainer = Trainer(tiny_config(token_dir, tmp_path / "nan", checkpoint_interval=1))
+    forward = trainer.model.forward
+
+    def poisoned(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if trainer.step == 2:
+            out.loss = out.loss * float("nan")
+        return out
+
+    trainer.model.forward = poisoned
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 3.*step_00000002"):
+        trainer.fit()
+    assert [s for s, _ in list_checkpoints(tmp_path / "nan" / "checkpoints")] == [1, 2]
+    load_model(tmp_path / "nan")
+
+
+def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "c", steps=2))
+    state = tmp_path / "c" / "checkpoints" / "step_00000002" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="truncated"):
+        train(tiny_config(token_dir, tmp_path / "c", steps=4))
+
+
+def test_resume_refuses_another_model(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "m", steps=1))
+    config = tiny_config(token_dir, tmp_path / "m", steps=2)
+    config.model["d_model"] = 64
+    with pytest.raises(ValueError, match="new train.out_dir"):
+        train(config)
+
+
+def test_missing_data_is_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="farsight data prepare"):
+        train(tiny_config(tmp_path / "nothing", tmp_path / "run"))
+
+
+def test_config_file_and_overrides(tmp_path, token_dir):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model: {{type: transformer, d_model: 32}}\ndata: {{path: {token_dir}}}\ntrain: {{steps: 5}}\n")
+    config = load_train_config(path, ["train.steps=7", "optim.lr=0.01", "model.n_layers=3"])
+    assert config.train.steps == 7 and config.optim.lr == 0.01 and config.model["n_layers"] == 3
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        load_train_config(path, ["train.step=7"])
+    with pytest.raises(ConfigError, match="section"):
+        apply_overrides({}, ["steps=3"])
+    with pytest.raises(ConfigError, match="optim.lr must be > 0"):
+        load_train_config(path, ["optim.lr=0"])
+
+
+def test_sigterm_from_outside_saves_and_exits(token_dir, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "model: {type: transformer, d_model: 32, n_layers: 2, n_heads: 2}\n"
+        f"data: {{path: {token_dir}, seq_len: 32, batch_size: 4}}\n"
+        f"train: {{steps: 100000, out_dir: {tmp_path / 'run'}, checkpoint_interval: 100000, log_interval: 1}}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "farsight.cli", "train", str(cfg), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "checkpoint saved" in output
+    assert list_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+def _ddp_worker(rank, world, port, token_dir, out_dir, result_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny_config(token_dir, out_dir, steps=2))
+    trainer.fit()
+    flat = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    torch.save(flat, os.path.join(result_dir, f"rank{rank}.pt"))
+    trainer.close()
+
+
+def test_ddp_two_processes_keep_identical_parameters(token_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(token_dir), str(tmp_path / "ddp"), str(tmp_path)), nprocs=2, join=True)
+    a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(a, b)
+    single = Trainer(tiny_config(token_dir, tmp_path / "single", steps=2))
+    before = torch.cat([p.detach().flatten() for p in single.model.parameters()])
+    assert not torch.equal(a, before)  # the ranks did train
