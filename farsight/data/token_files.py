@@ -216,7 +216,7 @@ def _tokenize_sources(
             bar.update(len(batch))
 
         for index, source in enumerate(sources):
-            bar.set_description(f"tokenizing {source.spec}")
+            bar.set_description_str(f"tokenizing {source.spec}")
             batch: list[Document] = []
             characters = 0
             for document in source:
