@@ -1,0 +1,119 @@
+"""Grouped cross-attention (GCA): each query chunk attends to each of its K retrieved memory
+chunks separately and fuses the K results with the retrieval weights (SPEC 2.4).
+
+Backends: `gca_reference` (gather + einsum, the readable definition), `gca_recompute` (PyTorch,
+any device, backward without gathered copies) and `gca_triton` (fused kernels that read the
+chunks through the index; CUDA, or CPU under TRITON_INTERPRET=1). `gca` checks the inputs and
+picks one. Triton is imported only when its backend is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from farsight.ops.checks import check_float, check_same_dtype_device, check_shape, check_tensor
+from farsight.ops.gca.recompute import gca_recompute
+from farsight.ops.gca.reference import gca_reference
+
+__all__ = ["gca", "gca_recompute", "gca_reference", "gca_triton", "check_gca_inputs", "BACKENDS"]
+
+BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def gca_triton(*args, **kwargs) -> torch.Tensor:
+    """Fused Triton kernels; see `farsight.ops.gca.triton.gca_triton` (imported on first use)."""
+    from farsight.ops.gca.triton import gca_triton as kernel
+
+    return kernel(*args, **kwargs)
+
+
+def check_gca_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """Raise a ValueError/TypeError naming the bad argument and the fix; see `gca` for shapes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=5)
+    check_tensor("index", index, ndim=3)
+    check_tensor("weight", weight, ndim=3)
+    for name, x in (("q", q), ("k", k), ("v", v), ("weight", weight)):
+        check_float(name, x)
+    check_same_dtype_device({"q": q, "k": k, "v": v, "weight": weight})
+    if index.device != q.device:
+        raise ValueError(f"index is on {index.device} but q is on {q.device}; move them to one device")
+    if index.dtype != torch.long:
+        raise TypeError(f"index must be a torch.long tensor of chunk ids, got {index.dtype}; use index.long()")
+    batch, n, lq, heads, dim = q.shape
+    check_shape("k", k, (batch, -1, -1, heads, dim), "[B, m, S, H, d] with B, H, d of q")
+    check_shape("v", v, tuple(k.shape), "same shape as k")
+    check_shape("index", index, (batch, n, -1), "[B, n, K] with B, n of q")
+    check_shape("weight", weight, tuple(index.shape), "same shape as index")
+    if lq < 1 or k.shape[2] < 1 or dim < 1:
+        raise ValueError(
+            f"q rows per chunk (Lq={lq}), k rows per chunk (S={k.shape[2]}) and head dim (d={dim}) "
+            "must all be >= 1"
+        )
+    if index.shape[2] < 1:
+        raise ValueError("index must hold K >= 1 slots per query chunk; use -1 for slots with no chunk")
+    m = k.shape[1]
+    if index.numel() and bool(((index < -1) | (index >= m)).any()):
+        lo, hi = int(index.min()), int(index.max())
+        raise ValueError(
+            f"index values must lie in [-1, {m}) (-1 = empty slot, k holds m={m} chunks), "
+            f"got values in [{lo}, {hi}]; replace missing chunks by -1"
+        )
+
+
+def gca(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    softmax_one: bool = True,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Grouped cross-attention.
+
+    q [B, n, Lq, H, d]: n query chunks of Lq rows (S+1 slots in DRT); k, v [B, m, S, H, d]: m
+    memory chunks of S rows; index [B, n, K] long in [-1, m) (-1 = empty slot); weight [B, n, K].
+    Returns o [B, n, Lq, H, d] with
+
+        o[b, t] = sum_{k: index[b,t,k] >= 0} weight[b,t,k] * softmax_x(scale q[b,t] K_c^T) V_c,
+
+    c = index[b, t, k], per head over the S rows of chunk c, softmax_x = softmax off by one
+    (exp(x_i) / (1 + sum_j exp(x_j))) when `softmax_one`, else softmax; scale defaults to
+    1/sqrt(d). Differentiable in q, k, v and weight; empty slots add exactly zero and get a zero
+    weight gradient.
+
+    backend: "auto" (Triton for CUDA tensors when installed, else "torch"), "torch"
+    (`gca_recompute`), "triton" (`gca_triton`; CUDA, or CPU with TRITON_INTERPRET=1) or
+    "reference" (`gca_reference`).
+    """
+    check_gca_inputs(q, k, v, index, weight)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
+    if backend == "auto":
+        use_triton = q.is_cuda and q.dtype != torch.float64 and triton_available()
+        backend = "triton" if use_triton else "torch"
+    if backend == "torch":
+        return gca_recompute(q, k, v, index, weight, softmax_one, scale)
+    if backend == "reference":
+        return gca_reference(q, k, v, index, weight, softmax_one, scale)
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError('backend="triton" needs the triton package; install it or use backend="torch"')
+        return gca_triton(q, k, v, index, weight, softmax_one, scale)
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

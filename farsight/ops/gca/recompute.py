@@ -1,0 +1,138 @@
+"""Grouped cross-attention for any device with a recomputing backward (no gathered copies kept).
+
+The reference gathers all K retrieved chunks at once and autograd keeps that [B, n, K, S, H, d]
+copy (twice, for keys and values) plus the probabilities. Here the forward walks the K slots one
+at a time, so at most one gathered [B, n, S, H, d] chunk per slot is alive, and saves only the
+inputs and one logsumexp per (slot, head, query row). The backward re-gathers each slot,
+rebuilds its probabilities from the logsumexp and scatters the chunk gradients back through the
+index, so chunks retrieved by several query chunks (or twice by one) accumulate correctly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from farsight.ops.checks import compute_dtype
+
+
+def _gather(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """x [B, m, S, H, d], chunk [B, n] (valid ids) -> [B, n, S, H, d]."""
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    return x[rows, chunk]
+
+
+def _probs(q: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None, softmax_one: bool):
+    """Probabilities [B, n, H, Lq, S] of one slot and their logsumexp [B, n, H, Lq].
+
+    The logsumexp of softmax_1 includes the implicit zero logit (logaddexp with 0), so that
+    exp(score - lse) is softmax_1 directly and the backward can rebuild it from the saved value.
+    """
+    scores = torch.einsum("bnqhd,bnshd->bnhqs", q, keys) * scale
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        if softmax_one:
+            lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+    return torch.exp(scores - lse[..., None]), lse
+
+
+class _GCARecompute(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor,
+        weight: torch.Tensor,
+        softmax_one: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        batch, n, lq, heads, dim = q.shape
+        n_slots = index.shape[2]
+        work = compute_dtype(q.dtype)
+        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        valid = index >= 0
+        chunk = index.clamp(min=0)
+        w = torch.where(valid, weight.to(work), 0.0)
+        out = torch.zeros(batch, n, lq, heads, dim, dtype=work, device=q.device)
+        lse = torch.zeros(n_slots, batch, n, heads, lq, dtype=work, device=q.device)
+        # With no memory at all every slot is empty (checked by `gca`): the output is zero.
+        for j in range(n_slots if k.shape[1] > 0 else 0):
+            # Empty slots read chunk 0 and are multiplied by a zero weight: exact zeros, no branch.
+            probs, lse[j] = _probs(qw, _gather(kw, chunk[:, :, j]), scale, None, softmax_one)
+            per_chunk = torch.einsum("bnhqs,bnshd->bnqhd", probs, _gather(vw, chunk[:, :, j]))
+            out += w[:, :, j, None, None, None] * per_chunk
+        ctx.save_for_backward(q, k, v, index, weight, lse)
+        ctx.softmax_one, ctx.scale = softmax_one, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, index, weight, lse = ctx.saved_tensors
+        need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
+        batch, n, _, heads, dim = q.shape
+        m, s = k.shape[1], k.shape[2]
+        work = compute_dtype(q.dtype)
+        qw, kw, vw, g = q.to(work), k.to(work), v.to(work), grad_out.to(work)
+        valid = index >= 0
+        chunk = index.clamp(min=0)
+        w = torch.where(valid, weight.to(work), 0.0)
+        dq = torch.zeros_like(qw)
+        # Chunk gradients are scattered into a flat [B * m, S, H, d] view: row b * m + c.
+        dk = torch.zeros(batch * m, s, heads, dim, dtype=work, device=q.device)
+        dv = torch.zeros_like(dk)
+        dw = torch.zeros(batch, n, index.shape[2], dtype=work, device=q.device)
+        flat = chunk + torch.arange(batch, device=q.device)[:, None, None] * m
+        for j in range(index.shape[2] if m > 0 else 0):
+            keys, values = _gather(kw, chunk[:, :, j]), _gather(vw, chunk[:, :, j])
+            probs, _ = _probs(qw, keys, ctx.scale, lse[j], ctx.softmax_one)
+            per_chunk = torch.einsum("bnhqs,bnshd->bnqhd", probs, values)
+            # dL/dw_j = <dO, o_j>; the slot's own output gradient is w_j dO.
+            dw[:, :, j] = (g * per_chunk).sum(dim=(2, 3, 4))
+            g_j = g * w[:, :, j, None, None, None]
+            if need_v:
+                dv_j = torch.einsum("bnhqs,bnqhd->bnshd", probs, g_j)
+                dv.index_add_(0, flat[:, :, j].reshape(-1), dv_j.reshape(batch * n, s, heads, dim))
+            if need_q or need_k:
+                # softmax_1 has softmax's Jacobian (its extra 1 is a constant):
+                # dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = <g_j, o_j> per row and head.
+                dp = torch.einsum("bnqhd,bnshd->bnhqs", g_j, values)
+                delta = (g_j * per_chunk).sum(dim=-1).permute(0, 1, 3, 2)
+                ds = probs * (dp - delta[..., None]) * ctx.scale
+                if need_q:
+                    dq += torch.einsum("bnhqs,bnshd->bnqhd", ds, keys)
+                if need_k:
+                    dk_j = torch.einsum("bnhqs,bnqhd->bnshd", ds, qw)
+                    dk.index_add_(0, flat[:, :, j].reshape(-1), dk_j.reshape(batch * n, s, heads, dim))
+        dw = torch.where(valid, dw, 0.0)
+        return (
+            dq.to(q.dtype) if need_q else None,
+            dk.view_as(k).to(k.dtype) if need_k else None,
+            dv.view_as(v).to(v.dtype) if need_v else None,
+            None,
+            dw.to(weight.dtype) if need_w else None,
+            None,
+            None,
+        )
+
+
+def gca_recompute(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    softmax_one: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K] -> o [B, n, Lq, H, d].
+
+    Same result as `gca_reference`. Saved for the backward: the inputs and a logsumexp of shape
+    [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
+    [B, n, H, Lq, S] probabilities. bf16/fp16 inputs are computed in fp32 and returned in their
+    dtype. Inputs are assumed valid (`farsight.ops.gca.gca` checks them).
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _GCARecompute.apply(q, k, v, index, weight, softmax_one, scale)
