@@ -72,6 +72,109 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(path: str):
+    from farsight.data.tokenizers import load_tokenizer
+    from farsight.models.lm import load_model, resolve_model_dir
+
+    directory = resolve_model_dir(path)
+    return load_model(directory).eval(), load_tokenizer(directory)
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    import json
+    from pathlib import Path
+
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")
+
+
+def _cmd_eval_needle(args: argparse.Namespace) -> int:
+    import yaml
+
+    from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.needle import evaluate_needle_task, parse_length, results_table
+
+    model, tokenizer = _load(args.model)
+    align = args.align or getattr(model.config, "chunk_size", 1)
+    filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
+    options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.task_option)}
+    task = make_task(args.task, tokenizer, filler, align, **options)
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    summary = evaluate_needle_task(
+        model, task, lengths, depths, args.trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory
+    )
+    summary.update(model=str(args.model), align=align, filler=args.filler, corpus=args.corpus, split=args.split)
+    print(results_table(summary))
+    _write_json(args.out, summary)
+    if args.plot:
+        from farsight.eval.plots import needle_heatmap
+
+        print(f"wrote {needle_heatmap(summary, args.plot, title=f'{args.task}: {args.model}')}")
+    return 0
+
+
+def _cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from farsight.data.token_files import load_token_dataset
+    from farsight.eval.efficiency import format_table
+    from farsight.eval.needle import format_length, parse_length
+    from farsight.eval.perplexity import evaluate_perplexity
+
+    split = load_token_dataset(args.corpus, args.split)
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    results, series = {}, {}
+    for path in args.model:
+        model, _ = _load(path)
+        out = evaluate_perplexity(model, split, lengths, args.windows, args.batch_size, args.seed, memory=args.memory)
+        results[path] = out
+        series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
+    rows = [{"length": format_length(n), **{p: series[p][n] for p in args.model}} for n in lengths]
+    print(format_table(rows, ["length", *args.model]))
+    _write_json(args.out, {"corpus": args.corpus, "split": args.split, "results": results})
+    if args.plot:
+        from farsight.eval.plots import curves
+
+        print(f"wrote {curves(series, args.plot, 'perplexity', f'perplexity vs length ({args.corpus})')}")
+    return 0
+
+
+def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from farsight.eval.retrieval import format_retrieval, inspect_retrieval
+
+    model, tokenizer = _load(args.model)
+    if args.text:
+        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+    else:
+        from farsight.data.token_files import load_token_dataset
+
+        ids = load_token_dataset(args.corpus, args.split).document(args.document).tolist()
+        ids = [i for i in ids if i not in (tokenizer.eos_id, tokenizer.bos_id)]
+    if len(ids) > args.max_tokens:
+        print(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
+        ids = ids[: args.max_tokens]
+    ids = torch.tensor(ids, dtype=torch.long)
+    chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else None
+    records = inspect_retrieval(model, ids, chunks)
+    if args.top and chunks is None:
+        records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[: args.top]
+        records.sort(key=lambda r: r["chunk"])
+    print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
+    _write_json(args.out, {"records": records})
+    return 0
+
+
+def _cmd_eval_bench(args: argparse.Namespace) -> int:
+    from farsight.eval.bench import run_benchmarks
+
+    return run_benchmarks(args.only.split(",") if args.only else None, quick=args.quick, json_path=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="farsight", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
@@ -111,6 +214,60 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
+
+    ev = sub.add_parser("eval", help="long-context evaluations and benchmarks", description="Long-context evaluations and benchmarks.")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
+    for task, what in (
+        ("passkey", "single needle: 'The passkey is: {P}.'"),
+        ("multikey", "several passkeys under different keys, one asked"),
+        ("niah2hop", "2-hop chain a->b->c among distractor chains"),
+    ):
+        p = ev_sub.add_parser(task, help=f"needle in a haystack: {what}", description=f"Needle in a haystack: {what}. "
+                              "Exact match of all answer tokens (greedy) and first-token accuracy over lengths x depths.")
+        p.add_argument("--model", required=True, help="model directory or training run directory")
+        p.add_argument("--lengths", default="1k,4k,16k", help="comma-separated lengths, e.g. 1k,16k,1m (k = 1024)")
+        p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
+        p.add_argument("--trials", type=int, default=10, help="trials per (length, depth) cell")
+        p.add_argument("--filler", choices=["corpus", "repeat"], default="corpus", help="haystack text")
+        p.add_argument("--corpus", default="data/stdlib-byte", help="prepared dataset for corpus filler")
+        p.add_argument("--split", default="val", help="split of --corpus used as filler (default: held-out val)")
+        p.add_argument("--align", type=int, default=None, help="chunk alignment of the question (default: the model's chunk size)")
+        p.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
+        p.add_argument("--memory", choices=["device", "host", "disk"], default="device", help="DRT chunk memory tier")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
+        p.add_argument("--out", help="write the results as JSON")
+        p.add_argument("--plot", help="write the length x depth heatmap PNG")
+        p.set_defaults(func=_cmd_eval_needle, task=task)
+    ppl = ev_sub.add_parser("ppl", help="perplexity vs evaluation length", description="Perplexity vs evaluation length on held-out documents.")
+    ppl.add_argument("--model", action="append", required=True, help="model directory (repeat to compare)")
+    ppl.add_argument("--corpus", required=True, help="prepared dataset")
+    ppl.add_argument("--split", default="val")
+    ppl.add_argument("--lengths", default="1k,2k,4k,8k")
+    ppl.add_argument("--windows", type=int, default=8, help="windows per length")
+    ppl.add_argument("--batch-size", type=int, default=4)
+    ppl.add_argument("--memory", choices=["device", "host", "disk"], default="device")
+    ppl.add_argument("--seed", type=int, default=0)
+    ppl.add_argument("--out")
+    ppl.add_argument("--plot")
+    ppl.set_defaults(func=_cmd_eval_ppl)
+    ret = ev_sub.add_parser("retrieval", help="show the chunks a DRT retrieves", description="Show, per chunk, the past chunks a DRT retrieves with their weights and text.")
+    ret.add_argument("--model", required=True)
+    source = ret.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="a text file")
+    source.add_argument("--corpus", help="a prepared dataset (with --document)")
+    ret.add_argument("--split", default="val")
+    ret.add_argument("--document", type=int, default=0)
+    ret.add_argument("--chunks", help="comma-separated querying chunks to show (default: all)")
+    ret.add_argument("--top", type=int, default=None, help="show only the N chunks with the most confident retrieval")
+    ret.add_argument("--max-tokens", type=int, default=16384)
+    ret.add_argument("--out")
+    ret.set_defaults(func=_cmd_eval_retrieval)
+    bench = ev_sub.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
+    bench.add_argument("--only", help="comma-separated subset, e.g. castle,drt")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--json", help="write all figures to one JSON file")
+    bench.set_defaults(func=_cmd_eval_bench)
     return parser
 
 

@@ -25,24 +25,29 @@ class BatchSource(Protocol):
     def eval_batch(self, index: int) -> dict[str, torch.Tensor]: ...
 
 
-DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int], BatchSource]]] = {}
+DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int, dict], BatchSource]]] = {}
 
 
 def register_data_kind(name: str, config_class: type[ConfigBase]):
-    def decorate(factory: Callable[[Any, int], BatchSource]):
+    """Register `factory(config, seed, model_spec)` as `data.kind: name`."""
+
+    def decorate(factory: Callable[[Any, int, dict], BatchSource]):
         DATA_KINDS[name] = (config_class, factory)
         return factory
 
     return decorate
 
 
-def build_batch_source(data: dict[str, Any], seed: int) -> BatchSource:
+def build_batch_source(data: dict[str, Any], seed: int, model: dict[str, Any] | None = None) -> BatchSource:
+    """The batch source for a training config's `data` section (`model` lets it read e.g. chunk_size)."""
+    import farsight.data.tasks  # noqa: F401  (registers the task kinds)
+
     data = dict(data)
     kind = data.pop("kind", "tokens")
     if kind not in DATA_KINDS:
         raise ValueError(f"data.kind={kind!r} is unknown; choose one of {sorted(DATA_KINDS)}")
     config_class, factory = DATA_KINDS[kind]
-    return factory(config_class.from_dict(data, where="data"), seed)
+    return factory(config_class.from_dict(data, where="data"), seed, model or {})
 
 
 def batch_rng(seed: int, *stream: int) -> np.random.Generator:
@@ -66,7 +71,7 @@ class TokenBatchConfig(ConfigBase):
 
 
 class TokenBatches:
-    def __init__(self, config: TokenBatchConfig, seed: int) -> None:
+    def __init__(self, config: TokenBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
         from farsight.data.token_files import load_token_dataset
 
         self.config = config

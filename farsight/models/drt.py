@@ -192,7 +192,7 @@ class _Span:
         """Offsets (within the span) of the landmark slots, and the chunk id of the first one."""
         s1 = self.slots_per_chunk
         first = self.first_chunk * s1 + s1 - 1 - self.start
-        return torch.arange(first, self.length, s1), self.first_chunk
+        return torch.arange(first, max(first, self.length), s1), self.first_chunk
 
 
 class GroupedCrossAttention(nn.Module):

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from farsight.data.batches import build_batch_source
+import farsight.models  # noqa: F401  (registers every model type)
 from farsight.models.lm import PretrainedLM, build_model
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
@@ -113,7 +114,7 @@ class Trainer:
         torch.manual_seed(run.seed)
         np.random.seed(run.seed)
         random.seed(run.seed)
-        self.data = build_batch_source(config.data, run.seed)
+        self.data = build_batch_source(config.data, run.seed, config.model)
         self.tokenizer = self.data.tokenizer
         self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)

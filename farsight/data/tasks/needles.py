@@ -1,0 +1,214 @@
+"""Needle-in-a-haystack tasks (SPEC section 5; DRT paper Appendix D, Table 5).
+
+Every sample is built from token pieces (numpy arrays), never from one huge string, so a 16M-token
+haystack costs only its token array. Layout of a sample of exactly `length` tokens:
+
+    [filler with the needle(s) inserted at the requested depth(s)] [question head]
+    | chunk boundary | [" is"] [answer] ["."] [trailing filler]
+
+The question head ends on a multiple of `align` (the DRT chunk size), so the model's landmark
+falls right before " is" and the chunk that holds the answer retrieves with the whole question
+(the paper pads the same way). `prompt` is everything before the answer; exact match compares
+the greedily decoded continuation with `answer`.
+
+Tasks:
+- passkey:  needle "The passkey is: {P}." ; question "What is the passkey? The passkey" | " is {P}."
+- multikey: n needles "The pass key of {key_i} is: {P_i}." ; asks one key
+- niah2hop: lines "DEF {a}->{b}", "DEF {b}->{c}" plus distractor chains, shuffled into the filler;
+            question "The path from {a}" | " is: {b}, {c}"
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from farsight.data.tasks.filler import Filler
+
+
+@dataclass
+class NeedleSample:
+    """input_ids [length] (prompt + answer + tail); answer_start: index of the first answer token;
+    needle_positions / needle_lengths: where each needle sits, the asked one first."""
+
+    input_ids: np.ndarray
+    answer_start: int
+    answer_length: int
+    needle_positions: list[int]
+    needle_lengths: list[int]
+    depth: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return self.input_ids[: self.answer_start]
+
+    @property
+    def answer(self) -> np.ndarray:
+        return self.input_ids[self.answer_start : self.answer_start + self.answer_length]
+
+    def needle_chunks(self, chunk_size: int) -> set[int]:
+        """Chunks (of `chunk_size` tokens) that hold part of the asked needle."""
+        start, length = self.needle_positions[0], self.needle_lengths[0]
+        return set(range(start // chunk_size, (start + length - 1) // chunk_size + 1))
+
+    def loss_weights(self, answer_weight: float) -> np.ndarray:
+        """1 for every token, `answer_weight` for the answer tokens (float32 [length])."""
+        weights = np.ones(len(self.input_ids), dtype=np.float32)
+        weights[self.answer_start : self.answer_start + self.answer_length] = answer_weight
+        return weights
+
+
+class NeedleTask:
+    """Base: subclasses give the needles, the question head and the answer for one random draw."""
+
+    name = "needle"
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1) -> None:
+        if align < 1:
+            raise ValueError(f"align must be >= 1 (the model's chunk size), got {align}")
+        self.tokenizer = tokenizer
+        self.filler = filler
+        self.align = align
+        self._cache: dict[str, np.ndarray] = {}
+
+    def encode(self, text: str) -> np.ndarray:
+        if text not in self._cache:
+            self._cache[text] = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+        return self._cache[text]
+
+    def draw(self, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, dict[str, Any]]:
+        """-> (needles, question head, answer, info)."""
+        raise NotImplementedError
+
+    def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
+        """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the haystack."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+        needles, head, answer, info = self.draw(rng)
+        is_ = self.encode(" is")
+        end = self.encode(".")
+        tail_len = len(is_) + len(answer) + len(end)
+        prefix = length - tail_len
+        prefix -= prefix % self.align  # the question head ends on a chunk boundary
+        haystack = prefix - len(head)
+        needed = sum(len(n) for n in needles)
+        if haystack < needed:
+            shortest = needed + len(head) + tail_len + self.align
+            raise ValueError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens")
+        filler = self.filler.take(haystack - needed, rng)
+        # the first needle (the one asked about) sits at `depth`; any others at random places
+        positions = [int(round(depth * len(filler)))]
+        positions += [int(x) for x in rng.integers(0, len(filler) + 1, size=len(needles) - 1)]
+        order = sorted(range(len(needles)), key=lambda i: (positions[i], i))
+        pieces, placed, cursor = [], [0] * len(needles), 0
+        for i in order:
+            pos, needle = positions[i], needles[i]
+            pieces.append(filler[cursor:pos])
+            placed[i] = sum(len(p) for p in pieces)
+            pieces.append(needle)
+            cursor = pos
+        pieces.append(filler[cursor:])
+        pieces += [head, is_, answer, end]
+        trailing = length - prefix - tail_len
+        if trailing:
+            pieces.append(self.filler.take(trailing, rng))
+        ids = np.concatenate(pieces).astype(np.int64)
+        assert len(ids) == length
+        return NeedleSample(ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, info)
+
+
+def _digits(rng: np.random.Generator, n: int) -> str:
+    return "".join(str(int(d)) for d in rng.integers(0, 10, size=n))
+
+
+def _word(rng: np.random.Generator, n: int) -> str:
+    letters = string.ascii_lowercase
+    return "".join(letters[int(i)] for i in rng.integers(0, len(letters), size=n))
+
+
+class PasskeyTask(NeedleTask):
+    name = "passkey"
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, digits: int = 5) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.digits = digits
+
+    def draw(self, rng: np.random.Generator):
+        key = _digits(rng, self.digits)
+        answer = self.encode(" " + key)
+        needle = np.concatenate([self.encode(" The passkey is:"), answer, self.encode(". ")])
+        head = self.encode(" What is the passkey? The passkey")
+        return [needle], head, answer, {"passkey": key}
+
+
+class MultiKeyTask(NeedleTask):
+    """Several passkeys under different keys; the question asks one of them."""
+
+    name = "multikey"
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, keys: int = 4, digits: int = 5) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.keys, self.digits = keys, digits
+
+    def draw(self, rng: np.random.Generator):
+        names = set()
+        while len(names) < self.keys:
+            names.add(_word(rng, 4))
+        names = sorted(names)
+        values = [_digits(rng, self.digits) for _ in names]
+        order = rng.permutation(len(names))
+        asked = int(rng.integers(0, len(names)))
+        needles = [
+            np.concatenate([self.encode(f" The pass key of {names[i]} is:"), self.encode(" " + values[i]), self.encode(". ")])
+            for i in order
+        ]
+        # the asked needle goes first so that `depth` places it
+        first = list(order).index(asked)
+        needles.insert(0, needles.pop(first))
+        head = self.encode(f" What is the pass key of {names[asked]}? The pass key of {names[asked]}")
+        return needles, head, self.encode(" " + values[asked]), {"key": names[asked], "passkey": values[asked]}
+
+
+class TwoHopTask(NeedleTask):
+    """2-hop NIAH with noise chains: a->b, b->c is the chain asked; other chains are distractors."""
+
+    name = "niah2hop"
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, distractors: int = 2, symbol: int = 4) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.distractors, self.symbol = distractors, symbol
+
+    def draw(self, rng: np.random.Generator):
+        n_symbols = 3 * (self.distractors + 1)
+        symbols: list[str] = []
+        while len(symbols) < n_symbols:
+            s = _word(rng, self.symbol)
+            if s not in symbols:
+                symbols.append(s)
+        chains = [symbols[3 * i : 3 * i + 3] for i in range(self.distractors + 1)]
+        lines = [(x, y) for chain in chains for x, y in ((chain[0], chain[1]), (chain[1], chain[2]))]
+        needles = [self.encode(f" DEF {x}->{y}.") for x, y in lines]
+        # needles[0] (a->b of the asked chain) is placed at `depth`; the others at random places
+        rest = [needles[i] for i in rng.permutation(np.arange(1, len(needles)))]
+        a, b, c = chains[0]
+        head = self.encode(f" The path from {a}")
+        answer = np.concatenate([self.encode(":"), self.encode(" " + b), self.encode(","), self.encode(" " + c)])
+        return [needles[0], *rest], head, answer, {"path": [a, b, c]}
+
+
+TASKS: dict[str, Callable[..., NeedleTask]] = {
+    "passkey": PasskeyTask,
+    "multikey": MultiKeyTask,
+    "niah2hop": TwoHopTask,
+}
+
+
+def make_task(name: str, tokenizer: Any, filler: Filler, align: int = 1, **options: Any) -> NeedleTask:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    return TASKS[name](tokenizer, filler, align, **options)

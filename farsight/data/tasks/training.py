@@ -1,0 +1,109 @@
+"""`data.kind: needle` — training batches of needle tasks with a length curriculum.
+
+Each sample is a task instance (passkey, multikey, niah2hop, or a weighted mix) of the current
+curriculum length, haystack filler from the corpus's train split (the validation batches use the
+validation split), answer tokens weighted `answer_weight` in the loss, and optionally a share of
+plain corpus windows for language modelling. Batches hold about `batch_tokens` tokens, so short
+curriculum stages use more samples per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from farsight.config import ConfigBase, require
+from farsight.data.batches import batch_rng, register_data_kind
+from farsight.data.tasks.filler import make_filler
+from farsight.data.tasks.needles import TASKS, make_task
+
+
+@dataclass
+class NeedleBatchConfig(ConfigBase):
+    task: str = "passkey"
+    mix: dict[str, float] | None = None
+    corpus: str = ""
+    filler: str = "corpus"
+    seq_len: int = 1024
+    batch_tokens: int = 16384
+    curriculum: list[list[int]] | None = None
+    answer_weight: float = 10.0
+    lm_fraction: float = 0.0
+    align: int | None = None
+    task_options: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        names = list(self.mix) if self.mix else [self.task]
+        for name in names:
+            require(name in TASKS, f"data.task {name!r} is unknown; choose from {sorted(TASKS)}")
+        if self.mix:
+            require(all(w > 0 for w in self.mix.values()), "data.mix weights must be > 0")
+        require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
+        require(self.filler == "repeat" or bool(self.corpus), "data.corpus (a prepared dataset) is required for filler: corpus")
+        require(self.seq_len >= 16, f"data.seq_len must be >= 16, got {self.seq_len}")
+        require(self.batch_tokens >= self.seq_len, "data.batch_tokens must be >= data.seq_len")
+        require(self.answer_weight > 0, f"data.answer_weight must be > 0, got {self.answer_weight}")
+        require(0 <= self.lm_fraction < 1, f"data.lm_fraction must be in [0, 1), got {self.lm_fraction}")
+        if self.curriculum is not None:
+            steps = [int(s) for s, _ in self.curriculum]
+            require(steps == sorted(steps) and steps[0] == 0, "data.curriculum must be [[0, len0], [step1, len1], ...] with increasing steps")
+            require(all(16 <= int(n) <= self.seq_len for _, n in self.curriculum), "data.curriculum lengths must be in [16, seq_len]")
+
+    def length_at(self, step: int) -> int:
+        if not self.curriculum:
+            return self.seq_len
+        current = self.seq_len
+        for start, length in self.curriculum:
+            if step >= start:
+                current = int(length)
+        return current
+
+
+class NeedleBatches:
+    def __init__(self, config: NeedleBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
+        from farsight.data.tokenizers import load_tokenizer
+
+        self.config = config
+        self.seed = seed
+        if config.corpus:
+            from farsight.data.token_files import load_token_dataset
+
+            self.tokenizer = load_token_dataset(config.corpus, "train").tokenizer
+        else:
+            self.tokenizer = load_tokenizer("byte")
+        align = config.align or int((model or {}).get("chunk_size", 1))
+        names = list(config.mix) if config.mix else [config.task]
+        weights = np.asarray([config.mix[n] for n in names] if config.mix else [1.0])
+        self.weights = weights / weights.sum()
+        self.tasks = {}
+        for split in ("train", "val"):
+            filler = make_filler(config.filler, self.tokenizer, config.corpus, split)
+            self.tasks[split] = [make_task(n, self.tokenizer, filler, align, **config.task_options.get(n, {})) for n in names]
+
+    def _batch(self, split: str, length: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        n = max(1, self.config.batch_tokens // length)
+        ids = np.empty((n, length), dtype=np.int64)
+        weights = np.ones((n, length), dtype=np.float32)
+        tasks = self.tasks[split]
+        for i in range(n):
+            if rng.random() < self.config.lm_fraction:
+                ids[i] = tasks[0].filler.take(length, rng)
+                continue
+            task = tasks[int(rng.choice(len(tasks), p=self.weights))]
+            sample = task.sample(length, float(rng.random()), rng)
+            ids[i] = sample.input_ids
+            weights[i] = sample.loss_weights(self.config.answer_weight)
+        ids_t = torch.from_numpy(ids)
+        return {"input_ids": ids_t, "labels": ids_t, "loss_weights": torch.from_numpy(weights)}
+
+    def train_batch(self, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
+        return self._batch("train", self.config.length_at(step), batch_rng(self.seed, 0, step, micro, rank))
+
+    def eval_batch(self, index: int) -> dict[str, torch.Tensor]:
+        return self._batch("val", self.config.seq_len, batch_rng(self.seed, 1, index))
+
+
+register_data_kind("needle", NeedleBatchConfig)(NeedleBatches)

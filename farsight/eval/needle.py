@@ -1,0 +1,164 @@
+"""Needle-in-a-haystack evaluation: exact match of every answer token by greedy decoding, plus
+first-token accuracy (what the DRT authors' code scores), over a length x depth grid."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from farsight.data.tasks.needles import NeedleTask
+from farsight.eval.decoding import greedy_continuation, open_decoder
+
+
+@dataclass
+class TrialResult:
+    length: int
+    depth: float
+    trial: int
+    exact: bool
+    first_token: bool
+    retrieved_needle: bool | None
+    answer: str
+    predicted: str
+
+
+def score_answer(predicted: np.ndarray, answer: np.ndarray) -> tuple[bool, bool]:
+    """(exact match of all answer tokens, first token correct)."""
+    predicted, answer = np.asarray(predicted), np.asarray(answer)
+    return bool(len(predicted) == len(answer) and (predicted == answer).all()), bool(len(predicted) and predicted[0] == answer[0])
+
+
+def parse_length(text: str) -> int:
+    """'1k' -> 1024, '16M' -> 16 * 2**20, '1500' -> 1500."""
+    text = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise ValueError(f"cannot read length {text!r}; use numbers like 1024, 16k or 1m") from None
+    if value < 1 or value != int(value):
+        raise ValueError(f"length {text!r} must be a positive whole number of tokens")
+    return int(value)
+
+
+def format_length(n: int) -> str:
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def trial_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random.Generator:
+    return np.random.default_rng([seed, length, depth_index, trial])
+
+
+def evaluate_needle_task(
+    model: Any,
+    task: NeedleTask,
+    lengths: list[int],
+    depths: list[float],
+    trials: int,
+    seed: int = 0,
+    batch_size: int = 1,
+    memory: str = "device",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the grid; returns {"trials": [...], "by_length": {...}, "by_cell": {...}, timing}.
+
+    Trials of one (length, depth) cell are batched `batch_size` at a time (they have equal
+    prompt lengths when the answer length is fixed, else they run one by one). For DRT,
+    `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the needle.
+    """
+    decode_tokens = model.config.vocab_size
+    results: list[TrialResult] = []
+    total = len(lengths) * len(depths) * trials
+    bar = tqdm(total=total, disable=not progress, unit="trial", dynamic_ncols=True, desc=task.name)
+    device = next(model.parameters()).device
+    seconds: dict[int, float] = defaultdict(float)
+    for length in lengths:
+        for di, depth in enumerate(depths):
+            bar.set_postfix(length=format_length(length), depth=depth)
+            samples = [task.sample(length, depth, trial_rng(seed, length, di, t)) for t in range(trials)]
+            groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+            for i, s in enumerate(samples):
+                groups[(len(s.prompt), s.answer_length)].append(i)
+            for (_, answer_len), members in groups.items():
+                for start in range(0, len(members), batch_size):
+                    batch = members[start : start + batch_size]
+                    prompt = torch.from_numpy(np.stack([samples[i].prompt for i in batch])).to(device)
+                    if int(prompt.max()) >= decode_tokens:
+                        raise ValueError("the task's tokenizer does not match the model's vocabulary")
+                    t0 = time.perf_counter()
+                    with open_decoder(model, batch_size=len(batch), memory=memory) as decoder:
+                        predicted = greedy_continuation(decoder, prompt, answer_len).cpu().numpy()
+                        retrieved = decoder.retrieved_chunks()
+                    seconds[length] += time.perf_counter() - t0
+                    for row, i in enumerate(batch):
+                        sample = samples[i]
+                        exact, first = score_answer(predicted[row], sample.answer)
+                        results.append(
+                            TrialResult(
+                                length=length,
+                                depth=depth,
+                                trial=i,
+                                exact=exact,
+                                first_token=first,
+                                retrieved_needle=None
+                                if retrieved is None
+                                else sample.needle_chunks(model.config.chunk_size) <= retrieved[row],
+                                answer=task.tokenizer.decode(sample.answer.tolist()),
+                                predicted=task.tokenizer.decode(predicted[row].tolist()),
+                            )
+                        )
+                    bar.update(len(batch))
+    bar.close()
+    return summarize(results, task.name, seconds)
+
+
+def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] | None = None) -> dict[str, Any]:
+    by_length: dict[int, list[TrialResult]] = defaultdict(list)
+    by_cell: dict[tuple[int, float], list[TrialResult]] = defaultdict(list)
+    for r in results:
+        by_length[r.length].append(r)
+        by_cell[(r.length, r.depth)].append(r)
+
+    def rates(rows: list[TrialResult]) -> dict[str, float]:
+        out = {
+            "trials": len(rows),
+            "exact_match": sum(r.exact for r in rows) / len(rows),
+            "first_token": sum(r.first_token for r in rows) / len(rows),
+        }
+        if all(r.retrieved_needle is not None for r in rows):
+            out["needle_retrieved"] = sum(bool(r.retrieved_needle) for r in rows) / len(rows)
+        return out
+
+    return {
+        "task": task,
+        "by_length": {str(k): {**rates(v), "seconds": (seconds or {}).get(k)} for k, v in sorted(by_length.items())},
+        "by_cell": [{"length": k[0], "depth": k[1], **rates(v)} for k, v in sorted(by_cell.items())],
+        "trials": [asdict(r) for r in results],
+    }
+
+
+def results_table(summary: dict[str, Any]) -> str:
+    from farsight.eval.efficiency import format_table
+
+    rows = [
+        {
+            "length": format_length(int(k)),
+            "trials": v["trials"],
+            "exact match %": 100 * v["exact_match"],
+            "first token %": 100 * v["first_token"],
+            "needle retrieved %": 100 * v["needle_retrieved"] if "needle_retrieved" in v else None,
+            "seconds": v.get("seconds"),
+        }
+        for k, v in summary["by_length"].items()
+    ]
+    return format_table(rows, ["length", "trials", "exact match %", "first token %", "needle retrieved %", "seconds"])

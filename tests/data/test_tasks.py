@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+import torch
+
+from farsight.data.tasks import CorpusFiller, RepeatedFiller, make_task
+from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
+from farsight.data.tokenizers import load_tokenizer
+
+TOK = load_tokenizer("byte")
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "niah2hop"])
+@pytest.mark.parametrize("length", [256, 257, 1000, 4096 + 5])
+@pytest.mark.parametrize("align", [1, 32, 64])
+def test_exact_length_and_chunk_aligned_answer(task, length, align):
+    t = make_task(task, TOK, RepeatedFiller(TOK), align)
+    s = t.sample(length, 0.5, rng())
+    assert len(s.input_ids) == length  # exact to the token
+    is_len = len(TOK.encode(" is"))
+    # the chunk that holds the answer starts right at " is": its landmark saw the whole question
+    assert (s.answer_start - is_len) % align == 0
+    assert TOK.decode(s.input_ids[s.answer_start - is_len : s.answer_start].tolist()) == " is"
+    assert s.answer_start + s.answer_length <= length
+
+
+def test_passkey_text_and_answer():
+    s = make_task("passkey", TOK, RepeatedFiller(TOK), 32).sample(512, 0.25, rng(3))
+    key = s.info["passkey"]
+    text = TOK.decode(s.input_ids.tolist())
+    assert f"The passkey is: {key}." in text
+    assert TOK.decode(s.prompt.tolist()).endswith("What is the passkey? The passkey is")
+    assert TOK.decode(s.answer.tolist()) == f" {key}"
+    needle = TOK.decode(s.input_ids[s.needle_positions[0] : s.needle_positions[0] + s.needle_lengths[0]].tolist())
+    assert key in needle
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_depth_places_the_needle(depth):
+    s = make_task("passkey", TOK, RepeatedFiller(TOK), 1).sample(2000, depth, rng())
+    haystack = s.answer_start - 100
+    assert abs(s.needle_positions[0] - depth * haystack) < 60
+
+
+def test_determinism_from_the_seed():
+    t = make_task("niah2hop", TOK, CorpusFiller(np.arange(10_000) % 250), 32)
+    a, b = t.sample(3000, 0.3, rng(7)), t.sample(3000, 0.3, rng(7))
+    c = t.sample(3000, 0.3, rng(8))
+    assert np.array_equal(a.input_ids, b.input_ids) and not np.array_equal(a.input_ids, c.input_ids)
+
+
+def test_two_hop_chain_and_distractors():
+    s = make_task("niah2hop", TOK, RepeatedFiller(TOK), 16, distractors=3).sample(4000, 0.5, rng(1))
+    a, b, c = s.info["path"]
+    text = TOK.decode(s.input_ids.tolist())
+    assert f"DEF {a}->{b}." in text and f"DEF {b}->{c}." in text
+    assert text.count("DEF ") == 2 * 4
+    assert TOK.decode(s.answer.tolist()) == f": {b}, {c}"
+    assert TOK.decode(s.prompt.tolist()).endswith(f"The path from {a} is")
+
+
+def test_multikey_asks_one_of_several():
+    s = make_task("multikey", TOK, RepeatedFiller(TOK), 8, keys=3).sample(1500, 0.5, rng(2))
+    text = TOK.decode(s.input_ids.tolist())
+    assert text.count("The pass key of ") == 3 + 1  # three needles and the question
+    assert f"The pass key of {s.info['key']} is: {s.info['passkey']}." in text
+
+
+def test_corpus_filler_serves_lengths_beyond_the_corpus_and_drops_specials():
+    tokens = np.array([1, 2, 258, 3, 4, 5, 6, 7] * 10)
+    f = CorpusFiller(tokens, drop_ids=(258,))
+    out = f.take(5000, rng())
+    assert len(out) == 5000 and 258 not in out
+
+
+def test_sixteen_million_tokens_without_strings():
+    t = make_task("passkey", TOK, CorpusFiller(np.arange(100_000) % 250), 64)
+    s = t.sample(16 * 2**20, 0.5, rng())
+    assert len(s.input_ids) == 16 * 2**20 and s.input_ids.dtype == np.int64
+
+
+def test_too_short_is_a_clear_error():
+    with pytest.raises(ValueError, match="too short"):
+        make_task("niah2hop", TOK, RepeatedFiller(TOK), 64).sample(64, 0.5, rng())
+    with pytest.raises(ValueError, match="unknown task"):
+        make_task("haystack", TOK, RepeatedFiller(TOK))
+
+
+def test_training_batches_follow_the_curriculum_and_weight_answers():
+    cfg = NeedleBatchConfig(filler="repeat", seq_len=256, batch_tokens=1024, curriculum=[[0, 128], [10, 256]], answer_weight=10.0)
+    source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
+    early, late = source.train_batch(0, 0, 0), source.train_batch(10, 0, 0)
+    assert early["input_ids"].shape == (8, 128) and late["input_ids"].shape == (4, 256)
+    assert torch.equal(source.train_batch(3, 0, 0)["input_ids"], source.train_batch(3, 0, 0)["input_ids"])
+    weights = early["loss_weights"]
+    assert set(weights.unique().tolist()) == {1.0, 10.0} and int((weights == 10).sum(1)[0]) == 6
+    assert source.eval_batch(0)["input_ids"].shape[1] == 256
