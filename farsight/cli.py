@@ -175,6 +175,60 @@ def _cmd_eval_bench(args: argparse.Namespace) -> int:
     return run_benchmarks(args.only.split(",") if args.only else None, quick=args.quick, json_path=args.json)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from farsight.models.lm import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_model_dir
+
+    source = resolve_model_dir(args.source)
+    load_model(source)  # refuse to export a damaged checkpoint
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    print(f"exported {source} -> {out}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table
+    from farsight.eval.plots import needle_heatmap
+
+    start = time.perf_counter()
+    model, tokenizer = _load(args.model)
+    corpus = Path(args.corpus)
+    if not (corpus / "meta.json").is_file():
+        from farsight.data.token_files import prepare_corpus
+
+        print(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
+        prepare_corpus(["stdlib"], tokenizer, corpus)
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    trials = {n: (args.trials if n <= parse_length("64k") else args.long_trials) for n in lengths}
+    task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), model.config.chunk_size)
+    trained = getattr(model.config, "chunk_size", None)
+    print(
+        f"passkey retrieval with {args.model} ({model.num_parameters() / 1e6:.2f}M parameters), "
+        f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}"
+        + (f", chunk size {trained}" if trained else "")
+    )
+    summary = evaluate_needle_task(model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, batch_size=args.batch_size)
+    print(results_table(summary))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(str(out / "passkey.json"), summary)
+    heatmap = needle_heatmap(summary, out / "passkey-heatmap.png", title=f"passkey retrieval: {args.model}")
+    print(f"wrote {heatmap}")
+    print(f"demo finished in {time.perf_counter() - start:.0f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="farsight", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
@@ -201,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a model from a YAML config", description="Train a model from a YAML config.")
     tr.add_argument("config", help="YAML file with sections model, data, optim, train")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100")
-    tr.add_argument("--restart", action="store_true", help="ignore existing checkpoints in train.out_dir")
+    tr.add_argument("--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     tr.set_defaults(func=_cmd_train)
 
@@ -214,6 +268,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
     gen.set_defaults(func=_cmd_generate)
+
+    exp = sub.add_parser("export", help="copy a model out of a training run", description="Copy the model files of a run's newest checkpoint (or of a checkpoint directory) into a model directory.")
+    exp.add_argument("source", help="training run directory or checkpoint directory")
+    exp.add_argument("out", help="model directory to write")
+    exp.set_defaults(func=_cmd_export)
+
+    demo = sub.add_parser("demo", help="passkey retrieval from 1K to 1M tokens with the shipped DRT",
+                          description="The main demo: the shipped 1M-parameter DRT, trained at 1K tokens, retrieves a passkey "
+                          "from haystacks of up to 1M tokens; prints the table and writes a heatmap.")
+    demo.add_argument("--model", default="models/demo-drt")
+    demo.add_argument("--corpus", default="data/stdlib-byte", help="prepared byte-level corpus for the haystacks (made if missing)")
+    demo.add_argument("--lengths", default="1k,4k,16k,64k,256k,1m")
+    demo.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    demo.add_argument("--trials", type=int, default=2, help="trials per cell up to 64K tokens")
+    demo.add_argument("--long-trials", type=int, default=1, help="trials per cell beyond 64K tokens")
+    demo.add_argument("--batch-size", type=int, default=2)
+    demo.add_argument("--memory", choices=["device", "host", "disk"], default="device")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--out", default="demo-results")
+    demo.set_defaults(func=_cmd_demo)
 
     ev = sub.add_parser("eval", help="long-context evaluations and benchmarks", description="Long-context evaluations and benchmarks.")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")

@@ -3,7 +3,7 @@ the transformers through their own caches, fed in blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,9 +80,20 @@ def open_decoder(
         decoder.close()
 
 
-def greedy_continuation(decoder: Decoder, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """Feed prompt [B, T], then decode `steps` tokens greedily; returns them [B, steps]."""
-    logits = decoder.feed(prompt)
+def greedy_continuation(
+    decoder: Decoder,
+    prompt: torch.Tensor,
+    steps: int,
+    on_tokens: Callable[[int], None] | None = None,
+    block: int = 1 << 16,
+) -> torch.Tensor:
+    """Feed prompt [B, T] (in blocks, reporting each to `on_tokens`), then decode `steps` tokens
+    greedily; returns them [B, steps]."""
+    for start in range(0, prompt.shape[1], block):
+        piece = prompt[:, start : start + block]
+        logits = decoder.feed(piece)
+        if on_tokens is not None:
+            on_tokens(piece.shape[1])
     out = []
     for i in range(steps):
         token = logits.argmax(-1)

@@ -64,7 +64,7 @@ def evaluate_needle_task(
     task: NeedleTask,
     lengths: list[int],
     depths: list[float],
-    trials: int,
+    trials: int | dict[int, int],
     seed: int = 0,
     batch_size: int = 1,
     memory: str = "device",
@@ -73,19 +73,22 @@ def evaluate_needle_task(
     """Run the grid; returns {"trials": [...], "by_length": {...}, "by_cell": {...}, timing}.
 
     Trials of one (length, depth) cell are batched `batch_size` at a time (they have equal
-    prompt lengths when the answer length is fixed, else they run one by one). For DRT,
+    prompt lengths when the answer length is fixed, else they run one by one). `trials` may map
+    each length to its own number of trials (long contexts cost more). For DRT,
     `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the needle.
     """
     decode_tokens = model.config.vocab_size
     results: list[TrialResult] = []
-    total = len(lengths) * len(depths) * trials
-    bar = tqdm(total=total, disable=not progress, unit="trial", dynamic_ncols=True, desc=task.name)
+    # progress counts prompt tokens: a 1M-token trial moves the bar while it streams
+    per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
+    total = sum(length * per_length[length] for length in lengths) * len(depths)
+    bar = tqdm(total=total, disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True, desc=task.name)
     device = next(model.parameters()).device
     seconds: dict[int, float] = defaultdict(float)
     for length in lengths:
         for di, depth in enumerate(depths):
             bar.set_postfix(length=format_length(length), depth=depth)
-            samples = [task.sample(length, depth, trial_rng(seed, length, di, t)) for t in range(trials)]
+            samples = [task.sample(length, depth, trial_rng(seed, length, di, t)) for t in range(per_length[length])]
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)
             for i, s in enumerate(samples):
                 groups[(len(s.prompt), s.answer_length)].append(i)
@@ -97,7 +100,8 @@ def evaluate_needle_task(
                         raise ValueError("the task's tokenizer does not match the model's vocabulary")
                     t0 = time.perf_counter()
                     with open_decoder(model, batch_size=len(batch), memory=memory) as decoder:
-                        predicted = greedy_continuation(decoder, prompt, answer_len).cpu().numpy()
+                        predicted = greedy_continuation(decoder, prompt, answer_len, on_tokens=lambda n: bar.update(n * len(batch)))
+                        predicted = predicted.cpu().numpy()
                         retrieved = decoder.retrieved_chunks()
                     seconds[length] += time.perf_counter() - t0
                     for row, i in enumerate(batch):
@@ -117,7 +121,7 @@ def evaluate_needle_task(
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
                             )
                         )
-                    bar.update(len(batch))
+                    bar.update((length - prompt.shape[1]) * len(batch))  # the answer and tail
     bar.close()
     return summarize(results, task.name, seconds)
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -237,9 +238,16 @@ class Trainer:
         if self.ctx.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_train_config(self.config, self.out_dir / "config.yaml")
-        if resume and self.resume() and self.ctx.is_main:
+        if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
+            # starting over: older checkpoints would otherwise look newer than the new run's
+            print(f"starting over: removing {self.ckpt_root}")
+            shutil.rmtree(self.ckpt_root)
+        dist_utils.barrier(self.ctx)
+        resumed = resume and self.resume()
+        if resumed and self.ctx.is_main:
             print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
-        metrics = open(self.out_dir / "metrics.jsonl", "a") if self.ctx.is_main else None
+        # a fresh run starts a fresh log; a resumed one continues it
+        metrics = open(self.out_dir / "metrics.jsonl", "a" if resumed else "w") if self.ctx.is_main else None
         writer = self._tensorboard() if run.tensorboard and self.ctx.is_main else None
         bar = tqdm(
             total=run.steps,

@@ -1,0 +1,194 @@
+"""DRT efficiency: training step vs the sliding-window BaseLM, streaming prefill per memory tier,
+and decode latency vs context length.
+
+    python benchmarks/drt.py [--quick] [--json PATH]
+
+(a) training: one AdamW step of DRT and of BaseLM (sliding window + ALiBi) with the same layers,
+    d_model and window (d_model 256, 8 layers, 4 heads, W 512; DRT: S 64, K 8, G 1, 2 encoder
+    layers), 16K tokens per step, at T = 1K, 4K, 16K: time and peak-memory growth, DRT/BaseLM.
+(b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
+    T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
+(c) decode: after a prefill of t tokens, the mean latency of 128 single-token steps (four chunk
+    boundaries, so four retrievals), ratio to t = 4K.
+Every case runs in a fresh process (farsight.eval.efficiency.run_isolated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from farsight.eval.efficiency import (
+    current_rss_bytes,
+    format_table,
+    machine_description,
+    measure_peak_memory,
+    peak_rss_bytes,
+    run_isolated,
+    time_fn,
+    write_json,
+)
+from farsight.eval.needle import format_length
+from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM
+
+TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2)
+STREAM_CONFIG = dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1)
+TRAIN_TOKENS = 16384
+DECODE_STEPS = 128
+BLOCK = 1 << 16
+
+
+def _train_case(case: dict) -> dict:
+    torch.manual_seed(0)
+    config = DRTConfig(**TRAIN_CONFIG)
+    model = DRTForCausalLM(config) if case["model"] == "drt" else TransformerForCausalLM(config.block_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (max(1, TRAIN_TOKENS // case["length"]), case["length"]))
+
+    def step() -> None:
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    step()
+    peak = measure_peak_memory(step)
+    seconds = time_fn(step, warmup=0, repeat=case["repeat"])
+    return {"step_s": seconds, "peak_mb": peak / 2**20}
+
+
+def _stream_model() -> DRTForCausalLM:
+    torch.manual_seed(0)
+    return DRTForCausalLM(DRTConfig(**STREAM_CONFIG)).eval()
+
+
+def _blocks(total: int):
+    generator = torch.Generator().manual_seed(1)
+    for start in range(0, total, BLOCK):
+        yield torch.randint(0, 256, (1, min(BLOCK, total - start)), generator=generator)
+
+
+def _prefill_case(case: dict) -> dict:
+    model = _stream_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/chunks.kv" if case["memory"] == "disk" else None
+        base = current_rss_bytes()
+        with model.new_session(memory=case["memory"], path=path) as session:
+            start = time.perf_counter()
+            session.prefill(_blocks(case["length"]))
+            seconds = time.perf_counter() - start
+            stored = session.memory.nbytes()
+    return {
+        "tokens_per_s": case["length"] / seconds,
+        "peak_rss_mb": peak_rss_bytes() / 2**20,
+        "rss_growth_mb": (peak_rss_bytes() - base) / 2**20,
+        "memory_mb": stored / 2**20,
+    }
+
+
+def _decode_case(case: dict) -> dict:
+    model = _stream_model()
+    with model.new_session(memory=case["memory"]) as session:
+        session.prefill(_blocks(case["length"]))
+        token = torch.zeros(1, dtype=torch.long)
+        for _ in range(8):
+            session.step(token)
+        start = time.perf_counter()
+        for _ in range(DECODE_STEPS):
+            session.step(token)
+        seconds = (time.perf_counter() - start) / DECODE_STEPS
+    return {"ms_per_token": 1000 * seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short lengths only")
+    parser.add_argument("--json", help="write the figures as JSON")
+    args = parser.parse_args()
+    train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    prefill_lengths = [16384, 65536] if args.quick else [16384, 65536, 262144, 1 << 20]
+    decode_contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
+    tiers = ["device", "host", "disk"]
+    started = time.perf_counter()
+
+    def note(what: str) -> None:
+        print(f"  {what} done ({time.perf_counter() - started:.0f}s)", flush=True)
+
+    train_rows = []
+    for length in train_lengths:
+        row: dict = {"T": format_length(length)}
+        for name in ("baselm", "drt"):
+            r = run_isolated(_train_case, {"model": name, "length": length, "repeat": 1 if args.quick else 3})
+            row[f"{name} step s"] = r.get("step_s")
+            row[f"{name} peak MB"] = r.get("peak_mb")
+            if "error" in r:
+                row[f"{name} error"] = r["error"]
+        if row.get("drt step s") and row.get("baselm step s"):
+            row["time DRT/BaseLM"] = row["drt step s"] / row["baselm step s"]
+            row["memory DRT/BaseLM"] = row["drt peak MB"] / max(row["baselm peak MB"], 1e-9)
+        train_rows.append(row)
+        note(f"training T={format_length(length)}")
+
+    prefill_rows = []
+    for memory in tiers:
+        for length in prefill_lengths:
+            r = run_isolated(_prefill_case, {"memory": memory, "length": length})
+            prefill_rows.append({"tier": memory, "T": format_length(length), **r})
+            note(f"prefill {memory} T={format_length(length)}")
+    by_tier = {(r["tier"], r["T"]): r for r in prefill_rows}
+    for r in prefill_rows:
+        ref = by_tier.get((r["tier"], "64K"))
+        if ref and "peak_rss_mb" in r and "peak_rss_mb" in ref:
+            r["RSS / RSS(64K)"] = r["peak_rss_mb"] / ref["peak_rss_mb"]
+
+    decode_rows = []
+    for length in decode_contexts:
+        r = run_isolated(_decode_case, {"memory": "device", "length": length})
+        decode_rows.append({"context": format_length(length), **r})
+        note(f"decode t={format_length(length)}")
+    base_ms = decode_rows[0].get("ms_per_token")
+    for r in decode_rows:
+        if base_ms and "ms_per_token" in r:
+            r["ratio to 4K"] = r["ms_per_token"] / base_ms
+
+    print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
+    print(format_table(train_rows, ["T", "baselm step s", "drt step s", "time DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]))
+    print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
+    print(format_table(prefill_rows, ["tier", "T", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]))
+    print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
+    print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
+    checks = []
+    four_k = next((r for r in train_rows if r["T"] == "4K"), None)
+    if four_k and "time DRT/BaseLM" in four_k:
+        checks.append(("training step DRT/BaseLM at 4K <= 1.5", four_k["time DRT/BaseLM"], four_k["time DRT/BaseLM"] <= 1.5))
+    last = decode_rows[-1]
+    if "ratio to 4K" in last:
+        checks.append((f"decode at {last['context']} / decode at 4K <= 1.3", last["ratio to 4K"], last["ratio to 4K"] <= 1.3))
+    disk_1m = by_tier.get(("disk", "1M"))
+    if disk_1m and "RSS / RSS(64K)" in disk_1m:
+        checks.append(("disk tier peak RSS at 1M / at 64K <= 1.2", disk_1m["RSS / RSS(64K)"], disk_1m["RSS / RSS(64K)"] <= 1.2))
+    device_1m = by_tier.get(("device", "1M"))
+    if device_1m and "tokens_per_s" in device_1m:
+        checks.append(("prefill tokens/s at 1M (device) >= 25000", device_1m["tokens_per_s"], device_1m["tokens_per_s"] >= 25000))
+    if checks:
+        print("\ntargets:")
+        for what, value, ok in checks:
+            print(f"  {'MET ' if ok else 'MISS'} {what}: {value:.3g}")
+    write_json(
+        args.json,
+        {
+            "benchmark": "drt",
+            "machine": machine_description(),
+            "training": train_rows,
+            "prefill": prefill_rows,
+            "decode": decode_rows,
+            "targets": [{"target": w, "value": v, "met": ok} for w, v, ok in checks],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

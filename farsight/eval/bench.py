@@ -1,0 +1,45 @@
+"""`farsight eval bench`: run the benchmark scripts of a source checkout and collect their figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCHMARKS = ("train_throughput", "castle", "drt", "kernels")
+
+
+def benchmarks_dir() -> Path:
+    directory = Path(__file__).resolve().parents[2] / "benchmarks"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} not found: the benchmarks ship with the source checkout, run from a clone")
+    return directory
+
+
+def run_benchmarks(names: list[str] | None = None, quick: bool = False, json_path: str | None = None) -> int:
+    """Run each benchmark script in its own process (its output streams through); 0 if all succeed."""
+    names = list(names or BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+    directory = benchmarks_dir()
+    collected, failed = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            print(f"=== {name} ===", flush=True)
+            out = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, str(directory / f"{name}.py"), "--json", str(out)] + (["--quick"] if quick else [])
+            code = subprocess.call(cmd)
+            if code != 0:
+                failed.append(name)
+            if out.is_file():
+                collected[name] = json.loads(out.read_text())
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(collected, indent=2))
+        print(f"wrote {json_path}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

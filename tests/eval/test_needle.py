@@ -1,0 +1,92 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from farsight.cli import main
+from farsight.data.tasks import RepeatedFiller, make_task
+from farsight.data.tokenizers import load_tokenizer
+from farsight.eval import needle
+from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, score_answer
+from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
+
+TOK = load_tokenizer("byte")
+
+
+def tiny_drt():
+    torch.manual_seed(0)
+    cfg = DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=16, window=24, top_k=2, encoder_layers=1)
+    return DRTForCausalLM(cfg).eval()
+
+
+def test_lengths_parse_and_format():
+    assert parse_length("1k") == 1024 and parse_length("16M") == 16 * 2**20 and parse_length("1500") == 1500
+    assert format_length(1 << 20) == "1M" and format_length(4096) == "4K" and format_length(1000) == "1000"
+    with pytest.raises(ValueError, match="cannot read length"):
+        parse_length("lots")
+
+
+def test_exact_match_needs_every_token():
+    assert score_answer(np.array([1, 2, 3]), np.array([1, 2, 3])) == (True, True)
+    assert score_answer(np.array([1, 2, 4]), np.array([1, 2, 3])) == (False, True)
+    assert score_answer(np.array([0, 2, 3]), np.array([1, 2, 3])) == (False, False)
+
+
+def test_an_oracle_scores_perfectly_and_a_wrong_model_does_not(monkeypatch):
+    model = tiny_drt()
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), 16)
+    lengths, depths = [200, 300], [0.0, 1.0]
+    truth = {}
+    for length in lengths:
+        for di, depth in enumerate(depths):
+            for t in range(2):
+                s = task.sample(length, depth, needle.trial_rng(0, length, di, t))
+                truth[tuple(s.prompt.tolist())] = s.answer
+
+    def oracle(decoder, prompt, steps, on_tokens=None, block=0):
+        return torch.tensor(np.stack([truth[tuple(p.tolist())] for p in prompt]))
+
+    monkeypatch.setattr(needle, "greedy_continuation", oracle)
+    summary = evaluate_needle_task(model, task, lengths, depths, trials=2, batch_size=2, progress=False)
+    assert all(v["exact_match"] == 1.0 and v["trials"] == 4 for v in summary["by_length"].values())
+
+    def off_by_one(decoder, prompt, steps, on_tokens=None, block=0):
+        out = oracle(decoder, prompt, steps)
+        out[:, -1] = (out[:, -1] + 1) % 256
+        return out
+
+    monkeypatch.setattr(needle, "greedy_continuation", off_by_one)
+    summary = evaluate_needle_task(model, task, lengths, depths, trials=2, progress=False)
+    assert all(v["exact_match"] == 0.0 and v["first_token"] == 1.0 for v in summary["by_length"].values())
+    assert "exact match %" in results_table(summary)
+
+
+@pytest.mark.parametrize("kind", ["drt", "sliding"])
+def test_real_decoding_runs_for_drt_and_baselines(kind):
+    if kind == "drt":
+        model = tiny_drt()
+    else:
+        model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=24)).eval()
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), 16)
+    summary = evaluate_needle_task(model, task, [200], [0.5], trials=3, batch_size=2, progress=False)
+    row = summary["by_length"]["200"]
+    assert row["trials"] == 3 and 0 <= row["exact_match"] <= row["first_token"] <= 1
+    assert ("needle_retrieved" in row) == (kind == "drt")
+    predicted = [t["predicted"] for t in summary["trials"]]
+    assert all(len(p) >= 1 for p in predicted)
+
+
+def test_cli_eval_writes_json_and_heatmap(tmp_path):
+    model = tiny_drt()
+    model.save_pretrained(tmp_path / "m", tokenizer=TOK)
+    code = main(
+        [
+            "eval", "passkey", "--model", str(tmp_path / "m"), "--lengths", "160,256", "--depths", "0,1",
+            "--trials", "1", "--filler", "repeat", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "h.png"),
+        ]
+    )
+    assert code == 0
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert set(summary["by_length"]) == {"160", "256"} and len(summary["by_cell"]) == 4
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
