@@ -167,16 +167,29 @@ class PretrainedLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def save_pretrained(self, path: str | os.PathLike, tokenizer: Any = None) -> Path:
-        from safetensors.torch import save_model
+    def save_pretrained(
+        self, path: str | os.PathLike, tokenizer: Any = None, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> Path:
+        """Write config.json, model.safetensors (and tokenizer.json). `state_dict` overrides the
+        module's own tensors (e.g. the full state gathered from FSDP shards)."""
+        from safetensors.torch import save_file
 
         import farsight
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         meta = {"model_type": self.model_type, "farsight_version": farsight.__version__, "config": self.config.to_dict()}
+        tensors = dict(state_dict if state_dict is not None else self.state_dict())
+        # tied parameters (e.g. embedding and LM head) are stored once, under their first name
+        seen: dict[int, str] = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                tensors.pop(name, None)
+            else:
+                seen[id(param)] = name
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         _atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
-        _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_model(self, tmp))
+        _atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
         if tokenizer is not None:
             tokenizer.save(path)
         return path

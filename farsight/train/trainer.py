@@ -139,11 +139,26 @@ class Trainer:
         self.tokens_seen = 0
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
+    @property
+    def _sharded(self) -> bool:
+        return self.ctx.enabled and self.config.train.distributed == "fsdp"
+
+    def _full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Model and optimizer state as plain full tensors (gathered from every rank under FSDP)."""
+        if not self._sharded:
+            return self.model.state_dict(), self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.wrapped, options=options), get_optimizer_state_dict(
+            self.wrapped, self.optimizer, options=options
+        )
+
+    def _state(self, optimizer: dict[str, Any]) -> dict[str, Any]:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(self.device),
             "config": self.config.to_dict(),
@@ -152,12 +167,13 @@ class Trainer:
 
     def save(self) -> Path | None:
         path = None
+        model_state, optimizer_state = self._full_state()  # a collective under FSDP
         if self.ctx.is_main:
             path = save_checkpoint(
                 self.ckpt_root,
                 self.step,
-                lambda d: self.model.save_pretrained(d, tokenizer=self.tokenizer),
-                self._state(),
+                lambda d: self.model.save_pretrained(d, tokenizer=self.tokenizer, state_dict=model_state),
+                self._state(optimizer_state),
                 self.config.train.keep_last,
             )
         dist_utils.barrier(self.ctx)
@@ -177,10 +193,23 @@ class Trainer:
                 f"{path} was trained with model config {state['config']['model']}, not {self.config.model}; "
                 "use a new train.out_dir or restore the original model section"
             )
-        from safetensors.torch import load_model
+        if self._sharded:
+            from safetensors.torch import load_file
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        load_model(self.model, path / "model.safetensors", device=str(self.device))
-        self.optimizer.load_state_dict(state["optimizer"])
+            weights = load_file(path / "model.safetensors")
+            set_state_dict(
+                self.wrapped,
+                self.optimizer,
+                model_state_dict=weights,
+                optim_state_dict=state["optimizer"],
+                options=StateDictOptions(full_state_dict=True, strict=False),
+            )
+        else:
+            from safetensors.torch import load_model
+
+            load_model(self.model, path / "model.safetensors", device=str(self.device))
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]

@@ -184,3 +184,31 @@ def test_ddp_two_processes_keep_identical_parameters(token_dir, tmp_path):
     single = Trainer(tiny_config(token_dir, tmp_path / "single", steps=2))
     before = torch.cat([p.detach().flatten() for p in single.model.parameters()])
     assert not torch.equal(a, before)  # the ranks did train
+
+
+def _fsdp_worker(rank, port, token_dir, out_dir, steps, result_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = Trainer(tiny_config(token_dir, out_dir, steps=steps, distributed="fsdp"))
+    result = trainer.fit()
+    torch.save(dict(result.losses), os.path.join(result_dir, f"{os.path.basename(out_dir)}-{steps}-{rank}.pt"))
+    trainer.close()
+
+
+def test_fsdp_checkpoints_gather_full_weights_and_resume(token_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    for out, steps in (("straight", 4), ("resumed", 2), ("resumed", 4)):
+        mp.spawn(_fsdp_worker, args=(port(), str(token_dir), str(tmp_path / out), steps, str(tmp_path)), nprocs=2, join=True)
+    model = load_model(tmp_path / "resumed")
+    assert model.lm_head.weight is model.embed.weight
+    straight = torch.load(tmp_path / "straight-4-0.pt")
+    assert len(straight) == 4
+    assert torch.load(tmp_path / "resumed-2-0.pt") | torch.load(tmp_path / "resumed-4-1.pt") == straight
