@@ -1,0 +1,304 @@
+"""CASTLE op benchmark: blockwise training path vs the O(T^3) reference vs SDPA, and decoding.
+
+    python benchmarks/castle.py [--quick] [--json PATH]
+
+Every measured case runs in a fresh process (farsight.eval.efficiency.run_isolated), which
+reports the wall time (median of a few runs) and the peak-memory growth of one call. Training
+cases use B=1, H=1, d=64 so that the memory column shows the scaling in T; "fwd" runs under
+no_grad, "fwd+bwd" is one forward and one backward. The decoding cases time one token against
+a cache of t tokens (B=1, H=8, d=64): castle_decode with its UQ-KV cache vs a standard
+KV-cache step (one query against t cached keys with SDPA). The end of the output says which
+of the targets the measured figures meet; nothing here is asserted by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from farsight.eval.efficiency import (
+    format_table,
+    machine_description,
+    measure_peak_memory,
+    run_isolated,
+    time_fn,
+    write_json,
+)
+from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_parallel_reference
+
+FULL_STEPS = [256, 512, 1024, 2048, 4096, 8192, 16384]
+QUICK_STEPS = [256, 512, 1024, 2048]
+FULL_WINDOWS: list[int | None] = [None, 128, 512]
+QUICK_WINDOWS: list[int | None] = [None, 128]
+FULL_DECODE_CONTEXTS = [1024, 4096, 8192]
+QUICK_DECODE_CONTEXTS = [1024, 8192]
+# The dense reference holds several [T, T] matrices and costs O(T^3): beyond this it is skipped.
+FULL_REFERENCE_LIMIT = 4096
+QUICK_REFERENCE_LIMIT = 2048
+HEAD_DIM = 64
+DECODE_HEADS = 8
+DECODE_TOKENS = 32
+CASE_TIMEOUT_S = 600.0
+
+
+def _variant(window: int | None) -> str:
+    return "castle" if window is None else f"swl-{window}"
+
+
+def _train_case(case: dict) -> dict:
+    """Subprocess body: peak memory of one call, then its median time."""
+    torch.manual_seed(0)
+    steps, impl, backward, window = case["steps"], case["impl"], case["backward"], case["window"]
+    shape = (1, 1, steps, HEAD_DIM) if impl == "sdpa" else (1, steps, 1, HEAD_DIM)
+    count = 3 if impl == "sdpa" else 6
+    inputs = [torch.randn(shape, requires_grad=backward) for _ in range(count)]
+
+    def op(xs: list[torch.Tensor]) -> torch.Tensor:
+        if impl == "sdpa":
+            return F.scaled_dot_product_attention(*xs, is_causal=True)
+        if impl == "reference":
+            return castle_parallel_reference(*xs, window=window)
+        return castle_attention(*xs, window=window)
+
+    def call(xs: list[torch.Tensor] = inputs) -> None:
+        if not backward:
+            with torch.no_grad():
+                op(xs)
+            return
+        for x in xs:
+            x.grad = None
+        op(xs).sum().backward()
+
+    # Load kernels and thread pools on a tiny problem so that they do not count as peak memory.
+    tiny = [x.detach()[..., :8, :, :] if impl != "sdpa" else x.detach()[..., :8, :] for x in inputs]
+    call([x.clone().requires_grad_(backward) for x in tiny])
+    peak = measure_peak_memory(call)
+    large = steps >= 8192
+    seconds = time_fn(call, warmup=0 if large else 1, repeat=1 if large else 3)
+    return {"time_s": seconds, "peak_bytes": peak}
+
+
+def _decode_case(case: dict) -> dict:
+    """Subprocess body: seconds per decoded token with `context` tokens already cached."""
+    torch.manual_seed(0)
+    context, impl, window = case["context"], case["impl"], case["window"]
+    heads, dim, tokens = DECODE_HEADS, HEAD_DIM, DECODE_TOKENS
+    capacity = context + tokens
+    steps = [[torch.randn(1, 1, heads, dim) for _ in range(6)] for _ in range(tokens)]
+    if impl == "sdpa":
+        keys, values = torch.randn(1, heads, capacity, dim), torch.randn(1, heads, capacity, dim)
+
+        def run() -> None:
+            for i, (q, k, v, *_) in enumerate(steps):
+                pos = context + i
+                keys[:, :, pos] = k[:, 0]
+                values[:, :, pos] = v[:, 0]
+                F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, : pos + 1], values[:, :, : pos + 1])
+
+    else:
+        buffers = [torch.randn(1, heads, capacity, dim) * 0.1 for _ in range(4)]
+        cache = CastleCache(
+            *buffers, length=context, window=window, scale=dim**-0.5, input_dtype=torch.float32, layer=0
+        )
+
+        def run() -> None:
+            cache.length = context
+            for token in steps:
+                castle_decode(*token, cache)
+
+    seconds = time_fn(run, warmup=1, repeat=5)
+    return {"time_s": seconds / tokens}
+
+
+def _measure(target, case: dict) -> dict:
+    result = run_isolated(target, case, timeout=CASE_TIMEOUT_S)
+    label = ", ".join(f"{k}={v}" for k, v in case.items())
+    shown = result.get("error") or f"{result['time_s'] * 1e3:.3f} ms"
+    print(f"  {label}: {shown}", flush=True)
+    return result
+
+
+def _ms(result: dict | None) -> float | None:
+    return None if result is None or "time_s" not in result else result["time_s"] * 1e3
+
+
+def _mb(result: dict | None) -> float | None:
+    return None if result is None or "peak_bytes" not in result else result["peak_bytes"] / 2**20
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def run_training(step_list: list[int], windows: list[int | None], reference_limit: int) -> list[dict]:
+    raw: dict[tuple, dict] = {}
+    for steps in step_list:
+        for backward in (False, True):
+            raw[("sdpa", None, steps, backward)] = _measure(
+                _train_case, {"impl": "sdpa", "window": None, "steps": steps, "backward": backward}
+            )
+            for window in windows:
+                impls = ["castle"] + (["reference"] if steps <= reference_limit else [])
+                for impl in impls:
+                    raw[(impl, window, steps, backward)] = _measure(
+                        _train_case, {"impl": impl, "window": window, "steps": steps, "backward": backward}
+                    )
+    rows = []
+    for window in windows:
+        for steps in step_list:
+            castle_fb = raw[("castle", window, steps, True)]
+            reference_fb = raw.get(("reference", window, steps, True))
+            sdpa_fb = raw[("sdpa", None, steps, True)]
+            half = raw.get(("castle", window, steps // 2, True))
+            rows.append(
+                {
+                    "variant": _variant(window),
+                    "T": steps,
+                    "castle fwd ms": _ms(raw[("castle", window, steps, False)]),
+                    "castle f+b ms": _ms(castle_fb),
+                    "castle fwd MB": _mb(raw[("castle", window, steps, False)]),
+                    "castle f+b MB": _mb(castle_fb),
+                    "ref fwd ms": _ms(raw.get(("reference", window, steps, False))),
+                    "ref f+b ms": _ms(reference_fb),
+                    "ref f+b MB": _mb(reference_fb),
+                    "sdpa fwd ms": _ms(raw[("sdpa", None, steps, False)]),
+                    "sdpa f+b ms": _ms(sdpa_fb),
+                    "sdpa f+b MB": _mb(sdpa_fb),
+                    "castle/sdpa f+b": _ratio(_ms(castle_fb), _ms(sdpa_fb)),
+                    "ref/castle f+b": _ratio(_ms(reference_fb), _ms(castle_fb)),
+                    "mem(T)/mem(T/2)": _ratio(_mb(castle_fb), _mb(half)),
+                    "errors": "; ".join(
+                        f"{name}: {r['error']}"
+                        for name, r in (("castle", castle_fb), ("reference", reference_fb), ("sdpa", sdpa_fb))
+                        if r is not None and "error" in r
+                    )
+                    or None,
+                }
+            )
+    return rows
+
+
+def run_decoding(contexts: list[int]) -> list[dict]:
+    rows = []
+    for context in contexts:
+        sdpa = _measure(_decode_case, {"impl": "sdpa", "window": None, "context": context})
+        for window in (None, 512):
+            castle = _measure(_decode_case, {"impl": "castle", "window": window, "context": context})
+            rows.append(
+                {
+                    "variant": _variant(window),
+                    "t": context,
+                    "castle ms/token": _ms(castle),
+                    "kv-cache sdpa ms/token": _ms(sdpa),
+                    "castle/sdpa": _ratio(_ms(castle), _ms(sdpa)),
+                }
+            )
+    return rows
+
+
+def check_targets(train_rows: list[dict], decode_rows: list[dict]) -> list[dict]:
+    def find(rows: list[dict], **keys) -> dict | None:
+        return next((r for r in rows if all(r.get(k) == v for k, v in keys.items())), None)
+
+    def target(name: str, value: float | None, ok: bool | None, detail: str) -> dict:
+        status = "not measured" if ok is None else ("MET" if ok else "NOT MET")
+        return {"target": name, "value": value, "status": status, "detail": detail}
+
+    out = []
+    big, half = find(train_rows, variant="castle", T=16384), find(train_rows, variant="castle", T=8192)
+    mem_ratio = _ratio(big and big["castle f+b MB"], half and half["castle f+b MB"])
+    out.append(
+        target(
+            "f+b peak memory T=16384 / T=8192 <= 2.2",
+            mem_ratio,
+            None if mem_ratio is None else mem_ratio <= 2.2,
+            "castle_attention, B=1 H=1 d=64",
+        )
+    )
+    row = find(train_rows, variant="castle", T=2048)
+    speedup = row and row["ref/castle f+b"]
+    out.append(
+        target(
+            "T=2048 f+b >= 20x faster than the O(T^3) reference",
+            speedup,
+            None if speedup is None else speedup >= 20,
+            "reference f+b time / castle_attention f+b time",
+        )
+    )
+    vs_sdpa = row and row["castle/sdpa f+b"]
+    out.append(
+        target(
+            "T=2048 f+b within 3x of SDPA causal",
+            vs_sdpa,
+            None if vs_sdpa is None else vs_sdpa <= 3,
+            "castle_attention f+b time / SDPA(is_causal=True) f+b time",
+        )
+    )
+    dec = find(decode_rows, variant="castle", t=8192)
+    dec_ratio = dec and dec["castle/sdpa"]
+    out.append(
+        target(
+            "decode at t=8192 within 4x of a KV-cache decode step",
+            dec_ratio,
+            None if dec_ratio is None else dec_ratio <= 4,
+            f"castle_decode / SDPA KV-cache step, B=1 H={DECODE_HEADS} d={HEAD_DIM}",
+        )
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="T up to 2048, fewer variants (about a minute)")
+    parser.add_argument("--json", metavar="PATH", help="also write all figures to this JSON file")
+    args = parser.parse_args()
+    step_list = QUICK_STEPS if args.quick else FULL_STEPS
+    windows = QUICK_WINDOWS if args.quick else FULL_WINDOWS
+    reference_limit = QUICK_REFERENCE_LIMIT if args.quick else FULL_REFERENCE_LIMIT
+    contexts = QUICK_DECODE_CONTEXTS if args.quick else FULL_DECODE_CONTEXTS
+    start = time.perf_counter()
+    machine = machine_description()
+    print(f"machine: {machine}")
+    print("training cases (each in a fresh process):", flush=True)
+    train_rows = run_training(step_list, windows, reference_limit)
+    print("decoding cases:", flush=True)
+    decode_rows = run_decoding(contexts)
+    targets = check_targets(train_rows, decode_rows)
+
+    print(
+        f"\ntraining: B=1 H=1 d={HEAD_DIM}, fp32; reference skipped above T={reference_limit} "
+        "(O(T^3) time, O(T^2) memory)"
+    )
+    columns = [c for c in train_rows[0] if c != "errors"]
+    print(format_table(train_rows, columns))
+    for row in train_rows:
+        if row["errors"]:
+            print(f"  {row['variant']} T={row['T']}: {row['errors']}")
+    print(f"\ndecoding: B=1 H={DECODE_HEADS} d={HEAD_DIM}, fp32, mean over {DECODE_TOKENS} tokens")
+    print(format_table(decode_rows, list(decode_rows[0])))
+    print("\ntargets:")
+    for t in targets:
+        value = "-" if t["value"] is None else f"{t['value']:.3g}"
+        print(f"  [{t['status']}] {t['target']}: {value} ({t['detail']})")
+    elapsed = time.perf_counter() - start
+    print(f"\ntotal {elapsed:.0f} s")
+    write_json(
+        args.json,
+        {
+            "machine": machine,
+            "quick": args.quick,
+            "training": train_rows,
+            "decoding": decode_rows,
+            "targets": targets,
+            "seconds": elapsed,
+            "threads": torch.get_num_threads(),
+            "head_dim": HEAD_DIM,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

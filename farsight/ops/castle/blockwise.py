@@ -1,0 +1,633 @@
+"""CASTLE training and inference paths: O(T^2 d) time, O(T d) memory in forward and backward.
+
+Notation (per head; 0-based positions; a = query row, b = key, c = lookahead token):
+
+    P[b, c]   = sigmoid(scale * qu_b . ku_c) * [b < c] * [c <= b + W]
+    S^U[a, b] = scale * sum_{c <= a} P[b, c] (qc_a . vu_c)
+    A[a, b]   = scale * qc_a . kc_b - SiLU(S^U[a, b])  for b <= a,   O = row_softmax(A) VC
+
+The sequence is zero-padded to a multiple of the key block (padded positions come after every
+real one, so causality keeps them out of real rows; they are sliced off). The loop runs over
+KEY blocks J (`block` keys) and handles all later query rows at once. For a query row
+sub-block I (`sub` rows, at or after the start of J), S^U[I, J] splits by where c lies:
+
+    c in a sub-block before I:  scale * QC_I @ D_J^(I)^T,   D_J^(I) = sum_{c < start(I)} P[J, c] vu_c
+    c inside sub-block I:       G_I @ P[J, I]^T,            G_I = scale * tril(QC_I VU_I^T)
+
+With Y_I = P[J, I] @ VU_I, all D_J^(I) are one exclusive prefix sum of Y over I, so a key
+block costs a handful of batched matmuls and O(T d) memory. The sums only add (no running sum
+is ever subtracted), which keeps fp32 accurate at long T. The diagonal term costs
+O(T^2 * sub) and the prefix sums O(T^2 d / sub) in all, which is why the row sub-block is
+separate from (and smaller than) the key block.
+
+With a window W, P[J, c] vanishes for c > end(J) + W, so D_J stops changing after a few
+sub-blocks: the P / Y work is restricted to those "near" sub-blocks and the final D_J (the
+inclusive total) serves every row beyond; this is where CASTLE-SWL saves work. That total is
+also the lookahead key U[J] after the whole sequence, which the UQ-KV cache of
+`castle_prefill` needs.
+
+`scale` is folded into the packed qu and qc once, so the sigmoid logits, scores and S^U come
+out of their matmuls already scaled. The backward recomputes every block; autograd keeps only
+the inputs, the output and the per-row logsumexp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from farsight.ops.castle.reference import INPUT_NAMES, check_castle_inputs, lookahead_mask
+from farsight.ops.checks import check_positive_int, check_tensor, compute_dtype
+
+# Tuned on a 2-core AVX-512 CPU (benchmarks/castle.py): fewer, larger key blocks cut Python
+# overhead; a 64-row sub-block balances the diagonal term against the prefix sums.
+DEFAULT_BLOCK_SIZE = 128
+ROW_SUB_BLOCK = 64
+_SCAN_GROUP = 16
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Block geometry of one call: `steps` real positions padded to `n_blocks * block`.
+
+    Key blocks have `block` positions; the S^U split into "before" and "inside" works on row
+    sub-blocks of `sub` positions (`block` is a multiple of `sub`).
+    """
+
+    steps: int
+    block: int
+    sub: int
+    window: int | None
+    scale: float
+
+    @classmethod
+    def make(cls, steps: int, block_size: int, window: int | None, scale: float) -> _Plan:
+        sub = min(block_size, ROW_SUB_BLOCK)
+        if block_size % sub:
+            sub = block_size
+        block = min(block_size, -(-max(steps, 1) // sub) * sub)
+        return cls(steps, block, sub, window, scale)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.steps // self.block)
+
+    @property
+    def padded(self) -> int:
+        return self.n_blocks * self.block
+
+    @property
+    def n_subs(self) -> int:
+        return self.padded // self.sub
+
+    def near_subs(self, j: int) -> int:
+        """Row sub-blocks from start(J) on that can hold a lookahead token c <= b + W of block j."""
+        if self.window is None:
+            return self.n_subs - j * self.block // self.sub
+        last = min(self.padded, (j + 1) * self.block + self.window)  # one past the last such c
+        return -(-(last - j * self.block) // self.sub)
+
+
+class _Masks(NamedTuple):
+    lookahead: torch.Tensor  # [block, near_subs(0) * sub], 1.0 where 0 < c - b <= W
+    above_diagonal: torch.Tensor  # bool [block, block], True where key b > query a
+    tril: torch.Tensor  # [sub, sub], 1.0 where a >= c
+    scan_lower: torch.Tensor  # [_SCAN_GROUP, _SCAN_GROUP] strictly lower triangular ones
+    scan_upper: torch.Tensor  # its transpose
+
+
+def _masks(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _Masks:
+    # Relative to the start of key block J, the lookahead condition only depends on c - b,
+    # so one mask serves every key block.
+    lookahead = lookahead_mask(plan.block, plan.near_subs(0) * plan.sub, plan.window, device).to(dtype)
+    above = torch.ones(plan.block, plan.block, dtype=torch.bool, device=device).triu(1)
+    tril = torch.ones(plan.sub, plan.sub, dtype=dtype, device=device).tril()
+    lower = torch.ones(_SCAN_GROUP, _SCAN_GROUP, dtype=dtype, device=device).tril(-1)
+    return _Masks(lookahead, above, tril, lower, lower.t().contiguous())
+
+
+def _pack(x: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, d] -> zero-padded [B * H, T_padded, d] in the compute dtype."""
+    batch, steps, heads, dim = x.shape
+    out = x.new_zeros(batch, heads, plan.padded, dim, dtype=dtype)
+    out[:, :, :steps] = x.transpose(1, 2)
+    return out.view(batch * heads, plan.padded, dim)
+
+
+def _pack_all(inputs: tuple[torch.Tensor, ...], plan: _Plan, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Pack (qu, ku, vu, qc, kc, vc) and fold `scale` into qu and qc: every product that
+    needs it (sigmoid logits, scores, S^U) then comes out of a matmul already scaled."""
+    packed = [_pack(x, plan, dtype) for x in inputs]
+    packed[0].mul_(plan.scale)
+    packed[3].mul_(plan.scale)
+    return packed
+
+
+def _unpack(x: torch.Tensor, plan: _Plan, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """[B * H, T_padded, d] -> [B, T, H, d] in `dtype` (drops the padding)."""
+    batch, steps, heads, dim = shape
+    return x.view(batch, heads, plan.padded, dim)[:, :, :steps].transpose(1, 2).to(dtype).contiguous()
+
+
+def _subs(x: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """[N, T_padded, k] -> [N, n_subs, sub, k] (a view)."""
+    return x.view(x.shape[0], plan.n_subs, plan.sub, x.shape[-1])
+
+
+def _diagonal_gram(qc: torch.Tensor, vu: torch.Tensor, plan: _Plan, masks: _Masks) -> torch.Tensor:
+    """G_I = tril(QC_I VU_I^T) for every row sub-block (qc pre-scaled): [N, n_subs, sub, sub].
+
+    It does not depend on the key block, so it is formed once per call.
+    """
+    return (_subs(qc, plan) @ _subs(vu, plan).transpose(-1, -2)).mul_(masks.tril)
+
+
+def _exclusive_scan(y: torch.Tensor, masks: _Masks, reverse: bool = False) -> torch.Tensor:
+    """Exclusive prefix sum over dim 1 of y [N, n, M] (suffix sum if `reverse`): [N, n, M].
+
+    torch.cumsum over a non-innermost dim runs a scalar strided loop that costs more than all
+    the block matmuls around it, so the scan is a matmul with a strictly triangular 0/1 matrix
+    inside groups of _SCAN_GROUP rows plus a recursive scan of the group totals: only additions
+    (no running sum is subtracted) and O(n * _SCAN_GROUP * M) work.
+    """
+    n_rows, n, width = y.shape
+    if n <= _SCAN_GROUP:
+        return torch.matmul((masks.scan_upper if reverse else masks.scan_lower)[:n, :n], y)
+    n_groups = -(-n // _SCAN_GROUP)
+    if n % _SCAN_GROUP:
+        y = F.pad(y, (0, 0, 0, n_groups * _SCAN_GROUP - n))
+    grouped = y.view(n_rows, n_groups, _SCAN_GROUP, width)
+    out = torch.matmul(masks.scan_upper if reverse else masks.scan_lower, grouped)
+    out += _exclusive_scan(grouped.sum(dim=2), masks, reverse).unsqueeze(2)
+    return out.view(n_rows, n_groups * _SCAN_GROUP, width)[:, :n]
+
+
+class _KeyBlock(NamedTuple):
+    """Everything about key block j that both passes need (all O(T * block) or O(T d))."""
+
+    near: int  # row sub-blocks from start(J) that can hold lookahead tokens of block j
+    p: torch.Tensor  # [N, near, block_b, sub_c] lookahead weights P[J, I]
+    d_excl: torch.Tensor  # [N, near, block_b, d] D_J^(I) for the near row sub-blocks
+    d_total: torch.Tensor  # [N, block_b, d] sum over all c: D_J for rows beyond, and U[J]
+    s_u: torch.Tensor  # [N, rows from start(J), block_b] S^U column block
+
+
+def _key_block(
+    j: int,
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    gram: torch.Tensor,
+    plan: _Plan,
+    masks: _Masks,
+) -> _KeyBlock:
+    """Lookahead weights, D and S^U of key block j (qu and qc pre-scaled)."""
+    n, _, dim = qu.shape
+    bk, sub = plan.block, plan.sub
+    near, s0 = plan.near_subs(j), j * bk // sub
+    c0, c1 = j * bk, j * bk + near * sub
+    p_flat = torch.bmm(qu[:, c0 : c0 + bk], ku[:, c0:c1].transpose(1, 2)).sigmoid_()  # [N, block_b, near*sub]
+    if plan.window is None:
+        # Without a window only c inside the key block itself can fail c > b.
+        p_flat[:, :, :bk].mul_(masks.lookahead[:, :bk])
+    else:
+        p_flat.mul_(masks.lookahead[:, : c1 - c0])
+    p = p_flat.view(n, bk, near, sub).transpose(1, 2).contiguous()
+    y = torch.matmul(p, _subs(vu, plan)[:, s0 : s0 + near])  # [N, near, block_b, d]
+    d_excl = _exclusive_scan(y.view(n, near, bk * dim), masks).view(n, near, bk, dim)
+    d_total = d_excl[:, -1] + y[:, -1]
+    s_near = torch.matmul(gram[:, s0 : s0 + near], p.transpose(-1, -2))  # [N, near, sub_a, block_b]
+    s_near += torch.matmul(_subs(qc, plan)[:, s0 : s0 + near], d_excl.transpose(-1, -2))
+    s_near = s_near.view(n, near * sub, bk)
+    if c1 < plan.padded:
+        s_u = torch.cat([s_near, torch.bmm(qc[:, c1:], d_total.transpose(1, 2))], dim=1)
+    else:
+        s_u = s_near
+    return _KeyBlock(near, p, d_excl, d_total, s_u)
+
+
+def _scores(j: int, kb: _KeyBlock, qc: torch.Tensor, kc: torch.Tensor, plan: _Plan, masks: _Masks) -> torch.Tensor:
+    """Score column block A[rows >= start(J), J]: [N, rows, block], -inf above the diagonal."""
+    bk = plan.block
+    score = torch.bmm(qc[:, j * bk :], kc[:, j * bk : (j + 1) * bk].transpose(1, 2))
+    score -= F.silu(kb.s_u)
+    score[:, :bk].masked_fill_(masks.above_diagonal, float("-inf"))
+    return score
+
+
+def _forward(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    plan: _Plan,
+    want_lookahead: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Packed inputs [N, T_padded, d], qu and qc pre-scaled -> (o, lse [N, T_padded], U or None).
+
+    Online softmax over key blocks (column-outer): running max, sum and output for all rows.
+    U [N, T_padded, d] (the lookahead keys after the whole sequence) when `want_lookahead`.
+    """
+    n, tp, dim = qu.shape
+    bk = plan.block
+    masks = _masks(plan, qu.dtype, qu.device)
+    gram = _diagonal_gram(qc, vu, plan, masks)
+    row_max = qu.new_full((n, tp), float("-inf"))
+    row_sum = qu.new_zeros(n, tp)
+    acc = qu.new_zeros(n, tp, dim)
+    lookahead = qu.new_empty(n, tp, dim) if want_lookahead else None
+    for j in range(plan.n_blocks):
+        r0, r1 = j * bk, (j + 1) * bk
+        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks)
+        if lookahead is not None:
+            lookahead[:, r0:r1] = kb.d_total
+        score = _scores(j, kb, qc, kc, plan, masks)
+        m_old = row_max[:, r0:]
+        m_new = torch.maximum(m_old, score.amax(dim=-1))
+        rescale = (m_old - m_new).exp_()
+        weights = score.sub_(m_new.unsqueeze(-1)).exp_()
+        row_sum[:, r0:].mul_(rescale).add_(weights.sum(dim=-1))
+        acc[:, r0:].mul_(rescale.unsqueeze(-1)).baddbmm_(weights, vc[:, r0:r1])
+        m_old.copy_(m_new)
+    out = acc.div_(row_sum.unsqueeze(-1))
+    lse = row_max.add_(row_sum.log_())
+    return out, lse, lookahead
+
+
+def _backward(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    plan: _Plan,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients w.r.t. the six packed inputs as `_forward` saw them (qu, qc pre-scaled).
+
+    Every block is recomputed. The S^U branch carries the NEGATED gradient
+    (-dS^U = dA * SiLU'(S^U), one fused silu_backward), so its accumulations subtract.
+    """
+    n, tp, dim = qu.shape
+    bk, sub = plan.block, plan.sub
+    masks = _masks(plan, qu.dtype, qu.device)
+    gram = _diagonal_gram(qc, vu, plan, masks)
+    neg_grad_gram = torch.zeros_like(gram)
+    delta = (grad_out * out).sum(dim=-1)
+    dqu, dku, dvu, dqc, dkc, dvc = (torch.zeros_like(qu) for _ in range(6))
+    dqc_subs, dvu_subs = _subs(dqc, plan), _subs(dvu, plan)
+    qc_subs, vu_subs = _subs(qc, plan), _subs(vu, plan)
+    for j in range(plan.n_blocks):
+        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks)
+        near, s0 = kb.near, j * bk // sub
+        r0, r1, c1 = j * bk, (j + 1) * bk, j * bk + near * sub
+        near_subs = slice(s0, s0 + near)
+        # Softmax and causal-key part, as in flash attention.
+        probs = _scores(j, kb, qc, kc, plan, masks).sub_(lse[:, r0:].unsqueeze(-1)).exp_()
+        dvc[:, r0:r1] = torch.bmm(probs.transpose(1, 2), grad_out[:, r0:])
+        grad_score = torch.bmm(grad_out[:, r0:], vc[:, r0:r1].transpose(1, 2))
+        grad_score.sub_(delta[:, r0:].unsqueeze(-1)).mul_(probs)
+        del probs
+        dqc[:, r0:].baddbmm_(grad_score, kc[:, r0:r1])
+        dkc[:, r0:r1] = torch.bmm(grad_score.transpose(1, 2), qc[:, r0:])
+        neg_grad_su = torch.ops.aten.silu_backward(grad_score, kb.s_u)
+        del grad_score
+        neg_near = neg_grad_su[:, : near * sub].view(n, near, sub, bk)
+        # D term of the near row sub-blocks, and of all rows beyond (which see the total).
+        dqc_subs[:, near_subs] -= neg_near @ kb.d_excl
+        neg_grad_d = neg_near.transpose(-1, -2) @ qc_subs[:, near_subs]  # [N, near, block_b, d]
+        # D_J^(I) = sum_{I' < I} Y_I'  =>  dY_I' = sum_{I > I'} dD_J^(I) (+ the rows beyond):
+        # a reverse exclusive scan, which like the forward only adds.
+        neg_grad_y = _exclusive_scan(neg_grad_d.view(n, near, bk * dim), masks, reverse=True).view(n, near, bk, dim)
+        if c1 < tp:
+            neg_far = neg_grad_su[:, near * sub :]
+            dqc[:, c1:].baddbmm_(neg_far, kb.d_total, alpha=-1)
+            neg_grad_y += torch.bmm(neg_far.transpose(1, 2), qc[:, c1:]).unsqueeze(1)
+        # Y_I = P[J, I] VU_I and the diagonal term G_I P[J, I]^T.
+        neg_grad_p = neg_grad_y @ vu_subs[:, near_subs].transpose(-1, -2)  # [N, near, block_b, sub_c]
+        neg_grad_p += neg_near.transpose(-1, -2) @ gram[:, near_subs]
+        dvu_subs[:, near_subs] -= kb.p.transpose(-1, -2) @ neg_grad_y
+        neg_grad_gram[:, near_subs] += neg_near @ kb.p
+        # P = sigmoid(Z) * mask: P is 0 wherever the mask is, so P (1 - P) carries the mask.
+        neg_grad_z = torch.ops.aten.sigmoid_backward(neg_grad_p, kb.p).transpose(1, 2).reshape(n, bk, near * sub)
+        dqu[:, r0:r1] = torch.bmm(neg_grad_z, ku[:, r0:c1]).neg_()
+        dku[:, r0:c1].baddbmm_(neg_grad_z.transpose(1, 2), qu[:, r0:r1], alpha=-1)
+    neg_grad_gram.mul_(masks.tril)
+    dqc_subs -= neg_grad_gram @ vu_subs
+    dvu_subs -= neg_grad_gram.transpose(-1, -2) @ qc_subs
+    return dqu, dku, dvu, dqc, dkc, dvc
+
+
+class _CastleAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qu, ku, vu, qc, kc, vc, window, scale, block_size):  # type: ignore[override]
+        plan = _Plan.make(qu.shape[1], block_size, window, scale)
+        dtype = compute_dtype(qu.dtype)
+        out, lse, _ = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, dtype), plan)
+        ctx.save_for_backward(qu, ku, vu, qc, kc, vc, out, lse)
+        ctx.plan = plan
+        return _unpack(out, plan, qu.shape, qu.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):  # type: ignore[override]
+        qu, ku, vu, qc, kc, vc, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        dtype = out.dtype
+        packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, dtype)
+        grads = _backward(*packed, out, lse, _pack(grad_out, plan, dtype), plan)
+        # The packed qu and qc were pre-scaled, so their gradients carry one more factor.
+        grads[0].mul_(plan.scale)
+        grads[3].mul_(plan.scale)
+        result = [
+            _unpack(g, plan, qu.shape, qu.dtype) if needed else None
+            for g, needed in zip(grads, ctx.needs_input_grad[:6])
+        ]
+        return (*result, None, None, None)
+
+
+def castle_attention(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
+
+    All six inputs are [B, T, H, d] with one dtype and device; returns o [B, T, H, d] in the
+    input dtype. fp64 computes in fp64, everything else in fp32 (gradients come back in the
+    input dtype). O(T^2 d) time and O(T d + T * block_size) memory in forward and backward.
+    `block_size` is a speed knob (clipped to T); results do not depend on it beyond rounding.
+    """
+    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
+    scale = check_castle_inputs(named, window, scale)
+    check_positive_int("block_size", block_size)
+    return _CastleAttention.apply(qu, ku, vu, qc, kc, vc, window, scale, block_size)
+
+
+@dataclass
+class CastleCache:
+    """UQ-KV cache of one CASTLE layer (Section 2.4 of the paper).
+
+    Buffers u, qu, kc, vc are [B, H, capacity, d] in the compute dtype (fp32 for fp16/bf16/fp32
+    inputs, fp64 for fp64) so that the lookahead keys U, which are updated in place at every
+    step, do not accumulate low-precision rounding. Rows [:length] are valid: u[..., s, :] is
+    the lookahead key of token s after `length` tokens (the last valid row is zero), qu the
+    lookahead queries, kc / vc the causal keys and values. Capacity doubles when full, so a
+    decode step copies nothing in the common case.
+
+    `input_dtype` is the dtype the cache accepts and returns; `layer` is an identity tag set by
+    the owner (any comparable value, e.g. the layer index) so that castle_decode can reject a
+    cache that belongs to another layer.
+    """
+
+    u: torch.Tensor
+    qu: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+    length: int
+    window: int | None
+    scale: float
+    input_dtype: torch.dtype
+    layer: object = None
+
+    @classmethod
+    def empty(
+        cls,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        window: int | None = None,
+        scale: float | None = None,
+        layer: object = None,
+        capacity: int = 16,
+    ) -> CastleCache:
+        """A cache holding no tokens yet (equivalent to castle_prefill of a length-0 prompt)."""
+        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("capacity", capacity)):
+            check_positive_int(name, value)
+        check_positive_int("window", window, allow_none=True)
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        buffers = [
+            torch.zeros(batch, heads, capacity, head_dim, dtype=compute_dtype(dtype), device=device) for _ in range(4)
+        ]
+        return cls(*buffers, length=0, window=window, scale=scale, input_dtype=dtype, layer=layer)
+
+    @property
+    def batch(self) -> int:
+        return self.u.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.u.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.u.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.u.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.u.device
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Valid rows (U, QU, KC, VC), each [B, H, length, d] (views into the buffers)."""
+        t = self.length
+        return self.u[:, :, :t], self.qu[:, :, :t], self.kc[:, :, :t], self.vc[:, :, :t]
+
+    def reserve(self, length: int) -> None:
+        """Grow the buffers (by doubling) so that they hold at least `length` tokens."""
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        for name in ("u", "qu", "kc", "vc"):
+            old = getattr(self, name)
+            new = old.new_zeros(self.batch, self.heads, capacity, self.head_dim)
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def check_consistent(self) -> None:
+        """Raise if the buffers disagree with each other or with `length`."""
+        for name in ("u", "qu", "kc", "vc"):
+            buf = getattr(self, name)
+            check_tensor(f"cache.{name}", buf, ndim=4)
+            if buf.shape != self.u.shape or buf.dtype != self.u.dtype or buf.device != self.u.device:
+                raise ValueError(
+                    f"cache.{name} has shape {list(buf.shape)}, {buf.dtype}, {buf.device} but cache.u has "
+                    f"{list(self.u.shape)}, {self.u.dtype}, {self.u.device}; the cache buffers were modified"
+                )
+        if isinstance(self.length, bool) or not isinstance(self.length, int) or not 0 <= self.length <= self.capacity:
+            raise ValueError(f"cache.length must be an int in [0, {self.capacity}], got {self.length!r}")
+
+
+def castle_prefill(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    layer: object = None,
+) -> tuple[torch.Tensor, CastleCache]:
+    """Process a prompt (Algorithm 4): returns (o [B, T, H, d], the UQ-KV cache after T tokens).
+
+    o equals castle_attention's output. The lookahead keys U^T are the inclusive totals of the
+    forward's D accumulation, so they come out of the same blockwise pass (O(T d) memory).
+    A prompt of length 0 is allowed and gives an empty cache (as does CastleCache.empty).
+    No autograd graph is built (inference path). `layer` tags the cache for castle_decode.
+    """
+    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
+    scale = check_castle_inputs(named, window, scale)
+    check_positive_int("block_size", block_size)
+    batch, steps, heads, dim = qu.shape
+    dtype = compute_dtype(qu.dtype)
+    with torch.no_grad():
+        plan = _Plan.make(steps, block_size, window, scale)
+        out, _, lookahead = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, dtype), plan, want_lookahead=True)
+        u = lookahead.view(batch, heads, plan.padded, dim)[:, :, :steps].clone()
+        # Copies, so the cache never aliases the caller's tensors.
+        rest = [
+            x.transpose(1, 2).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True) for x in (qu, kc, vc)
+        ]
+    cache = CastleCache(u, *rest, length=steps, window=window, scale=scale, input_dtype=qu.dtype, layer=layer)
+    return _unpack(out, plan, qu.shape, qu.dtype), cache
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<taken from the cache>"
+
+
+_FROM_CACHE = _Unset()
+
+
+def _check_decode(
+    named: dict[str, torch.Tensor],
+    cache: CastleCache,
+    window: object,
+    scale: object,
+    layer: object,
+    position: int | None,
+) -> None:
+    if not isinstance(cache, CastleCache):
+        raise TypeError(
+            f"cache must be a CastleCache (from castle_prefill or CastleCache.empty), got {type(cache).__name__}"
+        )
+    cache.check_consistent()
+    if layer is not None and cache.layer != layer:
+        raise ValueError(
+            f"cache belongs to layer {cache.layer!r} but castle_decode was called for layer {layer!r}; "
+            "pass this layer's own cache"
+        )
+    resolved = check_castle_inputs(named, cache.window, None if isinstance(scale, _Unset) else scale)
+    qu = named["qu"]
+    if qu.shape[1] != 1:
+        raise ValueError(
+            f"castle_decode takes exactly one new token per call (inputs [B, 1, H, d]), got qu with "
+            f"{qu.shape[1]} time steps; use castle_prefill for a prompt"
+        )
+    if not isinstance(window, _Unset):
+        check_positive_int("window", window, allow_none=True)
+        if window != cache.window:
+            raise ValueError(
+                f"cache was built with window={cache.window!r} but window={window!r} was requested; "
+                "build the cache with the same window (castle_prefill(..., window=...))"
+            )
+    if not isinstance(scale, _Unset) and resolved != cache.scale:
+        raise ValueError(
+            f"cache was built with scale={cache.scale!r} but scale={resolved!r} was requested; "
+            "use the same scale for prefill and decode"
+        )
+    expected = (cache.batch, 1, cache.heads, cache.head_dim)
+    for name, x in named.items():
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"{name} must have shape {list(expected)} (one token with the cache's batch, heads and head dim), "
+                f"got {list(x.shape)}"
+            )
+    if qu.dtype != cache.input_dtype:
+        raise TypeError(
+            f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; cast the inputs"
+        )
+    if qu.device != cache.device:
+        raise ValueError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
+    if position is not None and position != cache.length:
+        raise ValueError(
+            f"cache holds {cache.length} tokens, so the new token is at position {cache.length}, but "
+            f"position={position} was passed; the cache is out of sync with the sequence"
+        )
+
+
+def castle_decode(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    cache: CastleCache,
+    *,
+    window: object = _FROM_CACHE,
+    scale: object = _FROM_CACHE,
+    layer: object = None,
+    position: int | None = None,
+) -> tuple[torch.Tensor, CastleCache]:
+    """One decoding step (Algorithm 5): inputs [B, 1, H, d] -> (o [B, 1, H, d], cache).
+
+    The cache is updated in place (and returned): with t tokens cached, the lookahead keys of
+    tokens max(0, t - W) .. t - 1 gain sigmoid(scale * qu_s . ku_t) * vu_t (older rows can no
+    longer change under a window and are not touched), a zero row is appended for the new
+    token, then o = softmax(scale * qc . KC - SiLU(scale * qc . U)) @ VC over all t + 1 tokens.
+    O(t d) per step. The optional `window`, `scale`, `layer` and `position` (= t) are checked
+    against the cache to catch a cache that belongs to another configuration, layer or step.
+    No autograd graph is built (inference path).
+    """
+    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
+    _check_decode(named, cache, window, scale, layer, position)
+    dtype = cache.u.dtype
+    # [B, H, 1, d] row vectors: every product below is then a (1 x d) @ (d x t) matrix product,
+    # which BLAS runs at memory speed (a (t x d) @ (d x 1) batched product is several times slower).
+    q_u, k_u, v_u, q_c, k_c, v_c = (x.transpose(1, 2).to(dtype) for x in (qu, ku, vu, qc, kc, vc))
+    t = cache.length
+    first = 0 if cache.window is None else max(0, t - cache.window)
+    with torch.no_grad():
+        cache.reserve(t + 1)
+        if first < t:
+            gate = torch.matmul(k_u, cache.qu[:, :, first:t].transpose(-1, -2)).mul_(cache.scale).sigmoid_()
+            cache.u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)
+        cache.u[:, :, t : t + 1] = 0
+        cache.qu[:, :, t : t + 1] = q_u
+        cache.kc[:, :, t : t + 1] = k_c
+        cache.vc[:, :, t : t + 1] = v_c
+        cache.length = t + 1
+        query = q_c.mul(cache.scale)
+        score = torch.matmul(query, cache.kc[:, :, : t + 1].transpose(-1, -2))  # [B, H, 1, t + 1]
+        score -= F.silu(torch.matmul(query, cache.u[:, :, : t + 1].transpose(-1, -2)))
+        out = torch.matmul(torch.softmax(score, dim=-1), cache.vc[:, :, : t + 1])  # [B, H, 1, d]
+    return out.transpose(1, 2).to(qu.dtype), cache
