@@ -35,7 +35,8 @@ def max_diff(a, b):
 
 
 # (T, d, H, window, block_size): the full T list and every window kind at d=8, plus a few
-# cases at d=64 / H=3; block sizes 16 and 64 give several blocks and partial last blocks.
+# cases at d=64 / H=3; block sizes 16 and 64 give several blocks and partial last blocks, and
+# 128 (the default) splits each key block into row sub-blocks.
 FP64_CASES = [
     (steps, 8, 1, window, block)
     for steps in (1, 2, 63, 64, 65, 130)
@@ -45,6 +46,9 @@ FP64_CASES = [
     (130, 64, 3, 7, 16),
     (64, 64, 1, "T", 64),
     (130, 8, 3, None, 64),
+    (130, 8, 1, None, 128),
+    (130, 8, 3, 7, 128),
+    (200, 8, 1, 70, 128),
 ]
 
 
@@ -72,9 +76,9 @@ def test_gradcheck(window):
 
 
 def test_block_size_does_not_change_results():
-    inputs = make_inputs(1, 45, 2, 8)
+    inputs = make_inputs(1, 150, 2, 8)
     want = castle_parallel_reference(*inputs, window=9)
-    for block in (1, 7, 32, 40, 96, 256):
+    for block in (1, 7, 32, 40, 96, 128, 256):
         assert max_diff(castle_attention(*inputs, window=9, block_size=block), want) < 1e-12
 
 
