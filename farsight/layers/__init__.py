@@ -9,6 +9,7 @@ from farsight.layers.attention import (
     register_attention,
 )
 from farsight.layers.block import TransformerBlock
+from farsight.layers.castle import CastleAttention, CastleSWLAttention, castle_heads_for_parity
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.mlp import SwiGLU, swiglu_hidden_size, swiglu_reference
 from farsight.layers.norm import RMSNorm, rms_norm_reference
@@ -17,6 +18,8 @@ from farsight.layers.position import RotaryEmbedding, alibi_slopes, rotary_refer
 __all__ = [
     "ATTENTION_KINDS",
     "BidirectionalAttention",
+    "CastleAttention",
+    "CastleSWLAttention",
     "CausalSelfAttention",
     "KVCache",
     "RMSNorm",
@@ -27,6 +30,7 @@ __all__ = [
     "TransformerBlock",
     "alibi_slopes",
     "build_attention",
+    "castle_heads_for_parity",
     "register_attention",
     "rms_norm_reference",
     "rotary_reference",

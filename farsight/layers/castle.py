@@ -1,0 +1,91 @@
+"""Multi-head CASTLE attention (causal attention with lookahead keys; Song et al., 2025, SPEC 3).
+
+Six projections per head (lookahead q/k/v and causal q/k/v, fused into one matmul) and W^O,
+so a layer has 7 H d d_model parameters against 4 H d d_model for standard attention:
+`castle_heads_for_parity` gives the head count of a CASTLE layer as large as a standard one.
+RoPE rotates (Q^C, K^C) and (Q^U, K^U), never the values (SPEC 3.5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from farsight.layers.attention import register_attention
+from farsight.layers.position import RotaryEmbedding
+from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_prefill
+
+
+def castle_heads_for_parity(standard_heads: int) -> int:
+    """Heads of a CASTLE layer with about the parameters of `standard_heads` standard heads
+    (same head dim): round(4/7 H_std), at least 1. E.g. 14 -> 8, 16 -> 9 (the paper's choices)."""
+    if standard_heads < 1:
+        raise ValueError(f"standard_heads must be >= 1, got {standard_heads}")
+    return max(1, round(4 * standard_heads / 7))
+
+
+class CastleLayerCache:
+    """The UQ-KV cache of one CASTLE layer (None until the first tokens arrive)."""
+
+    def __init__(self) -> None:
+        self.state: CastleCache | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.state is None else self.state.length
+
+
+@register_attention("castle")
+class CastleAttention(nn.Module):
+    positions = ("rope", "none")
+    lookahead_field: str | None = None
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.window = getattr(config, self.lookahead_field) if self.lookahead_field else None
+        inner = self.n_heads * self.head_dim
+        self.qkv = nn.Linear(config.d_model, 6 * inner, bias=False)
+        self.out = nn.Linear(inner, config.d_model, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta) if config.position == "rope" else None
+
+    def new_cache(self) -> CastleLayerCache:
+        return CastleLayerCache()
+
+    def _project(self, x: torch.Tensor, offset: int) -> list[torch.Tensor]:
+        """x [B, T, D] -> [qu, ku, vu, qc, kc, vc], each [B, T, H, d]."""
+        b, t, _ = x.shape
+        qu, ku, vu, qc, kc, vc = self.qkv(x).view(b, t, 6, self.n_heads, self.head_dim).unbind(2)
+        if self.rotary is not None:
+            qu, ku, qc, kc = (self.rotary(y, offset) for y in (qu, ku, qc, kc))
+        return [qu, ku, vu, qc, kc, vc]
+
+    def forward(self, x: torch.Tensor, cache: CastleLayerCache | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        if cache is None:
+            o = castle_attention(*self._project(x, 0), window=self.window)
+        elif cache.state is None and t > 1:
+            o, cache.state = castle_prefill(*self._project(x, 0), window=self.window, layer=id(self))
+        else:
+            if cache.state is None:
+                cache.state = CastleCache.empty(
+                    b, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device, window=self.window, layer=id(self)
+                )
+            inputs = self._project(x, cache.length)
+            # a block after a prefix is decoded token by token (Algorithm 5 per step)
+            steps = []
+            for i in range(t):
+                o_i, _ = castle_decode(*(y[:, i : i + 1] for y in inputs), cache.state, layer=id(self))
+                steps.append(o_i)
+            o = torch.cat(steps, dim=1)
+        return self.out(o.reshape(b, t, -1))
+
+
+@register_attention("castle-swl")
+class CastleSWLAttention(CastleAttention):
+    """CASTLE-SWL: each lookahead key absorbs only the next `lookahead_window` tokens."""
+
+    config_fields = ("lookahead_window",)
+    lookahead_field = "lookahead_window"
