@@ -75,7 +75,8 @@ def evaluate_needle_task(
     Trials of one (length, depth) cell are batched `batch_size` at a time (they have equal
     prompt lengths when the answer length is fixed, else they run one by one). `trials` may map
     each length to its own number of trials (long contexts cost more). For DRT,
-    `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the needle.
+    `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the evidence
+    (the passkey digits; both links of a 2-hop chain).
     """
     decode_tokens = model.config.vocab_size
     results: list[TrialResult] = []
@@ -116,7 +117,7 @@ def evaluate_needle_task(
                                 first_token=first,
                                 retrieved_needle=None
                                 if retrieved is None
-                                else sample.needle_chunks(model.config.chunk_size) <= retrieved[row],
+                                else sample.evidence_chunks(model.config.chunk_size) <= retrieved[row],
                                 answer=task.tokenizer.decode(sample.answer.tolist()),
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
                             )

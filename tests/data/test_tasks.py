@@ -98,3 +98,15 @@ def test_training_batches_follow_the_curriculum_and_weight_answers():
     weights = early["loss_weights"]
     assert set(weights.unique().tolist()) == {1.0, 10.0} and int((weights == 10).sum(1)[0]) == 6
     assert source.eval_batch(0)["input_ids"].shape[1] == 256
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "niah2hop"])
+def test_evidence_spans_point_at_what_the_answer_copies(task):
+    s = make_task(task, TOK, RepeatedFiller(TOK), 32).sample(3000, 0.4, rng(5))
+    texts = [TOK.decode(s.input_ids[a : a + n].tolist()) for a, n in s.evidence]
+    if task == "niah2hop":
+        a, b, c = s.info["path"]
+        assert texts == [f" DEF {a}->{b}.", f" DEF {b}->{c}."]
+    else:
+        assert texts == [" " + s.info["passkey"]]
+    assert s.evidence_chunks(32) == {p // 32 for a, n in s.evidence for p in range(a, a + n)}

@@ -41,6 +41,7 @@ class NeedleSample:
     needle_positions: list[int]
     needle_lengths: list[int]
     depth: float
+    evidence: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -51,16 +52,27 @@ class NeedleSample:
     def answer(self) -> np.ndarray:
         return self.input_ids[self.answer_start : self.answer_start + self.answer_length]
 
-    def needle_chunks(self, chunk_size: int) -> set[int]:
-        """Chunks (of `chunk_size` tokens) that hold part of the asked needle."""
-        start, length = self.needle_positions[0], self.needle_lengths[0]
-        return set(range(start // chunk_size, (start + length - 1) // chunk_size + 1))
+    def evidence_chunks(self, chunk_size: int) -> set[int]:
+        """Chunks (of `chunk_size` tokens) holding part of the evidence: what a retriever must fetch."""
+        return {c for start, n in self.evidence for c in range(start // chunk_size, (start + n - 1) // chunk_size + 1)}
 
     def loss_weights(self, answer_weight: float) -> np.ndarray:
         """1 for every token, `answer_weight` for the answer tokens (float32 [length])."""
         weights = np.ones(len(self.input_ids), dtype=np.float32)
         weights[self.answer_start : self.answer_start + self.answer_length] = answer_weight
         return weights
+
+
+@dataclass
+class Draw:
+    """One random instance: needles (the asked one first), question head, answer, and the
+    evidence as (needle index, offset in that needle, length)."""
+
+    needles: list[np.ndarray]
+    head: np.ndarray
+    answer: np.ndarray
+    evidence: list[tuple[int, int, int]]
+    info: dict[str, Any]
 
 
 class NeedleTask:
@@ -81,15 +93,15 @@ class NeedleTask:
             self._cache[text] = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
         return self._cache[text]
 
-    def draw(self, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, dict[str, Any]]:
-        """-> (needles, question head, answer, info)."""
+    def draw(self, rng: np.random.Generator) -> Draw:
         raise NotImplementedError
 
     def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
         """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the haystack."""
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depth must be in [0, 1], got {depth}")
-        needles, head, answer, info = self.draw(rng)
+        draw = self.draw(rng)
+        needles, head, answer = draw.needles, draw.head, draw.answer
         is_ = self.encode(" is")
         end = self.encode(".")
         tail_len = len(is_) + len(answer) + len(end)
@@ -119,7 +131,8 @@ class NeedleTask:
             pieces.append(self.filler.take(trailing, rng))
         ids = np.concatenate(pieces).astype(np.int64)
         assert len(ids) == length
-        return NeedleSample(ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, info)
+        evidence = [(placed[i] + offset, n) for i, offset, n in draw.evidence]
+        return NeedleSample(ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info)
 
 
 def _digits(rng: np.random.Generator, n: int) -> str:
@@ -141,9 +154,10 @@ class PasskeyTask(NeedleTask):
     def draw(self, rng: np.random.Generator):
         key = _digits(rng, self.digits)
         answer = self.encode(" " + key)
-        needle = np.concatenate([self.encode(" The passkey is:"), answer, self.encode(". ")])
+        intro = self.encode(" The passkey is:")
+        needle = np.concatenate([intro, answer, self.encode(". ")])
         head = self.encode(" What is the passkey? The passkey")
-        return [needle], head, answer, {"passkey": key}
+        return Draw([needle], head, answer, [(0, len(intro), len(answer))], {"passkey": key})
 
 
 class MultiKeyTask(NeedleTask):
@@ -163,15 +177,16 @@ class MultiKeyTask(NeedleTask):
         values = [_digits(rng, self.digits) for _ in names]
         order = rng.permutation(len(names))
         asked = int(rng.integers(0, len(names)))
+        # the asked needle goes first so that `depth` places it
+        order = [asked] + [int(i) for i in order if i != asked]
         needles = [
             np.concatenate([self.encode(f" The pass key of {names[i]} is:"), self.encode(" " + values[i]), self.encode(". ")])
             for i in order
         ]
-        # the asked needle goes first so that `depth` places it
-        first = list(order).index(asked)
-        needles.insert(0, needles.pop(first))
         head = self.encode(f" What is the pass key of {names[asked]}? The pass key of {names[asked]}")
-        return needles, head, self.encode(" " + values[asked]), {"key": names[asked], "passkey": values[asked]}
+        answer = self.encode(" " + values[asked])
+        offset = len(self.encode(f" The pass key of {names[asked]} is:"))
+        return Draw(needles, head, answer, [(0, offset, len(answer))], {"key": names[asked], "passkey": values[asked]})
 
 
 class TwoHopTask(NeedleTask):
@@ -193,12 +208,12 @@ class TwoHopTask(NeedleTask):
         chains = [symbols[3 * i : 3 * i + 3] for i in range(self.distractors + 1)]
         lines = [(x, y) for chain in chains for x, y in ((chain[0], chain[1]), (chain[1], chain[2]))]
         needles = [self.encode(f" DEF {x}->{y}.") for x, y in lines]
-        # needles[0] (a->b of the asked chain) is placed at `depth`; the others at random places
-        rest = [needles[i] for i in rng.permutation(np.arange(1, len(needles)))]
+        # a->b (placed at `depth`) and b->c come first; the distractor links in random order
+        needles = needles[:2] + [needles[2 + i] for i in rng.permutation(len(needles) - 2)]
         a, b, c = chains[0]
         head = self.encode(f" The path from {a}")
         answer = np.concatenate([self.encode(":"), self.encode(" " + b), self.encode(","), self.encode(" " + c)])
-        return [needles[0], *rest], head, answer, {"path": [a, b, c]}
+        return Draw(needles, head, answer, [(0, 0, len(needles[0])), (1, 0, len(needles[1]))], {"path": [a, b, c]})
 
 
 TASKS: dict[str, Callable[..., NeedleTask]] = {
