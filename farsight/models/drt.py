@@ -300,9 +300,9 @@ class DRTForCausalLM(PretrainedLM):
         k_max = self.config.top_k
         n = scores.shape[-1]
         take = min(k_max, n)
-        candidate = torch.isfinite(scores)
         if self.config.retriever == "random":
-            key = torch.rand(scores.shape, device=scores.device).masked_fill(~candidate, float("-inf"))
+            noise = torch.rand(scores.shape, device=scores.device)
+            key = noise.masked_fill(~torch.isfinite(scores), float("-inf"))
         elif self.config.gumbel and self.training:
             uniform = torch.rand(scores.shape, device=scores.device).clamp(1e-20, 1 - 1e-7)
             key = scores.detach() / self.config.gumbel_temperature - torch.log(-torch.log(uniform))
@@ -336,10 +336,12 @@ class DRTForCausalLM(PretrainedLM):
         if len(offsets):
             query = self.query_proj[group](self.query_norms[group](h[:, offsets.to(h.device)]))  # [B, m, D]
             keys = state.memory.landmark_keys()  # [B, n_mem, D]
-            scores = torch.einsum("bmd,bnd->bmn", query, keys) / math.sqrt(self.config.d_model)
-            chunk_of_query = torch.arange(first_chunk, first_chunk + len(offsets), device=h.device)
-            candidates = torch.arange(keys.shape[1], device=h.device)[None, :] < chunk_of_query[:, None]
-            new_index, new_weight = self._select(scores.masked_fill(~candidates, float("-inf")))
+            scores = torch.einsum("bmd,bnd->bmn", query / math.sqrt(self.config.d_model), keys)
+            # chunk first_chunk + i may only retrieve chunks < first_chunk + i: only the columns of
+            # this span's own chunks need a mask (an upper triangle); earlier chunks all qualify
+            own = scores[:, :, first_chunk:]
+            own.masked_fill_(torch.ones(own.shape[1:], dtype=torch.bool, device=h.device).triu(), float("-inf"))
+            new_index, new_weight = self._select(scores)
         # grid chunk 0 uses the retrieval carried in the state; chunk j > 0 the one made by chunk j - 1
         index = [previous[0][:, None]]
         weight = [previous[1][:, None]]

@@ -87,7 +87,7 @@ class DRTSession:
         slots[:, offsets] = ids
         return slots, offsets
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _feed(self, ids: torch.Tensor, want: str) -> torch.Tensor | None:
         """Process ids [B, T]; return the final hidden rows of its tokens ("all"), of its last token ("last")."""
         if self._closed:

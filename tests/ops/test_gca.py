@@ -238,3 +238,19 @@ def test_bad_scale_and_missing_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match='backend="triton" needs the triton package'):
         gca(*inputs, backend="triton")
+
+
+@pytest.mark.parametrize("softmax_one", [True, False])
+def test_inference_path_without_grad_matches_reference(softmax_one):
+    # under no_grad gca_recompute runs all K slots in one batched pass
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 6, 3, 8, dtype=torch.float64)
+    k = torch.randn(2, 5, 7, 3, 8, dtype=torch.float64)
+    v = torch.randn_like(k)
+    index = torch.tensor([[[0, -1, 4], [2, 2, -1], [-1, -1, -1], [1, 3, 0]]] * 2)
+    weight = torch.rand(2, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        got = gca(q, k, v, index, weight, softmax_one=softmax_one, backend="torch")
+    want = gca_reference(q, k, v, index, weight, softmax_one=softmax_one)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    assert torch.count_nonzero(got[:, 2]) == 0

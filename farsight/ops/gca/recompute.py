@@ -17,24 +17,29 @@ import torch
 from farsight.ops.checks import compute_dtype
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, n, L, H, d] -> [B, n, H, L, d] (a view): the layout batched matmuls take without copies."""
+    return x.permute(0, 1, 3, 2, 4)
+
+
 def _gather(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-    """x [B, m, S, H, d], chunk [B, n] (valid ids) -> [B, n, S, H, d]."""
+    """x [B, m, H, S, d] (any strides), chunk [B, n] (valid ids) -> [B, n, H, S, d] contiguous."""
     rows = torch.arange(x.shape[0], device=x.device)[:, None]
     return x[rows, chunk]
 
 
 def _probs(q: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None, softmax_one: bool):
-    """Probabilities [B, n, H, Lq, S] of one slot and their logsumexp [B, n, H, Lq].
+    """q [B, n, H, Lq, d], keys [B, n, H, S, d] -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq].
 
     The logsumexp of softmax_1 includes the implicit zero logit (logaddexp with 0), so that
     exp(score - lse) is softmax_1 directly and the backward can rebuild it from the saved value.
     """
-    scores = torch.einsum("bnqhd,bnshd->bnhqs", q, keys) * scale
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
         if softmax_one:
             lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
-    return torch.exp(scores - lse[..., None]), lse
+    return scores.sub_(lse[..., None]).exp_(), lse
 
 
 class _GCARecompute(torch.autograd.Function):
@@ -52,21 +57,22 @@ class _GCARecompute(torch.autograd.Function):
         batch, n, lq, heads, dim = q.shape
         n_slots = index.shape[2]
         work = compute_dtype(q.dtype)
-        qw, kw, vw = q.to(work), k.to(work), v.to(work)
+        qh = _heads_first(q.to(work))
+        kh, vh = _heads_first(k.to(work)), _heads_first(v.to(work))
         valid = index >= 0
         chunk = index.clamp(min=0)
         w = torch.where(valid, weight.to(work), 0.0)
-        out = torch.zeros(batch, n, lq, heads, dim, dtype=work, device=q.device)
+        out = torch.zeros(batch, n, heads, lq, dim, dtype=work, device=q.device)
         lse = torch.zeros(n_slots, batch, n, heads, lq, dtype=work, device=q.device)
         # With no memory at all every slot is empty (checked by `gca`): the output is zero.
         for j in range(n_slots if k.shape[1] > 0 else 0):
             # Empty slots read chunk 0 and are multiplied by a zero weight: exact zeros, no branch.
-            probs, lse[j] = _probs(qw, _gather(kw, chunk[:, :, j]), scale, None, softmax_one)
-            per_chunk = torch.einsum("bnhqs,bnshd->bnqhd", probs, _gather(vw, chunk[:, :, j]))
-            out += w[:, :, j, None, None, None] * per_chunk
+            probs, lse[j] = _probs(qh, _gather(kh, chunk[:, :, j]), scale, None, softmax_one)
+            per_chunk = torch.matmul(probs, _gather(vh, chunk[:, :, j]))
+            out.add_(per_chunk.mul_(w[:, :, j, None, None, None]))
         ctx.save_for_backward(q, k, v, index, weight, lse)
         ctx.softmax_one, ctx.scale = softmax_one, scale
-        return out.to(q.dtype)
+        return out.permute(0, 1, 3, 2, 4).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -75,47 +81,78 @@ class _GCARecompute(torch.autograd.Function):
         batch, n, _, heads, dim = q.shape
         m, s = k.shape[1], k.shape[2]
         work = compute_dtype(q.dtype)
-        qw, kw, vw, g = q.to(work), k.to(work), v.to(work), grad_out.to(work)
+        qh, gh = _heads_first(q.to(work)), _heads_first(grad_out.to(work))
+        kh, vh = _heads_first(k.to(work)), _heads_first(v.to(work))
         valid = index >= 0
         chunk = index.clamp(min=0)
         w = torch.where(valid, weight.to(work), 0.0)
-        dq = torch.zeros_like(qw)
-        # Chunk gradients are scattered into a flat [B * m, S, H, d] view: row b * m + c.
-        dk = torch.zeros(batch * m, s, heads, dim, dtype=work, device=q.device)
+        dq = torch.zeros(batch, n, heads, q.shape[2], dim, dtype=work, device=q.device)
+        # Chunk gradients are scattered into a flat [B * m, H, S, d] view: row b * m + c.
+        dk = torch.zeros(batch * m, heads, s, dim, dtype=work, device=q.device)
         dv = torch.zeros_like(dk)
         dw = torch.zeros(batch, n, index.shape[2], dtype=work, device=q.device)
         flat = chunk + torch.arange(batch, device=q.device)[:, None, None] * m
         for j in range(index.shape[2] if m > 0 else 0):
-            keys, values = _gather(kw, chunk[:, :, j]), _gather(vw, chunk[:, :, j])
-            probs, _ = _probs(qw, keys, ctx.scale, lse[j], ctx.softmax_one)
-            per_chunk = torch.einsum("bnhqs,bnshd->bnqhd", probs, values)
+            keys, values = _gather(kh, chunk[:, :, j]), _gather(vh, chunk[:, :, j])
+            probs, _ = _probs(qh, keys, ctx.scale, lse[j], ctx.softmax_one)
+            per_chunk = torch.matmul(probs, values)  # [B, n, H, Lq, d]
             # dL/dw_j = <dO, o_j>; the slot's own output gradient is w_j dO.
-            dw[:, :, j] = (g * per_chunk).sum(dim=(2, 3, 4))
-            g_j = g * w[:, :, j, None, None, None]
+            dw[:, :, j] = (gh * per_chunk).sum(dim=(2, 3, 4))
+            g_j = gh * w[:, :, j, None, None, None]
             if need_v:
-                dv_j = torch.einsum("bnhqs,bnqhd->bnshd", probs, g_j)
-                dv.index_add_(0, flat[:, :, j].reshape(-1), dv_j.reshape(batch * n, s, heads, dim))
+                dv_j = torch.matmul(probs.transpose(-1, -2), g_j)
+                dv.index_add_(0, flat[:, :, j].reshape(-1), dv_j.reshape(batch * n, heads, s, dim))
             if need_q or need_k:
                 # softmax_1 has softmax's Jacobian (its extra 1 is a constant):
                 # dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = <g_j, o_j> per row and head.
-                dp = torch.einsum("bnqhd,bnshd->bnhqs", g_j, values)
-                delta = (g_j * per_chunk).sum(dim=-1).permute(0, 1, 3, 2)
-                ds = probs * (dp - delta[..., None]) * ctx.scale
+                dp = torch.matmul(g_j, values.transpose(-1, -2))
+                delta = (g_j * per_chunk).sum(dim=-1, keepdim=True)
+                ds = probs.mul_(dp.sub_(delta)).mul_(ctx.scale)
                 if need_q:
-                    dq += torch.einsum("bnhqs,bnshd->bnqhd", ds, keys)
+                    dq.add_(torch.matmul(ds, keys))
                 if need_k:
-                    dk_j = torch.einsum("bnhqs,bnqhd->bnshd", ds, qw)
-                    dk.index_add_(0, flat[:, :, j].reshape(-1), dk_j.reshape(batch * n, s, heads, dim))
+                    dk_j = torch.matmul(ds.transpose(-1, -2), qh)
+                    dk.index_add_(0, flat[:, :, j].reshape(-1), dk_j.reshape(batch * n, heads, s, dim))
         dw = torch.where(valid, dw, 0.0)
         return (
-            dq.to(q.dtype) if need_q else None,
-            dk.view_as(k).to(k.dtype) if need_k else None,
-            dv.view_as(v).to(v.dtype) if need_v else None,
+            dq.permute(0, 1, 3, 2, 4).to(q.dtype) if need_q else None,
+            dk.view(batch, m, heads, s, dim).permute(0, 1, 3, 2, 4).to(k.dtype) if need_k else None,
+            dv.view(batch, m, heads, s, dim).permute(0, 1, 3, 2, 4).to(v.dtype) if need_v else None,
             None,
             dw.to(weight.dtype) if need_w else None,
             None,
             None,
         )
+
+
+def _gca_no_grad(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, softmax_one: bool, scale: float
+) -> torch.Tensor:
+    """Inference form: all K slots in one gather and two batched matmuls.
+
+    Scores for the K retrieved chunks sit side by side ([.., Lq, K * S]); each S-column group gets
+    its own (off-by-one) softmax, is scaled by its weight, and one matmul with the K chunks' values
+    applies them all. Without a backward there is nothing to save, so the [B, n, K, S, H, d]
+    gather costs only its (segment-sized) temporary.
+    """
+    batch, n, lq, heads, dim = q.shape
+    n_slots, s = index.shape[2], k.shape[2]
+    work = compute_dtype(q.dtype)
+    valid = index >= 0
+    w = torch.where(valid, weight.to(work), 0.0)
+    rows = torch.arange(batch, device=q.device)[:, None, None]
+    chunk = index.clamp(min=0)
+    # [B, n, K, S, H, d] -> [B, n, H, K * S, d]
+    keys = k.to(work)[rows, chunk].permute(0, 1, 4, 2, 3, 5).reshape(batch, n, heads, n_slots * s, dim)
+    values = v.to(work)[rows, chunk].permute(0, 1, 4, 2, 3, 5).reshape(batch, n, heads, n_slots * s, dim)
+    scores = torch.matmul(_heads_first(q.to(work)), keys.transpose(-1, -2)).mul_(scale)
+    scores = scores.view(batch, n, heads, lq, n_slots, s)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    if softmax_one:
+        lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+    probs = scores.sub_(lse).exp_().mul_(w[:, :, None, None, :, None])
+    out = torch.matmul(probs.view(batch, n, heads, lq, n_slots * s), values)
+    return out.permute(0, 1, 3, 2, 4).to(q.dtype)
 
 
 def gca_recompute(
@@ -129,10 +166,13 @@ def gca_recompute(
 ) -> torch.Tensor:
     """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K] -> o [B, n, Lq, H, d].
 
-    Same result as `gca_reference`. Saved for the backward: the inputs and a logsumexp of shape
+    Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
+    pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
     [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
     [B, n, H, Lq, S] probabilities. bf16/fp16 inputs are computed in fp32 and returned in their
     dtype. Inputs are assumed valid (`farsight.ops.gca.gca` checks them).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if k.shape[1] > 0 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, weight))):
+        return _gca_no_grad(q, k, v, index, weight, softmax_one, scale)
     return _GCARecompute.apply(q, k, v, index, weight, softmax_one, scale)
