@@ -158,6 +158,21 @@ def test_prefill_lookahead_keys_follow_the_definition():
     assert cache.tensors()[0][:, :, -1].abs().max() == 0
 
 
+def test_half_precision_decode():
+    inputs = make_inputs(1, 20, 2, 8, dtype=torch.float32, seed=7)
+    half = [x.bfloat16() for x in inputs]
+    want = castle_attention(*(x.float() for x in half), window=4)
+    out, cache = castle_prefill(*(x[:, :12] for x in half), window=4)
+    assert cache.u.dtype == torch.float32 and cache.input_dtype == torch.bfloat16
+    outs = [out]
+    for t in range(12, 20):
+        step_out, cache = castle_decode(*(x[:, t : t + 1] for x in half), cache)
+        outs.append(step_out)
+    got = torch.cat(outs, dim=1)
+    assert got.dtype == torch.bfloat16
+    assert max_diff(got, want) < 2e-2
+
+
 def test_empty_cache_equals_empty_prefill():
     inputs = make_inputs(1, 6, 2, 4, dtype=torch.float32)
     _, from_prefill = castle_prefill(*(x[:, :0] for x in inputs), window=3)
