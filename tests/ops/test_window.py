@@ -88,3 +88,69 @@ def test_bad_inputs_name_the_problem(args, message):
     base.update(args)
     with pytest.raises((ValueError, TypeError), match=message):
         sliding_window_attention(**base)
+
+
+# Backends: "auto" keeps the blockwise path on CPU; "sdpa" runs anywhere; "flex" is CUDA-only
+# through the dispatcher, and its masks are checked here by running FlexAttention eagerly
+# (forward only: FlexAttention has no CPU backward).
+BACKEND_CASES = [
+    (2, 37, 37, 3, 8, 5),  # T not a multiple of anything
+    (1, 10, 25, 2, 4, 7),  # queries after cached keys
+    (1, 1, 9, 2, 4, 9),  # a decode step
+]
+
+
+def test_auto_backend_is_blockwise_on_cpu(monkeypatch):
+    from farsight.ops import window as window_ops
+
+    q, k, v = _inputs(1, 200, 200, 2, 8, torch.float32)
+    assert window_ops.resolve_backend("auto", q) == "blockwise"
+
+    def fail(*args, **kwargs):
+        raise AssertionError("auto left the blockwise path on CPU")
+
+    monkeypatch.setattr(window_ops, "sliding_window_attention_flex", fail)
+    monkeypatch.setattr(window_ops, "sliding_window_attention_sdpa", fail)
+    out = window_ops.sliding_window_attention(q, k, v, 16)
+    torch.testing.assert_close(out, sliding_window_attention_reference(q, k, v, 16), atol=1e-5, rtol=1e-5)
+
+
+def test_unavailable_or_unknown_backend_is_a_clear_error():
+    q, k, v = _inputs(1, 5, 5, 2, 4, torch.float32)
+    with pytest.raises(RuntimeError, match='backend="flex" needs CUDA tensors'):
+        sliding_window_attention(q, k, v, 3, backend="flex")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        sliding_window_attention(q, k, v, 3, backend="flash")
+
+
+@pytest.mark.parametrize("b,tq,tk,h,d,window", BACKEND_CASES)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_dense_backends_match_reference(b, tq, tk, h, d, window, alibi, padding, backend):
+    q, k, v = _inputs(b, tq, tk, h, d)
+    slopes = torch.rand(h, dtype=torch.float64) if alibi else None
+    mask = (torch.rand(b, tk) > 0.3) if padding else None
+    out = sliding_window_attention(q, k, v, window, slopes, key_padding_mask=mask, backend=backend)
+    ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    grad = torch.randn_like(out)
+    for g1, g2 in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(g1, g2, atol=1e-12, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("b,tq,tk,h,d,window", BACKEND_CASES)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_flex_masks_match_reference_eagerly(b, tq, tk, h, d, window, alibi, padding):
+    from farsight.ops.window import flex_available, sliding_window_attention_flex
+
+    if not flex_available():
+        pytest.skip("this torch has no FlexAttention")
+    q, k, v = (x.detach() for x in _inputs(b, tq, tk, h, d, torch.float32))
+    slopes = torch.rand(h) if alibi else None
+    mask = (torch.rand(b, tk) > 0.3) if padding else None
+    out = sliding_window_attention_flex(q, k, v, window, slopes, key_padding_mask=mask, compile=False)
+    ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

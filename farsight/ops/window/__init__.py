@@ -1,4 +1,5 @@
-"""Causal sliding-window attention: dense reference and the blockwise O(T * W) path."""
+"""Causal sliding-window attention: dense reference, the blockwise O(T * W) path (any device)
+and, on GPU, PyTorch's FlexAttention (or SDPA with a dense mask)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,57 @@ import torch
 
 from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
 from farsight.ops.window.blockwise import default_block_size, sliding_window_attention_blockwise
+from farsight.ops.window.fused import flex_available, sliding_window_attention_flex, sliding_window_attention_sdpa
 from farsight.ops.window.reference import sliding_window_attention_reference
 
 __all__ = [
+    "BACKENDS",
+    "flex_available",
+    "resolve_backend",
     "sliding_window_attention",
+    "sliding_window_attention_flex",
+    "sliding_window_attention_sdpa",
     "sliding_window_attention_blockwise",
     "sliding_window_attention_reference",
     "default_block_size",
 ]
+
+BACKENDS = ("auto", "blockwise", "flex", "sdpa", "reference")
+# Below this many queries (decode steps, short prompts) building a FlexAttention block mask costs
+# more than the blockwise path saves, so "auto" keeps the blockwise path.
+FLEX_MIN_QUERIES = 128
+
+
+def resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """The backend `sliding_window_attention` runs for `backend` and inputs like `q`.
+
+    "auto": FlexAttention for CUDA tensors (fp32/fp16/bf16, at least FLEX_MIN_QUERIES queries, a
+    power-of-two head dim >= 16) when this torch has it, else "blockwise". Raises for an unknown or unusable backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        use_flex = (
+            q.is_cuda
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and q.shape[1] >= FLEX_MIN_QUERIES
+            and q.shape[-1] >= 16
+            and q.shape[-1] & (q.shape[-1] - 1) == 0  # head dims FlexAttention's kernels are made for
+            and flex_available()
+        )
+        return "flex" if use_flex else "blockwise"
+    if backend == "flex":
+        if not flex_available():
+            raise RuntimeError(
+                f'backend="flex" needs torch.nn.attention.flex_attention (torch >= 2.5), this is torch '
+                f'{torch.__version__}; use backend="blockwise"'
+            )
+        if not q.is_cuda:
+            raise RuntimeError(
+                f'backend="flex" needs CUDA tensors (FlexAttention has no backward on CPU), got {q.device}; '
+                'use backend="blockwise" or "auto"'
+            )
+    return backend
 
 
 def sliding_window_attention(
@@ -25,12 +69,17 @@ def sliding_window_attention(
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     block_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Causal attention over the last `window` positions (the query's own included).
 
     q [B, Tq, H, d]; k, v [B, Tk, H, d] with Tk >= Tq: the queries are the last Tq positions,
     so a decode step passes its cached keys in front of the new ones. alibi_slopes [H] adds
     -slope * distance; key_padding_mask [B, Tk] (True = real token) hides padding keys.
+
+    backend: "auto" (FlexAttention for CUDA tensors with >= FLEX_MIN_QUERIES queries, else
+    "blockwise"), "blockwise" (O(T * W), any device; `block_size` is its knob), "flex" (CUDA
+    only), "sdpa" (SDPA with a dense [Tq, Tk] mask, any device) or "reference" (dense, tests).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4)
@@ -49,6 +98,13 @@ def sliding_window_attention(
         check_shape("key_padding_mask", key_padding_mask, (batch, k.shape[1]), "batch x keys")
         if key_padding_mask.dtype != torch.bool:
             raise TypeError("key_padding_mask must be a bool tensor (True marks real tokens)")
+    backend = resolve_backend(backend, q)
     if tq == 0:
         return q.new_empty(q.shape)
+    if backend == "flex":
+        return sliding_window_attention_flex(q, k, v, window, alibi_slopes, scale, key_padding_mask)
+    if backend == "sdpa":
+        return sliding_window_attention_sdpa(q, k, v, window, alibi_slopes, scale, key_padding_mask)
+    if backend == "reference":
+        return sliding_window_attention_reference(q, k, v, window, alibi_slopes, scale, key_padding_mask)
     return sliding_window_attention_blockwise(q, k, v, window, alibi_slopes, scale, key_padding_mask, block_size)

@@ -1,0 +1,463 @@
+"""Triton kernels for CASTLE / CASTLE-SWL training and prefill (paper Algorithms 1, 3 and 4).
+
+Notation as in `farsight.ops.castle.blockwise` (per head; a = query row, b = key, c = lookahead
+token; blocks of BLOCK positions, I the query block, J the key block):
+
+    P[b, c]   = sigmoid(scale * qu_b . ku_c) * [b < c] * [c <= b + W]
+    S^U[I, J] = scale * QC_I @ D_J^(I)^T + G_I @ P[J, I]^T,   G_I = scale * tril(QC_I @ VU_I^T)
+    D_J^(I)   = sum_{c < start(I)} P[J, c] vu_c              (a BLOCK x d state per key block)
+    A[I, J]   = scale * QC_I @ KC_J^T - SiLU(S^U[I, J])  (b <= a),   O = row_softmax(A) @ VC
+
+Forward (Algorithm 1): one launch per block diagonal k = I - J, walked in order k = 0, 1, ...;
+program j of launch k owns tile (j + k, j). It reads D_J^(I) from a [B, T, H, d] fp32 buffer,
+forms S^U and the scores, merges them into the running max / sum / output of the rows of I
+(fp32 buffers; within a launch every program owns distinct rows, so no atomics) and adds
+P[J, I] @ VU_I to D_J. With a window W, P[J, I] vanishes once k > ceil(W / BLOCK), so D is
+final after those "near" diagonals and all remaining tiles go to one row-major launch (a
+flash-attention loop whose S^U term is QC_I @ U_J^T). The final D is the lookahead key matrix
+U after the whole sequence, which is what the prefill (Algorithm 4) caches.
+
+Backward (Algorithm 3, rescheduled): one program per key block J walks the query blocks in
+REVERSE order I = N-1 .. J. Going back, D_J^(I) is recovered from the saved final D by
+subtracting P[J, I] @ VU_I (as in the paper; the CPU path avoids that subtraction with scans),
+and R_J = sum_{I' > I} dD_J^(I') is accumulated, which is exactly the gradient of
+Y_{J,I} = P[J, I] @ VU_I. Key-side gradients (dkc, dvc, dqu of J) stay in registers;
+row-side ones (dqc, dvu, dku of I) are added with fp32 atomics, so their last bits vary from
+run to run on GPU. Memory: O(T d) in both passes (inputs, output, logsumexp, D).
+
+Any T (blocks are masked), any d (padded to a power of two >= 16), fp32 / fp16 / bf16 with fp32
+scores, softmax and accumulation; fp16/bf16 operands are rounded to the input dtype before
+each tl.dot (as flash attention does). fp32 dots follow torch.get_float32_matmul_precision().
+
+This module needs triton; `farsight.ops.castle` imports it on first use only. For CPU tensors
+set TRITON_INTERPRET=1 before importing it (the kernels are created at import).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from farsight.ops.checks import check_positive_int
+from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile
+
+__all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
+
+
+@triton.jit
+def _tile_offsets(base, rows, cols, T, D, row_stride):
+    """Offsets and mask of a [rows, cols] tile of a contiguous [B, T, H, D] tensor."""
+    offs = base + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
+    mask = (rows[:, None] < T) & (cols[None, :] < D)
+    return offs, mask
+
+
+@triton.jit
+def _lookahead_weights(qu_j, ku_i, keys, toks, T, window, scale, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr):
+    """P[J, I]: sigmoid(scale * qu_b . ku_c) where b < c (<= b + W) and c < T, else 0."""
+    z = tl.dot(qu_j, tl.trans(ku_i), input_precision=PREC) * scale
+    ok = (toks[None, :] > keys[:, None]) & (toks[None, :] < T)
+    if HAS_WINDOW:
+        ok = ok & (toks[None, :] <= keys[:, None] + window)
+    return tl.where(ok, tl.sigmoid(z), 0.0)
+
+
+@triton.jit
+def _diagonal_gram(qc_i, vu_i, rows, scale, PREC: tl.constexpr):
+    """G_I = scale * tril(QC_I @ VU_I^T): the lookahead tokens of I that row a has seen."""
+    g = tl.dot(qc_i, tl.trans(vu_i), input_precision=PREC) * scale
+    return tl.where(rows[:, None] >= rows[None, :], g, 0.0)
+
+
+@triton.jit
+def _silu(x):
+    return x * tl.sigmoid(x)
+
+
+@triton.jit
+def _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC: tl.constexpr, NEAR: tl.constexpr):
+    """Scores A[I, J] (-inf where b > a or b >= T); the G @ P^T term only for near tiles."""
+    dt = qc_i.dtype
+    s_u = tl.dot(qc_i, tl.trans(d_j.to(dt)), input_precision=PREC) * scale
+    if NEAR:
+        s_u += tl.dot(g.to(dt), tl.trans(p.to(dt)), input_precision=PREC)
+    score = tl.dot(qc_i, tl.trans(kc_j), input_precision=PREC) * scale - _silu(s_u)
+    return tl.where((keys[None, :] <= rows[:, None]) & (keys[None, :] < T), score, float("-inf")), s_u
+
+
+@triton.jit
+def _castle_fwd_diag_kernel(
+    QU, KU, VU, QC, KC, VC, Dsum, Acc, M, L,
+    T, H, D, window, scale, diag,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Tile (I, J) = (pid0 + diag, pid0) of batch-head pid1.
+
+    Inputs [B, T, H, D]; Dsum / Acc [B, T, H, D] fp32 (running D and unnormalised output);
+    M / L [B, H, T] fp32 (running max and sum).
+    """
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    i = j + diag
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    cols = tl.arange(0, BLOCK_D)
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
+    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
+    kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
+    vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
+    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
+    ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
+    vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+    dt = qc_i.dtype
+
+    p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+    g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
+
+    # Online softmax merge into the rows of I (every tile row holds a real key, so the max is finite).
+    stat = bh.to(tl.int64) * T + rows
+    row_ok = rows < T
+    m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
+    l_old = tl.load(L + stat, mask=row_ok, other=0.0)
+    acc = tl.load(Acc + r_off, mask=r_mask, other=0.0)
+    m_new = tl.maximum(m_old, tl.max(score, 1))
+    alpha = tl.exp(m_old - m_new)
+    e = tl.exp(score - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
+    tl.store(M + stat, m_new, mask=row_ok)
+    tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
+    tl.store(Acc + r_off, acc, mask=r_mask)
+    # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
+    tl.store(Dsum + k_off, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), mask=k_mask)
+
+
+@triton.jit
+def _castle_fwd_far_kernel(
+    QC, KC, VC, Dsum, Acc, M, L,
+    T, H, D, scale, near,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Windowed variant only: query block pid0 merges every key block J <= I - near, whose
+    lookahead sums are final (S^U = scale * QC_I @ U_J^T), flash-attention style."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    if i >= near:
+        row_stride = H * D
+        base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+        cols = tl.arange(0, BLOCK_D)
+        rows = i * BLOCK + tl.arange(0, BLOCK)
+        r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
+        qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
+        stat = bh.to(tl.int64) * T + rows
+        row_ok = rows < T
+        m_i = tl.load(M + stat, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(L + stat, mask=row_ok, other=0.0)
+        acc = tl.load(Acc + r_off, mask=r_mask, other=0.0)
+        for j in range(0, i - near + 1):
+            keys = j * BLOCK + tl.arange(0, BLOCK)
+            k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+            kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
+            vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
+            u_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+            score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
+            m_new = tl.maximum(m_i, tl.max(score, 1))
+            alpha = tl.exp(m_i - m_new)
+            e = tl.exp(score - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(e, 1)
+            acc = acc * alpha[:, None] + tl.dot(e.to(qc_i.dtype), vc_j, input_precision=PREC)
+            m_i = m_new
+        tl.store(M + stat, m_i, mask=row_ok)
+        tl.store(L + stat, l_i, mask=row_ok)
+        tl.store(Acc + r_off, acc, mask=r_mask)
+
+
+@triton.jit
+def _bwd_tile(
+    QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU,
+    qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+    i, bh, base, keys, cols, T, D, row_stride, window, scale,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NEAR: tl.constexpr,
+):
+    """Gradients of tile (I, J); returns the updated key-block state (d_j, r_j, dkc, dvc, dqu).
+
+    On entry d_j = D_J^(I+1) and r_j = sum_{I' > I} dD_J^(I'); row-side gradients of I are
+    added atomically. Far tiles (NEAR=False) have P[J, I] = 0: D_J does not change there.
+    """
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
+    row_ok = rows < T
+    stat = bh.to(tl.int64) * T + rows
+    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
+    do_i = tl.load(dO + r_off, mask=r_mask, other=0.0)
+    lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
+    dt = qc_i.dtype
+
+    if NEAR:
+        vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+        ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+        d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
+        g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+    else:
+        p, g = d_j, d_j  # unused placeholders
+    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, NEAR)
+    prob = tl.where((keys[None, :] <= rows[:, None]) & row_ok[:, None], tl.exp(score - lse[:, None]), 0.0)
+    dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
+    dprob = tl.dot(do_i, tl.trans(vc_j), input_precision=PREC)
+    ds = prob * (dprob - delta[:, None])  # dL/dA
+    dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
+    sig = tl.sigmoid(s_u)
+    e = -ds * sig * (1.0 + s_u * (1.0 - sig))  # dL/dS^U = -dA * SiLU'(S^U)
+    dqc_i = scale * tl.dot(ds.to(dt), kc_j, input_precision=PREC)
+    dqc_i += scale * tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
+    grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} enters D_J^(I') for every I' > I
+    r_j = r_j + scale * tl.dot(tl.trans(e).to(dt), qc_i, input_precision=PREC)
+    if NEAR:
+        ep = scale * tl.where(rows[:, None] >= rows[None, :], tl.dot(e.to(dt), p.to(dt), input_precision=PREC), 0.0)
+        dqc_i += tl.dot(ep.to(dt), vu_i, input_precision=PREC)
+        dvu_i = tl.dot(tl.trans(p).to(dt), grad_y.to(dt), input_precision=PREC)
+        dvu_i += tl.dot(tl.trans(ep).to(dt), qc_i, input_precision=PREC)
+        dp = tl.dot(grad_y.to(dt), tl.trans(vu_i), input_precision=PREC)
+        dp += tl.dot(tl.trans(e).to(dt), g.to(dt), input_precision=PREC)
+        dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
+        dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
+        dku_i = scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC)
+        tl.atomic_add(dVU + r_off, dvu_i, mask=r_mask)
+        tl.atomic_add(dKU + r_off, dku_i, mask=r_mask)
+    tl.atomic_add(dQC + r_off, dqc_i, mask=r_mask)
+    return d_j, r_j, dkc, dvc, dqu
+
+
+@triton.jit
+def _castle_bwd_kernel(
+    QU, KU, VU, QC, KC, VC, Dsum, dO, Lse, Delta,
+    dQU, dKU, dVU, dQC, dKC, dVC,
+    T, H, D, window, scale, n_blocks, near,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Key block pid0 of batch-head pid1 walks query blocks I = n_blocks-1 .. J.
+
+    Dsum [B, T, H, D] fp32 is the final D (= U) of the forward; Lse / Delta [B, H, T] fp32;
+    dQC / dVU / dKU [B, T, H, D] fp32, zero-initialised (atomic); dQU / dKC / dVC like the inputs.
+    """
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    cols = tl.arange(0, BLOCK_D)
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
+    kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
+    vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
+    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+    r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    # Far tiles first (I >= J + near, where P[J, I] = 0), then the near ones down to I = J.
+    first_near = tl.minimum(n_blocks - 1, j + near - 1)
+    for step in range(0, n_blocks - 1 - first_near):
+        d_j, r_j, dkc, dvc, dqu = _bwd_tile(
+            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU,
+            qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            n_blocks - 1 - step, bh, base, keys, cols, T, D, row_stride, window, scale,
+            HAS_WINDOW, PREC, BLOCK, False,
+        )
+    for step in range(0, first_near - j + 1):
+        d_j, r_j, dkc, dvc, dqu = _bwd_tile(
+            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU,
+            qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            first_near - step, bh, base, keys, cols, T, D, row_stride, window, scale,
+            HAS_WINDOW, PREC, BLOCK, True,
+        )
+    out_ty = dKC.dtype.element_ty
+    tl.store(dKC + k_off, dkc.to(out_ty), mask=k_mask)
+    tl.store(dVC + k_off, dvc.to(out_ty), mask=k_mask)
+    tl.store(dQU + k_off, dqu.to(out_ty), mask=k_mask)
+
+
+# Whether the kernels were created for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
+INTERPRETED = not isinstance(_castle_fwd_diag_kernel, triton.runtime.JITFunction)
+
+
+def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
+    """Block diagonals k = I - J on which P[J, I] can be non-zero: c - b >= (k - 1) * block + 1."""
+    if window is None:
+        return n_blocks
+    return min(n_blocks, -(-window // block) + 1)
+
+
+def _num_warps(block: int, block_d: int) -> int:
+    # A program keeps about eight BLOCK x d tiles live (more in the backward): spread large ones
+    # over more warps. Not tuned on a GPU.
+    return 8 if block * block_d >= 64 * 64 else 4
+
+
+def _forward(inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int):
+    """Kernel-dtype contiguous inputs -> (out fp32 [B, T, H, d], lse [B, H, T], U [B, T, H, d] fp32)."""
+    qu, ku, vu, qc, kc, vc = inputs
+    batch, steps, heads, dim = qu.shape
+    dsum = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
+    acc = torch.zeros_like(dsum)
+    row_max = torch.full((batch, heads, steps), float("-inf"), dtype=torch.float32, device=qu.device)
+    row_sum = torch.zeros_like(row_max)
+    n_blocks = triton.cdiv(steps, block)
+    near = _near_diagonals(n_blocks, block, window)
+    meta = dict(
+        HAS_WINDOW=window is not None,
+        PREC=_dot_precision(qu.dtype),
+        BLOCK=block,
+        BLOCK_D=block_d,
+        num_warps=_num_warps(block, block_d),
+    )
+    with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
+        for diag in range(near):
+            _castle_fwd_diag_kernel[(n_blocks - diag, batch * heads)](
+                qu, ku, vu, qc, kc, vc, dsum, acc, row_max, row_sum,
+                steps, heads, dim, window or 0, scale, diag,
+                **meta,
+            )
+        if near < n_blocks:
+            meta.pop("HAS_WINDOW")
+            _castle_fwd_far_kernel[(n_blocks, batch * heads)](
+                qc, kc, vc, dsum, acc, row_max, row_sum,
+                steps, heads, dim, scale, near,
+                **meta,
+            )
+    out = acc.div_(row_sum.transpose(1, 2).unsqueeze(-1))
+    lse = row_max.add_(row_sum.log_())
+    return out, lse, dsum
+
+
+def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list[torch.Tensor], int, int]:
+    qu = tensors[0]
+    if qu.device.type != "cuda" and not INTERPRETED:
+        raise RuntimeError(
+            f"the Triton CASTLE kernels need CUDA tensors, got {qu.device}; use backend='torch', or set "
+            "TRITON_INTERPRET=1 before farsight.ops.castle.triton is first imported to run them on CPU"
+        )
+    if qu.dtype == torch.float64:
+        raise TypeError("the Triton CASTLE kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
+    _check_block("block", block)
+    dim = qu.shape[-1]
+    block_d = _tile(dim, 1 << 30)
+    # Each program holds several BLOCK x d fp32 tiles: smaller blocks for large heads.
+    block = block or _tile(qu.shape[1], 64 if block_d <= 64 else 32)
+    dtype = _kernel_dtype(qu.dtype)
+    return [x.to(dtype).contiguous() for x in tensors], block, block_d
+
+
+class _CastleTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block):  # type: ignore[override]
+        inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
+        if qu.numel() == 0:
+            out = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
+            lse = dsum = out
+        else:
+            out, lse, dsum = _forward(inputs, window, scale, block, block_d)
+        out = out.to(inputs[0].dtype)
+        ctx.save_for_backward(*inputs, out, lse, dsum)
+        ctx.config = (window, scale, block, block_d)
+        ctx.dtype = qu.dtype
+        return out.to(qu.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        *inputs, out, lse, dsum = ctx.saved_tensors
+        window, scale, block, block_d = ctx.config
+        qu = inputs[0]
+        batch, steps, heads, dim = qu.shape
+        do = grad_out.to(qu.dtype).contiguous()
+        # Atomically accumulated (row side) in fp32; the key side is written once per block.
+        dqc, dvu, dku = (torch.zeros(qu.shape, dtype=torch.float32, device=qu.device) for _ in range(3))
+        dqu, dkc, dvc = (torch.zeros_like(qu) for _ in range(3))
+        if qu.numel():
+            delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, T]
+            n_blocks = triton.cdiv(steps, block)
+            with torch.cuda.device_of(qu):
+                _castle_bwd_kernel[(n_blocks, batch * heads)](
+                    *inputs, dsum, do, lse, delta,
+                    dqu, dku, dvu, dqc, dkc, dvc,
+                    steps, heads, dim, window or 0, scale, n_blocks, _near_diagonals(n_blocks, block, window),
+                    HAS_WINDOW=window is not None,
+                    PREC=_dot_precision(qu.dtype),
+                    BLOCK=block,
+                    BLOCK_D=block_d,
+                    num_warps=_num_warps(block, block_d),
+                )
+        grads = [g.to(ctx.dtype) if needed else None for g, needed in zip(
+            (dqu, dku, dvu, dqc, dkc, dvc), ctx.needs_input_grad[:6]
+        )]
+        return (*grads, None, None, None)
+
+
+def castle_attention_triton(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+    *,
+    block: int | None = None,
+) -> torch.Tensor:
+    """Six [B, T, H, d] inputs -> o [B, T, H, d]; same semantics as `castle_parallel_reference`.
+
+    Inputs are assumed valid (`farsight.ops.castle.castle_attention` checks them). fp32, fp16
+    and bf16; saved for the backward: the inputs, the output, a logsumexp [B, H, T] and the
+    final lookahead sums U [B, T, H, d] (fp32). `block` (a power of two >= 16) is the query and
+    key tile (default: next power of two of T, at most 64, or 32 when d > 64).
+    """
+    check_positive_int("window", window, allow_none=True)
+    scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _CastleTriton.apply(qu, ku, vu, qc, kc, vc, window, scale, block)
+
+
+def castle_prefill_triton(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+    *,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 4 without autograd: (o [B, T, H, d] in the input dtype, U [B, H, T, d] fp32).
+
+    U (the lookahead keys after all T tokens) is the final D of the same forward launches.
+    """
+    check_positive_int("window", window, allow_none=True)
+    scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
+    inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
+    with torch.no_grad():
+        if qu.numel() == 0:
+            return qu.new_empty(qu.shape), torch.zeros(qu.transpose(1, 2).shape, dtype=torch.float32, device=qu.device)
+        out, _, dsum = _forward(inputs, window, scale, block, block_d)
+    return out.to(qu.dtype), dsum.transpose(1, 2).contiguous()

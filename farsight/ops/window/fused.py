@@ -1,0 +1,118 @@
+"""Sliding-window attention through PyTorch's fused kernels: FlexAttention and SDPA.
+
+`sliding_window_attention_flex` describes the window (and key padding) as a FlexAttention block
+mask and ALiBi as a score_mod, so the compiled kernel skips every key block outside the band:
+O(T * W) work, O(T) memory, with its own fused backward. FlexAttention has no backward on CPU
+and is slow uncompiled, so `farsight.ops.window` only dispatches it for CUDA tensors; the
+uncompiled form (compile=False) runs forward-only on CPU, which the tests use to check the masks.
+
+`sliding_window_attention_sdpa` passes a dense [Tq, Tk] mask (additive when ALiBi is on) to
+F.scaled_dot_product_attention: any device, but O(Tq * Tk) memory for the mask.
+
+Positions follow `sliding_window_attention_reference`: query i sits at absolute position
+Tk - Tq + i; key j is visible when 0 <= pos - j < window; a query always keeps itself even
+when key_padding_mask hides it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from farsight.ops.window.reference import window_mask_and_distance
+
+
+def flex_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _window_mask_mod(window: int, offset: int, key_padding_mask: torch.Tensor | None):
+    def mask_mod(b, h, q_idx, kv_idx):
+        distance = q_idx + offset - kv_idx
+        keep = (distance >= 0) & (distance < window)
+        if key_padding_mask is not None:
+            keep = keep & (key_padding_mask[b, kv_idx] | (distance == 0))
+        return keep
+
+    return mask_mod
+
+
+@functools.lru_cache(maxsize=32)
+def _band_block_mask(tq: int, tk: int, window: int, device: torch.device, compile_mask: bool):
+    """Block mask of the plain band (no padding), cached: training calls repeat one shape."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mod = _window_mask_mod(window, tk - tq, None)
+    return create_block_mask(mod, None, None, tq, tk, device=device, _compile=compile_mask)
+
+
+def sliding_window_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    compile: bool = True,
+) -> torch.Tensor:
+    """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq) -> [B, Tq, H, d] with FlexAttention.
+
+    Inputs are assumed valid (`farsight.ops.window.sliding_window_attention` checks them).
+    `compile=False` runs FlexAttention eagerly (a dense fallback: for tests, not for speed).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    tq, tk = q.shape[1], k.shape[1]
+    offset = tk - tq
+    if key_padding_mask is None:
+        block_mask = _band_block_mask(tq, tk, window, q.device, compile)
+    else:
+        mod = _window_mask_mod(window, offset, key_padding_mask)
+        block_mask = create_block_mask(mod, q.shape[0], None, tq, tk, device=q.device, _compile=compile)
+    score_mod = None
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx)
+
+    attend = _compiled_flex() if compile else flex_attention
+    out = attend(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=block_mask, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def sliding_window_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as `sliding_window_attention_flex`, through SDPA with a dense mask."""
+    tq, tk = q.shape[1], k.shape[1]
+    keep, distance = window_mask_and_distance(tq, tk, window, q.device)
+    if key_padding_mask is not None:
+        keep = keep & (key_padding_mask[:, None, None, :] | (distance == 0))  # [B, 1, Tq, Tk]
+    mask: torch.Tensor = keep
+    if alibi_slopes is not None:
+        bias = -alibi_slopes.to(q.dtype)[:, None, None] * distance.to(q.dtype)  # [H, Tq, Tk]
+        mask = torch.where(keep, bias, float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
+    return out.transpose(1, 2)
