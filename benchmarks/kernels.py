@@ -110,24 +110,24 @@ def _report(label: str, results: dict[str, dict]) -> None:
     print(f"  {label}: " + "; ".join(parts), flush=True)
 
 
-def gca_inputs(steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def gca_inputs(batch: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
     n = steps // s
-    q, k, v = leaves((1, n, s, heads, dim), 1) + leaves((1, n, s, heads, dim), 2)
+    q, k, v = leaves((batch, n, s, heads, dim), 3)
     # Query chunk t retrieves K distinct earlier chunks (-1 while fewer than K exist).
     scores = torch.rand(n, n, device="cuda").masked_fill(torch.ones(n, n, device="cuda").triu().bool(), -1.0)
     top = scores.topk(min(n_slots, n), dim=-1)
     index = torch.where(top.values >= 0, top.indices, -1)
     if index.shape[-1] < n_slots:
         index = F.pad(index, (0, n_slots - index.shape[-1]), value=-1)
-    weight = torch.rand(1, n, n_slots, device="cuda", dtype=DTYPE).softmax(-1).requires_grad_(True)
-    return [q, k, v, weight], index[None]
+    weight = torch.rand(batch, n, n_slots, device="cuda", dtype=DTYPE).softmax(-1).requires_grad_(True)
+    return [q, k, v, weight], index.expand(batch, n, n_slots).contiguous()
 
 
-def run_gca(steps_list: list[int], quick: bool) -> list[dict]:
+def run_gca(batch: int, steps_list: list[int], quick: bool) -> list[dict]:
     rows = []
     for steps in steps_list:
-        (q, k, v, weight), index = gca_inputs(steps)
+        (q, k, v, weight), index = gca_inputs(batch, steps)
         results = {
             backend: measure(lambda b=backend: gca(q, k, v, index, weight, backend=b), quick)
             for backend in ("triton", "torch")
@@ -151,12 +151,12 @@ def run_gca(steps_list: list[int], quick: bool) -> list[dict]:
     return rows
 
 
-def run_castle(dims: list[int], steps_list: list[int], windows: list[int | None], quick: bool) -> list[dict]:
+def run_castle(batch: int, dims: list[int], steps_list: list[int], windows: list[int | None], quick: bool) -> list[dict]:
     rows = []
     for dim in dims:
         for steps in steps_list:
-            xs = leaves((1, steps, CASTLE_HEADS, dim), 6)
-            qkv = leaves((1, CASTLE_HEADS, steps, dim), 3)
+            xs = leaves((batch, steps, CASTLE_HEADS, dim), 6)
+            qkv = leaves((batch, CASTLE_HEADS, steps, dim), 3)
             sdpa = measure(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), quick)
             for window in windows:
                 results = {
@@ -191,10 +191,10 @@ def run_castle(dims: list[int], steps_list: list[int], windows: list[int | None]
     return rows
 
 
-def run_window(steps_list: list[int], sizes: list[int], quick: bool) -> list[dict]:
+def run_window(batch: int, steps_list: list[int], sizes: list[int], quick: bool) -> list[dict]:
     rows = []
     for steps in steps_list:
-        q, k, v = leaves((1, steps, WINDOW_HEADS, WINDOW_DIM), 3)
+        q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
         heads_first = [x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v)]
         sdpa = measure(lambda: F.scaled_dot_product_attention(*heads_first, is_causal=True), quick)
         for window in sizes:
@@ -238,6 +238,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer and shorter cases")
     parser.add_argument("--json", metavar="PATH", help="also write all figures to this JSON file")
+    parser.add_argument("--batch", type=int, default=1, help="batch size B of every case (default 1)")
     args = parser.parse_args()
     machine = machine_description()
     print(f"machine: {machine}")
@@ -250,22 +251,24 @@ def main() -> int:
     start = time.perf_counter()
     print(f"dtype {DTYPE}; each entry: fwd/f+b ms", flush=True)
     print("GCA:", flush=True)
-    gca_rows = run_gca(plan["gca_steps"], args.quick)
+    gca_rows = run_gca(args.batch, plan["gca_steps"], args.quick)
     print("CASTLE:", flush=True)
-    castle_rows = run_castle(plan["castle_dims"], plan["castle_steps"], plan["castle_windows"], args.quick)
+    castle_rows = run_castle(args.batch, plan["castle_dims"], plan["castle_steps"], plan["castle_windows"], args.quick)
     print("sliding window:", flush=True)
-    window_rows = run_window(plan["window_steps"], plan["window_sizes"], args.quick)
+    window_rows = run_window(args.batch, plan["window_steps"], plan["window_sizes"], args.quick)
 
     s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
-    print_table(f"GCA: B=1, S={s}, K={n_slots}, H={heads}, d={dim}, T/S query chunks of S rows", gca_rows)
-    print_table(f"CASTLE: B=1, H={CASTLE_HEADS}; sdpa = causal SDPA with the same H and d", castle_rows)
-    print_table(f"sliding window: B=1, H={WINDOW_HEADS}, d={WINDOW_DIM}; auto = the CUDA dispatch", window_rows)
+    b = args.batch
+    print_table(f"GCA: B={b}, S={s}, K={n_slots}, H={heads}, d={dim}, T/S query chunks of S rows", gca_rows)
+    print_table(f"CASTLE: B={b}, H={CASTLE_HEADS}; sdpa = causal SDPA with the same H and d", castle_rows)
+    print_table(f"sliding window: B={b}, H={WINDOW_HEADS}, d={WINDOW_DIM}; auto = the CUDA dispatch", window_rows)
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     write_json(
         args.json,
         {
             "machine": machine,
             "quick": args.quick,
+            "batch": args.batch,
             "dtype": str(DTYPE),
             "gca": gca_rows,
             "castle": castle_rows,

@@ -31,8 +31,16 @@ def flex_available() -> bool:
 
 @functools.cache
 def _compiled_flex():
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
+    # Every (Tq, Tk, window, grad mode) compiles its own kernel. Past dynamo's recompile limit
+    # (8 by default) the call silently ran FlexAttention eagerly, which materialises the
+    # [B, H, Tq, Tk] scores: on an H100 the 9th shape (T=16K) asked for 6 GiB and ran out of
+    # memory in the backward. Allow far more shapes than a training or evaluation run meets.
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 256)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
     return torch.compile(flex_attention, dynamic=False)
 
 
