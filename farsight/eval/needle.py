@@ -28,10 +28,12 @@ class TrialResult:
     predicted: str
 
 
-def score_answer(predicted: np.ndarray, answer: np.ndarray) -> tuple[bool, bool]:
-    """(exact match of all answer tokens, first token correct)."""
+def score_answer(predicted: np.ndarray, answer: np.ndarray, lead: int = 0) -> tuple[bool, bool]:
+    """(exact match of all answer tokens, first token correct). The first token is answer[lead]:
+    `lead` blank tokens (a byte-level " " before the passkey) would make it trivially right."""
     predicted, answer = np.asarray(predicted), np.asarray(answer)
-    return bool(len(predicted) == len(answer) and (predicted == answer).all()), bool(len(predicted) and predicted[0] == answer[0])
+    exact = bool(len(predicted) == len(answer) and (predicted == answer).all())
+    return exact, bool(len(predicted) > lead and predicted[lead] == answer[lead])
 
 
 def parse_length(text: str) -> int:
@@ -107,7 +109,7 @@ def evaluate_needle_task(
                     seconds[length] += time.perf_counter() - t0
                     for row, i in enumerate(batch):
                         sample = samples[i]
-                        exact, first = score_answer(predicted[row], sample.answer)
+                        exact, first = score_answer(predicted[row], sample.answer, sample.answer_lead)
                         results.append(
                             TrialResult(
                                 length=length,

@@ -196,9 +196,6 @@ class PretrainedLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> PretrainedLM:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_model
-
         path = resolve_model_dir(path)
         meta = read_model_meta(path)
         model_type = meta["model_type"]
@@ -210,19 +207,30 @@ class PretrainedLM(nn.Module):
             )
         config = target.config_class.from_dict(meta["config"], where="config")
         model = target(config)
-        weights = path / WEIGHTS_FILE
-        if not weights.is_file():
-            raise FileNotFoundError(f"{weights} is missing; the checkpoint directory is incomplete")
-        try:
-            missing, unexpected = load_model(model, weights, strict=False, device=str(map_location))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise ValueError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
-        if missing or unexpected:
-            raise ValueError(
-                f"{weights} does not match the config in {path / CONFIG_FILE}: "
-                f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-            )
+        load_weights(model, path, map_location)
         return model.to(map_location)
+
+
+def load_weights(model: PretrainedLM, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> None:
+    """Load the model.safetensors of directory `path` into `model`; every tensor must match."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    weights = Path(path) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing; the checkpoint directory is incomplete")
+    try:
+        missing, unexpected = load_model(model, weights, strict=False, device=str(map_location))
+    except RuntimeError as exc:
+        if "size mismatch" in str(exc):
+            raise ValueError(f"{weights} holds tensors of other shapes than this model ({exc}); it has another architecture") from exc
+        raise ValueError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights} does not match this model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
 
 
 def build_model(spec: dict[str, Any], tokenizer: Any = None) -> PretrainedLM:

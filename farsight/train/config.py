@@ -37,7 +37,11 @@ class OptimConfig(ConfigBase):
 
 @dataclass
 class RunConfig(ConfigBase):
-    """The `train` section: length, batching, logging, checkpoints, devices."""
+    """The `train` section: length, batching, logging, checkpoints, devices.
+
+    init_from: a model directory or training run whose weights start a fresh run (fine-tuning,
+    as in the DRT paper's Appendix D); the architecture must match. A resumed run ignores it.
+    """
 
     steps: int = 1000
     grad_accum: int = 1
@@ -52,6 +56,7 @@ class RunConfig(ConfigBase):
     distributed: str = "ddp"
     tensorboard: bool = False
     progress: bool = True
+    init_from: str | None = None
 
     def validate(self) -> None:
         for name in ("steps", "grad_accum", "log_interval", "eval_interval", "checkpoint_interval", "keep_last"):

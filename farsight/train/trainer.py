@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from farsight.data.batches import build_batch_source
 import farsight.models  # noqa: F401  (registers every model type)
-from farsight.models.lm import PretrainedLM, build_model
+from farsight.models.lm import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
 from farsight.train.config import TrainConfig, dump_train_config
@@ -118,6 +118,8 @@ class Trainer:
         self.data = build_batch_source(config.data, run.seed, config.model)
         self.tokenizer = self.data.tokenizer
         self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
+        if run.init_from:
+            self._init_weights(run.init_from)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
@@ -137,6 +139,21 @@ class Trainer:
         )
         self.step = 0
         self.tokens_seen = 0
+
+    def _init_weights(self, source: str) -> None:
+        """Start from the weights of another run or model directory (a resume overrides them)."""
+        path = resolve_model_dir(source)
+        model_type = read_model_meta(path)["model_type"]
+        if model_type != self.model.model_type:
+            raise ValueError(
+                f"train.init_from={source} holds a {model_type!r} model, but model.type is {self.model.model_type!r}"
+            )
+        try:
+            load_weights(self.model, path, self.device)
+        except ValueError as exc:
+            raise ValueError(f"train.init_from={source} does not fit the model section: {exc}") from exc
+        if self.ctx.is_main:
+            print(f"initialised the weights from {path}")
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property

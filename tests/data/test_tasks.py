@@ -34,6 +34,7 @@ def test_passkey_text_and_answer():
     assert f"The passkey is: {key}." in text
     assert TOK.decode(s.prompt.tolist()).endswith("What is the passkey? The passkey is")
     assert TOK.decode(s.answer.tolist()) == f" {key}"
+    assert s.answer_lead == 1 and TOK.decode(s.answer[s.answer_lead :].tolist()) == key  # first-token scoring starts at the digits
     needle = TOK.decode(s.input_ids[s.needle_positions[0] : s.needle_positions[0] + s.needle_lengths[0]].tolist())
     assert key in needle
 

@@ -31,6 +31,9 @@ def test_exact_match_needs_every_token():
     assert score_answer(np.array([1, 2, 3]), np.array([1, 2, 3])) == (True, True)
     assert score_answer(np.array([1, 2, 4]), np.array([1, 2, 3])) == (False, True)
     assert score_answer(np.array([0, 2, 3]), np.array([1, 2, 3])) == (False, False)
+    # with a blank lead token the first token scored is the one after it
+    assert score_answer(np.array([1, 5, 3]), np.array([1, 2, 3]), lead=1) == (False, False)
+    assert score_answer(np.array([9, 2, 4]), np.array([1, 2, 3]), lead=1) == (False, True)
 
 
 def test_an_oracle_scores_perfectly_and_a_wrong_model_does_not(monkeypatch):

@@ -118,6 +118,25 @@ def test_resume_refuses_another_model(token_dir, tmp_path):
         train(config)
 
 
+def test_init_from_starts_with_the_source_weights(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "source", steps=3))
+    source = load_model(tmp_path / "source")
+    trainer = Trainer(tiny_config(token_dir, tmp_path / "tuned", init_from=str(tmp_path / "source")))
+    try:
+        for name, tensor in source.state_dict().items():
+            assert torch.equal(trainer.model.state_dict()[name], tensor), name
+    finally:
+        trainer.close()
+    wider = tiny_config(token_dir, tmp_path / "wide", init_from=str(tmp_path / "source"))
+    wider.model["d_model"] = 64
+    with pytest.raises(ValueError, match="init_from.*other shapes"):
+        Trainer(wider)
+    other_type = tiny_config(token_dir, tmp_path / "drt", init_from=str(tmp_path / "source"))
+    other_type.model = {"type": "drt", "d_model": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 8, "window": 16}
+    with pytest.raises(ValueError, match="holds a 'transformer' model"):
+        Trainer(other_type)
+
+
 def test_missing_data_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="farsight data prepare"):
         train(tiny_config(tmp_path / "nothing", tmp_path / "run"))

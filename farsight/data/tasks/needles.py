@@ -33,7 +33,9 @@ from farsight.data.tasks.filler import Filler
 @dataclass
 class NeedleSample:
     """input_ids [length] (prompt + answer + tail); answer_start: index of the first answer token;
-    needle_positions / needle_lengths: where each needle sits, the asked one first."""
+    needle_positions / needle_lengths: where each needle sits, the asked one first; answer_lead:
+    how many answer tokens come before the first one that is not blank (the byte tokenizer's
+    " " before the digits), which first-token accuracy skips."""
 
     input_ids: np.ndarray
     answer_start: int
@@ -43,6 +45,7 @@ class NeedleSample:
     depth: float
     evidence: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    answer_lead: int = 0
 
     @property
     def prompt(self) -> np.ndarray:
@@ -132,7 +135,10 @@ class NeedleTask:
         ids = np.concatenate(pieces).astype(np.int64)
         assert len(ids) == length
         evidence = [(placed[i] + offset, n) for i, offset, n in draw.evidence]
-        return NeedleSample(ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info)
+        lead = next((i for i, t in enumerate(answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
+        return NeedleSample(
+            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead
+        )
 
 
 def _digits(rng: np.random.Generator, n: int) -> str:
