@@ -94,7 +94,7 @@ def _cmd_eval_needle(args: argparse.Namespace) -> int:
     import yaml
 
     from farsight.data.tasks import make_filler, make_task
-    from farsight.eval.needle import evaluate_needle_task, parse_length, results_table
+    from farsight.eval.needle import evaluate_needle_task, parse_length, results_table, trials_per_length
 
     model, tokenizer = _load(args.model)
     align = args.align or getattr(model.config, "chunk_size", 1)
@@ -103,8 +103,9 @@ def _cmd_eval_needle(args: argparse.Namespace) -> int:
     task = make_task(args.task, tokenizer, filler, align, **options)
     lengths = [parse_length(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
+    trials = trials_per_length(lengths, args.trials, args.long_trials)
     summary = evaluate_needle_task(
-        model, task, lengths, depths, args.trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory
+        model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory
     )
     summary.update(model=str(args.model), align=align, filler=args.filler, corpus=args.corpus, split=args.split)
     print(results_table(summary))
@@ -197,7 +198,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from farsight.data.tasks import make_filler, make_task
-    from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table
+    from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, trials_per_length
     from farsight.eval.plots import needle_heatmap
 
     start = time.perf_counter()
@@ -210,7 +211,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         prepare_corpus(["stdlib"], tokenizer, corpus)
     lengths = [parse_length(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    trials = {n: (args.trials if n <= parse_length("64k") else args.long_trials) for n in lengths}
+    trials = trials_per_length(lengths, args.trials, args.long_trials)
     task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), model.config.chunk_size)
     trained = getattr(model.config, "chunk_size", None)
     print(
@@ -302,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lengths", default="1k,4k,16k", help="comma-separated lengths, e.g. 1k,16k,1m (k = 1024)")
         p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
         p.add_argument("--trials", type=int, default=10, help="trials per (length, depth) cell")
+        p.add_argument("--long-trials", type=int, default=None, help="trials per cell for lengths above 64K (default: --trials)")
         p.add_argument("--filler", choices=["corpus", "repeat"], default="corpus", help="haystack text")
         p.add_argument("--corpus", default="data/stdlib-byte", help="prepared dataset for corpus filler")
         p.add_argument("--split", default="val", help="split of --corpus used as filler (default: held-out val)")

@@ -57,6 +57,17 @@ def format_length(n: int) -> str:
     return str(n)
 
 
+LONG = 1 << 16  # lengths above 64K count as long contexts: fewer trials by default
+
+
+def trials_per_length(lengths: list[int], trials: int, long_trials: int | None = None) -> dict[int, int]:
+    """`trials` per (length, depth) cell, or `long_trials` for lengths above 64K when given."""
+    for name, value in (("trials", trials), ("long trials", long_trials)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return {n: trials if long_trials is None or n <= LONG else long_trials for n in lengths}
+
+
 def trial_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random.Generator:
     return np.random.default_rng([seed, length, depth_index, trial])
 

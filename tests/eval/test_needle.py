@@ -8,7 +8,7 @@ from farsight.cli import main
 from farsight.data.tasks import RepeatedFiller, make_task
 from farsight.data.tokenizers import load_tokenizer
 from farsight.eval import needle
-from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, score_answer
+from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, score_answer, trials_per_length
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
 TOK = load_tokenizer("byte")
@@ -78,6 +78,13 @@ def test_real_decoding_runs_for_drt_and_baselines(kind):
     assert ("needle_retrieved" in row) == (kind == "drt")
     predicted = [t["predicted"] for t in summary["trials"]]
     assert all(len(p) >= 1 for p in predicted)
+
+
+def test_trials_per_length():
+    assert trials_per_length([1024, 1 << 16, 1 << 20], 10) == {1024: 10, 1 << 16: 10, 1 << 20: 10}
+    assert trials_per_length([1024, 1 << 16, 1 << 20], 10, 4) == {1024: 10, 1 << 16: 10, 1 << 20: 4}
+    with pytest.raises(ValueError, match="long trials must be >= 1"):
+        trials_per_length([1024], 10, 0)
 
 
 def test_cli_eval_writes_json_and_heatmap(tmp_path):
