@@ -80,20 +80,11 @@ def _load(path: str):
     return load_model(directory).eval(), load_tokenizer(directory)
 
 
-def _write_json(path: str | None, payload: dict) -> None:
-    import json
-    from pathlib import Path
-
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
-
-
 def _cmd_eval_needle(args: argparse.Namespace) -> int:
     import yaml
 
     from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, parse_length, results_table, trials_per_length
 
     model, tokenizer = _load(args.model)
@@ -109,7 +100,7 @@ def _cmd_eval_needle(args: argparse.Namespace) -> int:
     )
     summary.update(model=str(args.model), align=align, filler=args.filler, corpus=args.corpus, split=args.split)
     print(results_table(summary))
-    _write_json(args.out, summary)
+    write_json(args.out, summary)
     if args.plot:
         from farsight.eval.plots import needle_heatmap
 
@@ -119,7 +110,7 @@ def _cmd_eval_needle(args: argparse.Namespace) -> int:
 
 def _cmd_eval_ppl(args: argparse.Namespace) -> int:
     from farsight.data.token_files import load_token_dataset
-    from farsight.eval.efficiency import format_table
+    from farsight.eval.efficiency import format_table, write_json
     from farsight.eval.needle import format_length, parse_length
     from farsight.eval.perplexity import evaluate_perplexity
 
@@ -133,7 +124,7 @@ def _cmd_eval_ppl(args: argparse.Namespace) -> int:
         series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
     rows = [{"length": format_length(n), **{p: series[p][n] for p in args.model}} for n in lengths]
     print(format_table(rows, ["length", *args.model]))
-    _write_json(args.out, {"corpus": args.corpus, "split": args.split, "results": results})
+    write_json(args.out, {"corpus": args.corpus, "split": args.split, "results": results})
     if args.plot:
         from farsight.eval.plots import curves
 
@@ -146,6 +137,7 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
 
     import torch
 
+    from farsight.eval.efficiency import write_json
     from farsight.eval.retrieval import format_retrieval, inspect_retrieval
 
     model, tokenizer = _load(args.model)
@@ -166,7 +158,32 @@ def _cmd_eval_retrieval(args: argparse.Namespace) -> int:
         records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[: args.top]
         records.sort(key=lambda r: r["chunk"])
     print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
-    _write_json(args.out, {"records": records})
+    write_json(args.out, {"records": records})
+    return 0
+
+
+def _cmd_eval_compare(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from farsight.eval.needle import compare_summaries
+
+    labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.results]
+    if len(labels) != len(args.results):
+        raise ValueError(f"--labels names {len(labels)} models for {len(args.results)} result files")
+    summaries = {}
+    for label, path in zip(labels, args.results):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
+        summaries[label] = json.loads(Path(path).read_text())
+    table, series = compare_summaries(summaries, args.metric)
+    print(f"{args.metric.replace('_', ' ')} %")
+    print(table)
+    if args.plot:
+        from farsight.eval.plots import curves
+
+        title = args.title or f"{next(iter(summaries.values())).get('task', 'needle')}: {args.metric.replace('_', ' ')}"
+        print(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
     return 0
 
 
@@ -198,6 +215,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, trials_per_length
     from farsight.eval.plots import needle_heatmap
 
@@ -223,7 +241,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(results_table(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(str(out / "passkey.json"), summary)
+    write_json(str(out / "passkey.json"), summary)
     heatmap = needle_heatmap(summary, out / "passkey-heatmap.png", title=f"passkey retrieval: {args.model}")
     print(f"wrote {heatmap}")
     print(f"demo finished in {time.perf_counter() - start:.0f}s")
@@ -339,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--max-tokens", type=int, default=16384)
     ret.add_argument("--out")
     ret.set_defaults(func=_cmd_eval_retrieval)
+    cmp_ = ev_sub.add_parser("compare", help="compare needle-task results of several models",
+                             description="One table (and plot) of needle-task results written by --out: a row per length, a column per model.")
+    cmp_.add_argument("results", nargs="+", help="JSON files written by `farsight eval passkey|multikey|niah2hop --out`")
+    cmp_.add_argument("--labels", help="comma-separated column names (default: the file names)")
+    cmp_.add_argument("--metric", default="exact_match", choices=["exact_match", "first_token", "needle_retrieved"])
+    cmp_.add_argument("--plot", help="write accuracy vs length as a PNG")
+    cmp_.add_argument("--title")
+    cmp_.set_defaults(func=_cmd_eval_compare)
     bench = ev_sub.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
     bench.add_argument("--only", help="comma-separated subset, e.g. castle,drt")
     bench.add_argument("--quick", action="store_true")

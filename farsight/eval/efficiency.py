@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -127,10 +129,11 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | None, payload: dict) -> None:
+def write_json(path: str | os.PathLike | None, payload: dict) -> None:
+    """Write payload as indented JSON (parent folders made as needed); nothing when path is None."""
     if path:
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")
 
 

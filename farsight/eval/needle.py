@@ -165,6 +165,26 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
     }
 
 
+METRICS = ("exact_match", "first_token", "needle_retrieved")
+
+
+def compare_summaries(summaries: dict[str, dict[str, Any]], metric: str = "exact_match") -> tuple[str, dict[str, dict[int, float]]]:
+    """label -> needle summary (as written by --out) => (a table with one row per length and a
+    column per label, in %; and the same numbers as plot series). "-" where a model was not run."""
+    from farsight.eval.efficiency import format_table
+
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+    series: dict[str, dict[int, float]] = {}
+    for label, summary in summaries.items():
+        if "by_length" not in summary:
+            raise ValueError(f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`")
+        series[label] = {int(n): 100 * row[metric] for n, row in summary["by_length"].items() if metric in row}
+    lengths = sorted({n for points in series.values() for n in points})
+    rows = [{"length": format_length(n), **{label: series[label].get(n) for label in series}} for n in lengths]
+    return format_table(rows, ["length", *series]), series
+
+
 def results_table(summary: dict[str, Any]) -> str:
     from farsight.eval.efficiency import format_table
 

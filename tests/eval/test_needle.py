@@ -100,3 +100,19 @@ def test_cli_eval_writes_json_and_heatmap(tmp_path):
     summary = json.loads((tmp_path / "r.json").read_text())
     assert set(summary["by_length"]) == {"160", "256"} and len(summary["by_cell"]) == 4
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_puts_models_side_by_side(tmp_path, capsys):
+    def summary(rates):
+        return {"task": "passkey", "by_length": {str(n): {"trials": 4, "exact_match": r, "first_token": r} for n, r in rates.items()}}
+
+    (tmp_path / "a.json").write_text(json.dumps(summary({1024: 1.0, 4096: 0.75})))
+    (tmp_path / "b.json").write_text(json.dumps(summary({1024: 0.5})))
+    code = main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "drt,base", "--plot", str(tmp_path / "c.png")])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["length", "drt", "base"]
+    assert lines[3].split() == ["1K", "100", "50"] and lines[4].split() == ["4K", "75", "-"]
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "compare", str(tmp_path / "a.json"), "--labels", "x,y"]) == 2
+    assert main(["eval", "compare", str(tmp_path / "missing.json")]) == 2
