@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install test test-slow demo demo-train bench clean
+.PHONY: install test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,13 +25,20 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/farsight demo --model models/demo-drt --corpus $(CORPUS)
 
+$(CORPUS)/meta.json: | $(STAMP)
+	$(BIN)/farsight data prepare --source stdlib --tokenizer byte --out $(CORPUS)
+
 # Retrain the shipped checkpoint from scratch with the committed config, and time it.
-demo-train: $(STAMP)
-	test -f $(CORPUS)/meta.json || $(BIN)/farsight data prepare --source stdlib --tokenizer byte --out $(CORPUS)
+demo-train: $(STAMP) $(CORPUS)/meta.json
 	@start=$$(date +%s); \
 	$(BIN)/farsight train configs/demo-drt.yaml --restart && \
 	$(BIN)/farsight export runs/demo-drt models/demo-drt && \
 	echo "demo-train: retrained models/demo-drt in $$(( $$(date +%s) - start )) s"
+
+# The reproductions of docs/results.md (R1-R6): each trains what it needs, evaluates, and writes
+# results/rN/ and docs/figures/. Hours on a 2-core CPU; r2 and r4 build on r1's runs.
+r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
+	bash experiments/$@.sh
 
 bench: $(STAMP)
 	$(BIN)/farsight eval bench

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# R5 CASTLE vs CASTLE-SWL vs standard causal attention at parameter parity (7 standard heads,
+# 4 CASTLE heads), same data, steps and three seeds each: held-out loss mean and spread
+# (docs/results.md).
+set -euo pipefail
+F=.venv/bin/farsight
+OUT=results/r5
+mkdir -p "$OUT"
+MODELS=()
+for kind in causal castle castle-swl; do
+    for seed in 0 1 2; do
+        $F train "configs/r5-$kind.yaml" --no-progress --set train.seed=$seed --set "train.out_dir=runs/r5-$kind-s$seed"
+        MODELS+=(--model "runs/r5-$kind-s$seed")
+    done
+done
+# every model scores the same 256 held-out windows of its training length
+$F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 --windows 256 --batch-size 16 --out "$OUT/loss.json"
+.venv/bin/python - "$OUT/loss.json" <<'PY'
+import json, statistics, sys
+results = json.load(open(sys.argv[1]))["results"]
+groups = {}
+for path, out in results.items():
+    kind = path.split("r5-", 1)[1].rsplit("-s", 1)[0]
+    groups.setdefault(kind, []).append(out["by_length"]["256"]["nll"])
+print("attention    seeds  held-out loss (nats/token)  spread (std)  min     max")
+for kind, losses in groups.items():
+    print(f"{kind:11s}  {len(losses):5d}  {statistics.mean(losses):26.4f}  {statistics.stdev(losses):12.4f}  {min(losses):.4f}  {max(losses):.4f}")
+PY
