@@ -28,6 +28,18 @@ def test_twenty_steps_lower_the_loss(token_dir, tmp_path):
     assert model.config.d_model == 32
 
 
+def test_freed_memory_is_released_at_every_log_interval(token_dir, tmp_path, monkeypatch):
+    import farsight.train.trainer as trainer_module
+
+    trainer_module.release_freed_memory()  # glibc's malloc_trim here; a no-op elsewhere
+    calls = []
+    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(1))
+    train(tiny_config(token_dir, tmp_path / "run", steps=6, log_interval=2))
+    assert len(calls) == 3
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["rss_mb"] > 0 for r in records if "loss" in r)
+
+
 def test_schedule_warmup_then_cosine_to_min():
     assert lr_at(0, 1.0, 0.1, 4, 20) == pytest.approx(0.25)
     assert lr_at(3, 1.0, 0.1, 4, 20) == pytest.approx(1.0)
