@@ -36,7 +36,7 @@ demo-train: $(STAMP) $(CORPUS)/meta.json
 	echo "demo-train: retrained models/demo-drt in $$(( $$(date +%s) - start )) s"
 
 # The reproductions of docs/results.md (R1-R6): each trains what it needs, evaluates, and writes
-# results/rN/ and docs/figures/. Hours on a 2-core CPU; r2 and r4 build on r1's runs.
+# results/rN/ and docs/figures/. Hours on a 2-core CPU; r2 builds on r1's runs, r4 on r3's.
 r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
 	bash experiments/$@.sh
 

@@ -1,7 +1,7 @@
 """DRT efficiency: training step vs the sliding-window BaseLM, streaming prefill per memory tier,
 and decode latency vs context length.
 
-    python benchmarks/drt.py [--quick] [--json PATH]
+    python benchmarks/drt.py [--quick] [--json PATH] [--parts train,prefill,decode]
 
 (a) training: one AdamW step of DRT and of BaseLM (sliding window + ALiBi) with the same layers,
     d_model and window (d_model 256, 8 layers, 4 heads, W 512; DRT: S 64, K 8, G 1, 2 encoder
@@ -22,17 +22,16 @@ import time
 import torch
 
 from farsight.eval.efficiency import (
-    current_rss_bytes,
     format_table,
     machine_description,
     measure_peak_memory,
-    peak_rss_bytes,
     run_isolated,
     time_fn,
     write_json,
 )
 from farsight.eval.needle import format_length
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM
+from farsight.process_memory import current_rss_bytes, peak_rss_bytes
 
 TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2)
 STREAM_CONFIG = dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1)
@@ -107,7 +106,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short lengths only")
     parser.add_argument("--json", help="write the figures as JSON")
+    parser.add_argument("--parts", default="train,prefill,decode", help="comma-separated subset of train,prefill,decode")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or not parts <= {"train", "prefill", "decode"}:
+        parser.error(f"--parts takes a comma-separated subset of train,prefill,decode, not {args.parts!r}")
     train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
     prefill_lengths = [16384, 65536] if args.quick else [16384, 65536, 262144, 1 << 20]
     decode_contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
@@ -118,7 +121,7 @@ def main() -> None:
         print(f"  {what} done ({time.perf_counter() - started:.0f}s)", flush=True)
 
     train_rows = []
-    for length in train_lengths:
+    for length in train_lengths if "train" in parts else []:
         row: dict = {"T": format_length(length)}
         for name in ("baselm", "drt"):
             r = run_isolated(_train_case, {"model": name, "length": length, "repeat": 1 if args.quick else 3})
@@ -133,7 +136,7 @@ def main() -> None:
         note(f"training T={format_length(length)}")
 
     prefill_rows = []
-    for memory in tiers:
+    for memory in tiers if "prefill" in parts else []:
         for length in prefill_lengths:
             r = run_isolated(_prefill_case, {"memory": memory, "length": length})
             prefill_rows.append({"tier": memory, "T": format_length(length), **r})
@@ -145,26 +148,29 @@ def main() -> None:
             r["RSS / RSS(64K)"] = r["peak_rss_mb"] / ref["peak_rss_mb"]
 
     decode_rows = []
-    for length in decode_contexts:
+    for length in decode_contexts if "decode" in parts else []:
         r = run_isolated(_decode_case, {"memory": "device", "length": length})
         decode_rows.append({"context": format_length(length), **r})
         note(f"decode t={format_length(length)}")
-    base_ms = decode_rows[0].get("ms_per_token")
+    base_ms = decode_rows[0].get("ms_per_token") if decode_rows else None
     for r in decode_rows:
         if base_ms and "ms_per_token" in r:
             r["ratio to 4K"] = r["ms_per_token"] / base_ms
 
-    print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
-    print(format_table(train_rows, ["T", "baselm step s", "drt step s", "time DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]))
-    print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
-    print(format_table(prefill_rows, ["tier", "T", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]))
-    print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
-    print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
+    if train_rows:
+        print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
+        print(format_table(train_rows, ["T", "baselm step s", "drt step s", "time DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]))
+    if prefill_rows:
+        print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
+        print(format_table(prefill_rows, ["tier", "T", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]))
+    if decode_rows:
+        print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
+        print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
     checks = []
     four_k = next((r for r in train_rows if r["T"] == "4K"), None)
     if four_k and "time DRT/BaseLM" in four_k:
         checks.append(("training step DRT/BaseLM at 4K <= 1.5", four_k["time DRT/BaseLM"], four_k["time DRT/BaseLM"] <= 1.5))
-    last = decode_rows[-1]
+    last = decode_rows[-1] if decode_rows else {}
     if "ratio to 4K" in last:
         checks.append((f"decode at {last['context']} / decode at 4K <= 1.3", last["ratio to 4K"], last["ratio to 4K"] <= 1.3))
     disk_1m = by_tier.get(("disk", "1M"))

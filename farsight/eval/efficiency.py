@@ -1,8 +1,9 @@
 """Timing and peak-memory measurement shared by the benchmarks and `farsight eval bench`.
 
-CPU peak memory has no allocator statistics in PyTorch, so each measured case runs in a fresh
-spawned process and reports the growth of its peak resident set size (ru_maxrss) over the level
-reached after setup. On CUDA the allocator's own peak counter is used.
+On CPU the peak is the growth of the resident set's high-water mark over the memory in use when
+the measured call starts (the freed heap is trimmed and the mark reset first, on Linux); each
+case runs in a fresh spawned process so that cases do not share a heap. On CUDA the
+allocator's own peak counter is used.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,17 +19,7 @@ from typing import Any
 
 import torch
 
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident set size (Linux reports KiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def current_rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -60,10 +49,10 @@ def time_fn(
 
 
 def measure_peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:
-    """Bytes allocated by `fn()` above what was in use when it started.
+    """Peak bytes allocated by `fn()` above what was in use when it started.
 
-    On CPU this is only meaningful in a process that has not yet reached a higher peak,
-    which is what `run_isolated` provides.
+    On CPU without a resettable high-water mark (not Linux) this only holds in a process that
+    has not yet reached a higher peak, which is what `run_isolated` provides.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -73,7 +62,8 @@ def measure_peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
-    base = max(current_rss_bytes(), peak_rss_bytes())
+    release_freed_memory()
+    base = current_rss_bytes() if reset_peak_rss() else max(current_rss_bytes(), peak_rss_bytes())
     fn()
     return max(0, peak_rss_bytes() - base)
 

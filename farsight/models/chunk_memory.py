@@ -4,15 +4,16 @@ Landmark keys ([B, n, d_model], scanned by every retrieval) always live on the c
 The K/V rows ([S, H, d] each per chunk and batch row, read only when retrieved) live in a tier:
 
 - "graph":  the training forward's own tensors, kept in the autograd graph;
-- "device": a growing buffer on the compute device;
-- "host":   a growing buffer in RAM (pinned when the compute device is CUDA);
+- "device": pages of rows on the compute device;
+- "host":   pages of rows in RAM (pinned when the compute device is CUDA);
 - "disk":   a file of fixed-size records written with pwrite and read with pread, so neither
             the memory map nor the page cache counts towards the process's resident memory and
             RAM stays flat however long the context grows.
 
-`fetch(index)` returns K/V tensors and an index into them that the GCA op can take: the device
-tiers return the whole memory and the index unchanged; the others gather only the chunks that
-the index names (the K·G chunks of a retrieval) and remap the index.
+Pages are never copied when the memory grows (a doubling buffer would copy the whole memory,
+1 GB at 1M tokens, in the middle of a decode step, and briefly hold it twice).
+`fetch(index)` gathers only the chunks that the index names (the K·G chunks of a retrieval) and
+returns them with the index remapped into them, which is what the GCA op takes.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ class _GrowingBuffer:
         self.data: torch.Tensor | None = None
         self.length = 0
 
-    def append(self, rows: torch.Tensor, device: torch.device, pin: bool = False) -> None:
+    def append(self, rows: torch.Tensor, device: torch.device) -> None:
         new = rows.shape[1]
         if self.data is None or self.length + new > self.data.shape[1]:
             capacity = max(16, self.length + new, 0 if self.data is None else 2 * self.data.shape[1])
-            grown = torch.empty((rows.shape[0], capacity, *rows.shape[2:]), dtype=rows.dtype, device=device, pin_memory=pin)
+            grown = torch.empty((rows.shape[0], capacity, *rows.shape[2:]), dtype=rows.dtype, device=device)
             if self.data is not None:
                 grown[:, : self.length] = self.data[:, : self.length]
             self.data = grown
@@ -122,26 +123,71 @@ class GraphMemory(ChunkMemory):
         return k, v, index
 
 
+class _PagedBuffer:
+    """Rows appended along dim 1 into pages [B, page_rows, ...] that are never copied; pages
+    double in size from 16 rows up to 1024, so small memories stay small."""
+
+    FIRST_PAGE = 16
+    MAX_PAGE = 1024
+
+    def __init__(self, device: torch.device, pin: bool = False) -> None:
+        self.device = device
+        self.pin = pin
+        self.pages: list[torch.Tensor] = []
+        self.starts: list[int] = []  # first row of each page
+        self.length = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        done = 0
+        while done < rows.shape[1]:
+            if not self.pages or self.length == self.starts[-1] + self.pages[-1].shape[1]:
+                size = min(self.MAX_PAGE, 2 * self.pages[-1].shape[1]) if self.pages else self.FIRST_PAGE
+                page = torch.empty((rows.shape[0], size, *rows.shape[2:]), dtype=rows.dtype, device=self.device, pin_memory=self.pin)
+                self.pages.append(page)
+                self.starts.append(self.length)
+            at = self.length - self.starts[-1]
+            n = min(rows.shape[1] - done, self.pages[-1].shape[1] - at)
+            self.pages[-1][:, at : at + n] = rows[:, done : done + n]
+            done += n
+            self.length += n
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (sorted, on the CPU) -> [B, len(ids), ...]."""
+        page_of = torch.searchsorted(torch.tensor(self.starts), ids, right=True) - 1
+        parts = []
+        for p in torch.unique_consecutive(page_of).tolist():
+            parts.append(self.pages[p].index_select(1, (ids[page_of == p] - self.starts[p]).to(self.device)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def nbytes(self) -> int:
+        return sum(page[:, : min(page.shape[1], self.length - start)].numel() * page.element_size() for page, start in zip(self.pages, self.starts))
+
+
 class DeviceMemory(ChunkMemory):
     tier = "device"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._kv = _GrowingBuffer()
+        self._kv = self._new_buffer()
+
+    def _new_buffer(self) -> _PagedBuffer:
+        return _PagedBuffer(self.device)
 
     def _append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._kv.append(torch.stack([k, v], dim=3).to(self.device), self.device)  # [B, m, S, 2, H, d]
+        self._kv.append(torch.stack([k, v], dim=3))  # [B, m, S, 2, H, d]
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        kv = self._kv.view()
-        return kv[:, :, :, 0], kv[:, :, :, 1], index
+        ids, remapped = _remap(index)
+        if len(ids) == 0:
+            raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
+        kv = self._kv.gather(ids.cpu()).to(self.device, non_blocking=self._kv.pin)
+        return kv[:, :, :, 0], kv[:, :, :, 1], remapped
 
     def nbytes(self) -> int:
-        kv = self._kv.view() if self._kv.data is not None else None
-        return super().nbytes() + (0 if kv is None else kv.numel() * kv.element_size())
+        return super().nbytes() + self._kv.nbytes()
 
     def close(self) -> None:
-        self._kv = _GrowingBuffer()
+        self._kv = self._new_buffer()
 
 
 def _remap(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,29 +198,13 @@ def _remap(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.where(index >= 0, remapped, index)
 
 
-class HostMemory(ChunkMemory):
+class HostMemory(DeviceMemory):
+    """The device tier's pages kept in RAM instead, pinned for fast copies when computing on CUDA."""
+
     tier = "host"
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._kv = _GrowingBuffer()
-        self._pin = self.device.type == "cuda"
-
-    def _append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._kv.append(torch.stack([k, v], dim=3).cpu(), torch.device("cpu"), pin=self._pin)
-
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, remapped = _remap(index)
-        kv = self._kv.view().index_select(1, ids.cpu())
-        kv = kv.to(self.device, non_blocking=self._pin)
-        return kv[:, :, :, 0], kv[:, :, :, 1], remapped
-
-    def nbytes(self) -> int:
-        kv = self._kv.view() if self._kv.data is not None else None
-        return super().nbytes() + (0 if kv is None else kv.numel() * kv.element_size())
-
-    def close(self) -> None:
-        self._kv = _GrowingBuffer()
+    def _new_buffer(self) -> _PagedBuffer:
+        return _PagedBuffer(torch.device("cpu"), pin=self.device.type == "cuda")
 
 
 class DiskMemoryError(OSError):

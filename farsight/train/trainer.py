@@ -9,7 +9,6 @@ message on a non-finite loss.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import random
@@ -17,44 +16,21 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 from tqdm.auto import tqdm
 
 from farsight.data.batches import build_batch_source
 import farsight.models  # noqa: F401  (registers every model type)
 from farsight.models.lm import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
+from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
 from farsight.train.config import TrainConfig, dump_train_config
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Give the memory that glibc keeps after freed CPU tensors back to the OS.
-
-    glibc raises its mmap threshold after a large block is freed, so later activations come
-    from the heap, which fragments and does not shrink: a CPU training run of the demo DRT grew
-    by about 5 MB per step, to 24 GB and an out-of-memory kill at step 2740. Trimming every
-    log interval keeps it near its working set (about 450 MB there).
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class TrainingDiverged(RuntimeError):
@@ -349,7 +325,7 @@ class Trainer:
                             "grad_norm": grad_norm,
                             "tokens": self.tokens_seen,
                             "tokens_per_s": rate,
-                            "rss_mb": psutil.Process().memory_info().rss / 2**20,
+                            "rss_mb": current_rss_bytes() / 2**20,
                         }
                         self._log(metrics, writer, record)
                         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")

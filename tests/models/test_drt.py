@@ -6,7 +6,7 @@ import torch
 
 from farsight.config import ConfigError
 from farsight.models import TransformerForCausalLM, load_model
-from farsight.models.chunk_memory import DiskMemory, DiskMemoryError
+from farsight.models.chunk_memory import DiskMemory, DiskMemoryError, _PagedBuffer
 from farsight.models.drt import DRTConfig, DRTForCausalLM
 
 V = 40
@@ -150,7 +150,8 @@ def test_no_retriever_equals_a_sliding_window_transformer():
     torch.testing.assert_close(model(x).logits, want)
 
 
-STREAM_CASES = [(30, 1, "device"), (28, 2, "device"), (33, 1, "host"), (25, 2, "disk"), (31, 2, "host")]
+# 262 and 247 tokens are 53 and 50 chunks: the device/host pages (16, 32, 64 chunks) fill and grow
+STREAM_CASES = [(30, 1, "device"), (28, 2, "device"), (33, 1, "host"), (25, 2, "disk"), (31, 2, "host"), (262, 2, "device"), (247, 1, "host")]
 
 
 @pytest.mark.parametrize("length,groups,memory", STREAM_CASES)
@@ -273,3 +274,17 @@ def test_disk_full_fails_cleanly(tmp_path, monkeypatch):
     torch.testing.assert_close(got_k[:, index[0, 0]], k[:, [2, 0]])
     torch.testing.assert_close(got_v[:, index[0, 0]], k[:, [2, 0]] + 1)
     memory.close()
+
+
+def test_paged_buffer_grows_without_copying_and_gathers_across_pages():
+    buffer = _PagedBuffer(torch.device("cpu"))
+    rows = torch.randn(2, 100, 3)
+    buffer.append(rows[:, :10])
+    first_page = buffer.pages[0].data_ptr()
+    for start, stop in ((10, 17), (17, 60), (60, 100)):  # appends that straddle page ends
+        buffer.append(rows[:, start:stop])
+    assert buffer.pages[0].data_ptr() == first_page
+    assert [page.shape[1] for page in buffer.pages] == [16, 32, 64]
+    ids = torch.tensor([0, 15, 16, 47, 48, 99])
+    torch.testing.assert_close(buffer.gather(ids), rows[:, ids], rtol=0, atol=0)
+    assert buffer.nbytes() == rows.numel() * rows.element_size()
