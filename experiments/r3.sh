@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # R3 perplexity extrapolation on held-out Python source: DRT vs BaseLM trained as language models
-# for 200 steps (1.6M tokens) on 1K-token windows, scored from 1K to 32K tokens on the same held-out windows (docs/results.md).
+# for 150 steps (1.2M tokens) on 1K-token windows, scored from 1K to 32K tokens on the same held-out windows (docs/results.md).
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r3
