@@ -134,18 +134,18 @@ class _PagedBuffer:
         self.device = device
         self.pin = pin
         self.pages: list[torch.Tensor] = []
-        self.starts: list[int] = []  # first row of each page
+        self.starts = torch.zeros(0, dtype=torch.long)  # first row of each page
         self.length = 0
 
     def append(self, rows: torch.Tensor) -> None:
         done = 0
         while done < rows.shape[1]:
-            if not self.pages or self.length == self.starts[-1] + self.pages[-1].shape[1]:
+            if not self.pages or self.length == int(self.starts[-1]) + self.pages[-1].shape[1]:
                 size = min(self.MAX_PAGE, 2 * self.pages[-1].shape[1]) if self.pages else self.FIRST_PAGE
                 page = torch.empty((rows.shape[0], size, *rows.shape[2:]), dtype=rows.dtype, device=self.device, pin_memory=self.pin)
                 self.pages.append(page)
-                self.starts.append(self.length)
-            at = self.length - self.starts[-1]
+                self.starts = torch.cat([self.starts, torch.tensor([self.length])])
+            at = self.length - int(self.starts[-1])
             n = min(rows.shape[1] - done, self.pages[-1].shape[1] - at)
             self.pages[-1][:, at : at + n] = rows[:, done : done + n]
             done += n
@@ -153,14 +153,14 @@ class _PagedBuffer:
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (sorted, on the CPU) -> [B, len(ids), ...]."""
-        page_of = torch.searchsorted(torch.tensor(self.starts), ids, right=True) - 1
+        page_of = torch.searchsorted(self.starts, ids, right=True) - 1
         parts = []
         for p in torch.unique_consecutive(page_of).tolist():
             parts.append(self.pages[p].index_select(1, (ids[page_of == p] - self.starts[p]).to(self.device)))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def nbytes(self) -> int:
-        return sum(page[:, : min(page.shape[1], self.length - start)].numel() * page.element_size() for page, start in zip(self.pages, self.starts))
+        return self.length * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
 
 
 class DeviceMemory(ChunkMemory):
@@ -178,8 +178,6 @@ class DeviceMemory(ChunkMemory):
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, remapped = _remap(index)
-        if len(ids) == 0:
-            raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
         kv = self._kv.gather(ids.cpu()).to(self.device, non_blocking=self._kv.pin)
         return kv[:, :, :, 0], kv[:, :, :, 1], remapped
 
@@ -194,6 +192,8 @@ def _remap(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique chunk ids named by index (sorted, -1 dropped) and the index into that list."""
     flat = index.reshape(-1)
     ids = torch.unique(flat[flat >= 0])
+    if len(ids) == 0:
+        raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
     remapped = torch.searchsorted(ids, index.clamp(min=0))
     return ids, torch.where(index >= 0, remapped, index)
 
@@ -272,7 +272,7 @@ class DiskMemory(ChunkMemory):
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, remapped = _remap(index)
-        if len(ids) == 0 or self._shape is None:
+        if self._shape is None:
             raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
         out = np.empty((len(ids), *self._shape), dtype=self._dtype)
         for row, chunk in enumerate(ids.tolist()):
