@@ -6,11 +6,11 @@ import dataclasses
 import difflib
 from typing import Any, TypeVar
 
+from farsight.errors import ConfigError
+
+__all__ = ["ConfigBase", "ConfigError", "require"]
+
 T = TypeVar("T", bound="ConfigBase")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,35 @@
+"""farsight's error types: problems a user can fix (a bad argument, config, file or missing
+package). The CLI prints these as one line; any other exception is a bug and keeps its traceback.
+
+Each type also derives from the built-in exception it refines, so `except ValueError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class FarsightError(Exception):
+    """Base of every error whose message names the problem and the fix."""
+
+
+class InputError(FarsightError, ValueError):
+    """An argument or input (token ids, lengths, options) is invalid."""
+
+
+class ConfigError(FarsightError, ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+class ModelFileError(FarsightError, ValueError):
+    """A model directory is missing, incomplete, corrupted or of another architecture."""
+
+
+class MissingFileError(FarsightError, FileNotFoundError):
+    """A file or directory the user named does not exist."""
+
+
+class MissingDependencyError(FarsightError, ImportError):
+    """An optional package is needed for what was asked; the message names the extra to install."""
+
+
+class StateError(FarsightError, RuntimeError):
+    """An object is used in a state that does not allow it (e.g. a closed session)."""
