@@ -1,15 +1,9 @@
 """nn.Modules built on farsight.ops: norms, MLP, positions, attention kinds, blocks."""
 
-from farsight.layers.attention import (
-    ATTENTION_KINDS,
-    BidirectionalAttention,
-    CausalSelfAttention,
-    SlidingWindowAttention,
-    build_attention,
-    register_attention,
-)
+from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention
 from farsight.layers.block import TransformerBlock
 from farsight.layers.castle import CastleAttention, CastleSWLAttention, castle_heads_for_parity
+from farsight.layers.kinds import ATTENTION_KINDS, build_attention, register_attention
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.mlp import SwiGLU, swiglu_hidden_size, swiglu_reference
 from farsight.layers.norm import RMSNorm, rms_norm_reference

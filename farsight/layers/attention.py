@@ -1,16 +1,11 @@
-"""Self-attention modules and the registry that makes the attention kind of a model pluggable.
+"""Softmax self-attention modules: causal, sliding-window and bidirectional (DRT's chunk encoder).
 
-A registered class may declare `positions` (supported position encodings, the first is the
-default) and `config_fields` (the config fields it requires, e.g. "window").
-
-Every registered module is built from a model config (any object with the attributes it reads),
-maps x [B, T, d_model] -> [B, T, d_model], and decodes with a cache from `new_cache()` that it
-updates in place: `forward(x, cache)` treats x as the positions that follow what the cache holds.
+The causal and sliding-window ones are attention kinds (`farsight.layers.kinds` describes the
+interface they follow).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,29 +15,6 @@ from torch import nn
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.position import RotaryEmbedding, alibi_slopes
 from farsight.ops.window import sliding_window_attention
-
-ATTENTION_KINDS: dict[str, type[nn.Module]] = {}
-
-
-def register_attention(*names: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
-    """Class decorator: make an attention module available as `TransformerConfig(attention=name)`."""
-
-    def decorate(cls: type[nn.Module]) -> type[nn.Module]:
-        for name in names:
-            ATTENTION_KINDS[name] = cls
-        return cls
-
-    return decorate
-
-
-def build_attention(config: Any) -> nn.Module:
-    try:
-        cls = ATTENTION_KINDS[config.attention]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention kind {config.attention!r}; choose one of {sorted(ATTENTION_KINDS)}"
-        ) from None
-    return cls(config)
 
 
 class _QKVAttention(nn.Module):
@@ -66,7 +38,6 @@ class _QKVAttention(nn.Module):
         return q, k, v
 
 
-@register_attention("causal")
 class CausalSelfAttention(_QKVAttention):
     """Standard causal attention (PyTorch SDPA: flash/memory-efficient kernels where available)."""
 
@@ -91,7 +62,6 @@ class CausalSelfAttention(_QKVAttention):
         return self.out(o.transpose(1, 2).reshape(b, t, -1))
 
 
-@register_attention("sliding")
 class SlidingWindowAttention(_QKVAttention):
     """Causal attention over the last `window` positions, ALiBi (default) or RoPE positions.
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.layers.attention import build_attention
+from farsight.layers.kinds import build_attention
 from farsight.layers.mlp import SwiGLU
 from farsight.layers.norm import RMSNorm
 

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.layers.attention import register_attention
 from farsight.layers.position import RotaryEmbedding
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_prefill
 
@@ -37,8 +36,10 @@ class CastleLayerCache:
         return 0 if self.state is None else self.state.length
 
 
-@register_attention("castle")
 class CastleAttention(nn.Module):
+    """CASTLE: every lookahead key absorbs all the tokens that follow it (trains with
+    castle_attention, decodes with castle_prefill / castle_decode and a CastleLayerCache)."""
+
     positions = ("rope", "none")
     lookahead_field: str | None = None
 
@@ -83,7 +84,6 @@ class CastleAttention(nn.Module):
         return self.out(o.reshape(b, t, -1))
 
 
-@register_attention("castle-swl")
 class CastleSWLAttention(CastleAttention):
     """CASTLE-SWL: each lookahead key absorbs only the next `lookahead_window` tokens."""
 

@@ -4,34 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from farsight.ops.buffers import GrowingBuffer
+
 
 class KVCache:
-    """All past keys and values, [B, H, t, d] (the layout SDPA takes), in a buffer that doubles
+    """All past keys and values, [B, H, t, d] (the layout SDPA takes), in buffers that double
     when full so that appending one token does not copy the whole history."""
 
     def __init__(self) -> None:
-        self.length = 0
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._k = GrowingBuffer(dim=2, min_capacity=64)
+        self._v = GrowingBuffer(dim=2, min_capacity=64)
+
+    @property
+    def length(self) -> int:
+        return self._k.length
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, H, T, d] -> all keys and values so far, [B, H, length, d] (views)."""
-        new = k.shape[2]
-        if self._k is None:
-            capacity = max(64, 2 * new)
-            self._k = k.new_empty(k.shape[0], k.shape[1], capacity, k.shape[3])
-            self._v = v.new_empty(self._k.shape)
-        elif self.length + new > self._k.shape[2]:
-            capacity = max(2 * self._k.shape[2], self.length + new)
-            grown_k = self._k.new_empty(*self._k.shape[:2], capacity, self._k.shape[3])
-            grown_v = self._v.new_empty(grown_k.shape)
-            grown_k[:, :, : self.length] = self._k[:, :, : self.length]
-            grown_v[:, :, : self.length] = self._v[:, :, : self.length]
-            self._k, self._v = grown_k, grown_v
-        self._k[:, :, self.length : self.length + new] = k
-        self._v[:, :, self.length : self.length + new] = v
-        self.length += new
-        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+        return self._k.append(k), self._v.append(v)
 
 
 class SlidingKVCache:

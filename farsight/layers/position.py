@@ -38,8 +38,11 @@ class RotaryEmbedding(nn.Module):
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
             size = max(length, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
-            angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)[None]
-            self._cos, self._sin = angles.cos(), angles.sin()
+            # plain tensors even when first built inside a session's inference mode: a later
+            # training forward must be able to save them for backward
+            with torch.inference_mode(False):
+                angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)[None]
+                self._cos, self._sin = angles.cos(), angles.sin()
         return self._cos, self._sin
 
     def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:

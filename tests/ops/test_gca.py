@@ -233,9 +233,9 @@ def test_bad_scale_and_missing_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = make_inputs()
     with pytest.raises(TypeError, match="scale must be a float or None"):
         gca(*inputs, scale=torch.tensor(0.5))
-    import farsight.ops.gca as ops
+    import farsight.ops.backend as ops_backend
 
-    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    monkeypatch.setattr(ops_backend, "triton_available", lambda: False)
     with pytest.raises(RuntimeError, match='backend="triton" needs the triton package'):
         gca(*inputs, backend="triton")
 

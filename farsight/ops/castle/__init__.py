@@ -2,30 +2,30 @@
 
 All six inputs (qu, ku, vu: lookahead query/key/value; qc, kc, vc: causal query/key/value) are
 [B, T, H, d]. `castle_attention` is the training path (O(T^2 d) time, O(T d) memory, custom
-backward); `castle_prefill` / `castle_decode` with a `CastleCache` are the inference path;
-`castle_recurrent` and `castle_parallel_reference` are slow ground truths for tests.
+backward); `castle_prefill` / `castle_decode` with a `CastleCache` are the inference path
+(`farsight.ops.castle.inference`); `castle_recurrent` and `castle_parallel_reference` are slow
+ground truths for tests. These entry points check their arguments (shapes, dtypes, devices,
+window, scale and, for decoding, the cache) once and resolve `scale`; the modules behind them
+assume valid inputs.
 
 Backends of `castle_attention` / `castle_prefill`: "torch" (`farsight.ops.castle.blockwise`,
 any device), "triton" (`farsight.ops.castle.triton`; CUDA, or CPU with TRITON_INTERPRET=1)
 and, for `castle_attention` only, "reference" (`castle_parallel_reference`, O(T^3)). "auto"
-picks Triton for CUDA tensors when triton is installed, else "torch". Triton is imported only
-when its backend is used.
+picks Triton for CUDA tensors when triton is installed, else "torch" (`farsight.ops.backend`).
+Triton is imported only when its backend is used.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from farsight.ops.castle import blockwise
-from farsight.ops.castle.blockwise import DEFAULT_BLOCK_SIZE, CastleCache, castle_decode
-from farsight.ops.castle.reference import (
-    INPUT_NAMES,
-    castle_parallel_reference,
-    castle_recurrent,
-    check_castle_inputs,
-)
-from farsight.ops.checks import check_positive_int, compute_dtype
-from farsight.ops.gca import triton_available
+from farsight.ops.backend import resolve_backend
+from farsight.ops.castle import blockwise, inference, reference
+from farsight.ops.castle.blockwise import DEFAULT_BLOCK_SIZE
+from farsight.ops.castle.inference import CastleCache
+from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
 
 __all__ = [
     "BACKENDS",
@@ -39,6 +39,96 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
+PREFILL_BACKENDS = ("auto", "torch", "triton")
+INPUT_NAMES = ("qu", "ku", "vu", "qc", "kc", "vc")
+
+
+def check_castle_inputs(tensors: dict[str, torch.Tensor], window: object, scale: object) -> float:
+    """Validate the six [B, T, H, d] inputs, `window` and `scale`; return the resolved scale.
+
+    `tensors` maps the argument names (qu, ku, vu, qc, kc, vc) to the tensors, so every error
+    names the offending argument. Nothing is broadcast: all six must have qu's exact shape.
+    """
+    for name, x in tensors.items():
+        check_tensor(name, x, ndim=4)
+        check_float(name, x)
+    check_same_dtype_device(tensors)
+    first_name, first = next(iter(tensors.items()))
+    for name, x in tensors.items():
+        check_shape(name, x, tuple(first.shape), f"[B, T, H, d], the same as {first_name}; nothing is broadcast")
+    if first.shape[-1] < 1:
+        raise ValueError(f"head dimension d must be >= 1, got {first_name} with shape {list(first.shape)}")
+    check_positive_int("window", window, allow_none=True)
+    if scale is None:
+        return 1.0 / math.sqrt(first.shape[-1])
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float or None (for 1/sqrt(d)), got {scale!r}")
+    return float(scale)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<taken from the cache>"
+
+
+_FROM_CACHE = _Unset()
+
+
+def _check_decode(
+    named: dict[str, torch.Tensor],
+    cache: CastleCache,
+    window: object,
+    scale: object,
+    layer: object,
+    position: int | None,
+) -> None:
+    """Validate one decoding step's inputs against the cache and the optional expectations."""
+    if not isinstance(cache, CastleCache):
+        raise TypeError(
+            f"cache must be a CastleCache (from castle_prefill or CastleCache.empty), got {type(cache).__name__}"
+        )
+    if layer is not None and cache.layer != layer:
+        raise ValueError(
+            f"cache belongs to layer {cache.layer!r} but castle_decode was called for layer {layer!r}; "
+            "pass this layer's own cache"
+        )
+    resolved = check_castle_inputs(named, cache.window, None if isinstance(scale, _Unset) else scale)
+    qu = named["qu"]
+    if qu.shape[1] != 1:
+        raise ValueError(
+            f"castle_decode takes exactly one new token per call (inputs [B, 1, H, d]), got qu with "
+            f"{qu.shape[1]} time steps; use castle_prefill for a prompt"
+        )
+    if not isinstance(window, _Unset):
+        check_positive_int("window", window, allow_none=True)
+        if window != cache.window:
+            raise ValueError(
+                f"cache was built with window={cache.window!r} but window={window!r} was requested; "
+                "build the cache with the same window (castle_prefill(..., window=...))"
+            )
+    if not isinstance(scale, _Unset) and resolved != cache.scale:
+        raise ValueError(
+            f"cache was built with scale={cache.scale!r} but scale={resolved!r} was requested; "
+            "use the same scale for prefill and decode"
+        )
+    expected = (cache.batch, 1, cache.heads, cache.head_dim)
+    for name, x in named.items():
+        if tuple(x.shape) != expected:
+            raise ValueError(
+                f"{name} must have shape {list(expected)} (one token with the cache's batch, heads and head dim), "
+                f"got {list(x.shape)}"
+            )
+    if qu.dtype != cache.input_dtype:
+        raise TypeError(
+            f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; cast the inputs"
+        )
+    if qu.device != cache.device:
+        raise ValueError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
+    if position is not None and position != cache.length:
+        raise ValueError(
+            f"cache holds {cache.length} tokens, so the new token is at position {cache.length}, but "
+            f"position={position} was passed; the cache is out of sync with the sequence"
+        )
 
 
 def castle_attention_triton(*args, **kwargs) -> torch.Tensor:
@@ -46,17 +136,6 @@ def castle_attention_triton(*args, **kwargs) -> torch.Tensor:
     from farsight.ops.castle.triton import castle_attention_triton as kernel
 
     return kernel(*args, **kwargs)
-
-
-def _resolve_backend(backend: str, x: torch.Tensor, allowed: tuple[str, ...]) -> str:
-    if backend not in allowed:
-        raise ValueError(f"backend must be one of {allowed}, got {backend!r}")
-    if backend == "auto":
-        use_triton = x.is_cuda and x.dtype != torch.float64 and triton_available()
-        return "triton" if use_triton else "torch"
-    if backend == "triton" and not triton_available():
-        raise RuntimeError('backend="triton" needs the triton package; install it or use backend="torch"')
-    return backend
 
 
 def castle_attention(
@@ -74,19 +153,19 @@ def castle_attention(
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
     All six inputs are [B, T, H, d] with one dtype and device; returns o [B, T, H, d] in the
-    input dtype, differentiable in all six. See `farsight.ops.castle.blockwise.castle_attention`
-    for the torch path (its `block_size` is a CPU speed knob, unused by the other backends).
-    backend: "auto" (Triton for CUDA tensors when installed, else "torch"), "torch", "triton"
-    (fp32/fp16/bf16; CUDA, or CPU with TRITON_INTERPRET=1) or "reference" (O(T^3), tests only).
+    input dtype, differentiable in all six; scale defaults to 1/sqrt(d). See
+    `farsight.ops.castle.blockwise.castle_attention` for the torch path (its `block_size` is a
+    CPU speed knob, unused by the other backends). backend: "auto" (Triton for CUDA tensors when
+    installed, else "torch"), "torch", "triton" (fp32/fp16/bf16; CUDA, or CPU with
+    TRITON_INTERPRET=1) or "reference" (O(T^3), tests only).
     """
-    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
-    scale = check_castle_inputs(named, window, scale)
+    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
     check_positive_int("block_size", block_size)
-    backend = _resolve_backend(backend, qu, BACKENDS)
+    backend = resolve_backend(backend, qu, BACKENDS)
     if backend == "torch":
         return blockwise.castle_attention(qu, ku, vu, qc, kc, vc, window, scale, block_size)
     if backend == "reference":
-        return castle_parallel_reference(qu, ku, vu, qc, kc, vc, window, scale)
+        return reference.castle_parallel_reference(qu, ku, vu, qc, kc, vc, window, scale)
     return castle_attention_triton(qu, ku, vu, qc, kc, vc, window, scale)
 
 
@@ -105,23 +184,67 @@ def castle_prefill(
 ) -> tuple[torch.Tensor, CastleCache]:
     """Process a prompt (Algorithm 4): returns (o [B, T, H, d], the UQ-KV cache after T tokens).
 
-    See `farsight.ops.castle.blockwise.castle_prefill`. backend: "auto", "torch" or "triton"
-    (the lookahead keys U come out of the Triton forward's own D accumulation).
+    o equals castle_attention's output; the lookahead keys U come out of the same forward pass.
+    A prompt of length 0 is allowed and gives an empty cache (as does CastleCache.empty). No
+    autograd graph is built. `layer` tags the cache for castle_decode. backend: "auto", "torch"
+    (blockwise; `block_size` is its knob) or "triton".
     """
-    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
-    resolved_scale = check_castle_inputs(named, window, scale)
+    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
     check_positive_int("block_size", block_size)
-    backend = _resolve_backend(backend, qu, ("auto", "torch", "triton"))
-    if backend == "torch":
-        return blockwise.castle_prefill(qu, ku, vu, qc, kc, vc, window, scale, block_size, layer)
-    scale = resolved_scale
-    from farsight.ops.castle.triton import castle_prefill_triton
+    backend = resolve_backend(backend, qu, PREFILL_BACKENDS)
+    return inference.prefill(qu, ku, vu, qc, kc, vc, window, scale, block_size, layer, backend)
 
-    out, u = castle_prefill_triton(qu, ku, vu, qc, kc, vc, window, scale)
-    dtype = compute_dtype(qu.dtype)
-    with torch.no_grad():
-        rest = [
-            x.transpose(1, 2).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True) for x in (qu, kc, vc)
-        ]
-    cache = CastleCache(u, *rest, length=qu.shape[1], window=window, scale=scale, input_dtype=qu.dtype, layer=layer)
-    return out, cache
+
+def castle_decode(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    cache: CastleCache,
+    *,
+    window: object = _FROM_CACHE,
+    scale: object = _FROM_CACHE,
+    layer: object = None,
+    position: int | None = None,
+) -> tuple[torch.Tensor, CastleCache]:
+    """One decoding step (Algorithm 5): inputs [B, 1, H, d] -> (o [B, 1, H, d], cache).
+
+    The cache is updated in place (and returned); see `farsight.ops.castle.inference.decode`.
+    O(t d) per step with t tokens cached. The optional `window`, `scale`, `layer` and
+    `position` (= t) are checked against the cache to catch a cache that belongs to another
+    configuration, layer or step. No autograd graph is built.
+    """
+    _check_decode(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), cache, window, scale, layer, position)
+    return inference.decode(cache, qu, ku, vu, qc, kc, vc), cache
+
+
+def castle_recurrent(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Literal recurrent CASTLE (O(T^3 d); T <= ~130): see `farsight.ops.castle.reference.castle_recurrent`."""
+    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
+    return reference.castle_recurrent(qu, ku, vu, qc, kc, vc, window, scale)
+
+
+def castle_parallel_reference(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Theorem 1 with dense [T, T] matrices (O(T^3)): see `farsight.ops.castle.reference.castle_parallel_reference`."""
+    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
+    return reference.castle_parallel_reference(qu, ku, vu, qc, kc, vc, window, scale)

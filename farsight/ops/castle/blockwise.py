@@ -1,4 +1,4 @@
-"""CASTLE training and inference paths: O(T^2 d) time, O(T d) memory in forward and backward.
+"""CASTLE training path on any device: O(T^2 d) time, O(T d) memory in forward and backward.
 
 Notation (per head; 0-based positions; a = query row, b = key, c = lookahead token):
 
@@ -23,8 +23,8 @@ separate from (and smaller than) the key block.
 With a window W, P[J, c] vanishes for c > end(J) + W, so D_J stops changing after a few
 sub-blocks: the P / Y work is restricted to those "near" sub-blocks and the final D_J (the
 inclusive total) serves every row beyond; this is where CASTLE-SWL saves work. That total is
-also the lookahead key U[J] after the whole sequence, which the UQ-KV cache of
-`castle_prefill` needs.
+also the lookahead key U[J] after the whole sequence, which the UQ-KV cache of the prefill
+needs (`forward_with_lookahead_keys`; the cache itself is in `farsight.ops.castle.inference`).
 
 `scale` is folded into the packed qu and qc once, so the sigmoid logits, scores and S^U come
 out of their matmuls already scaled. The backward recomputes every block; autograd keeps only
@@ -33,7 +33,6 @@ the inputs, the output and the per-row logsumexp.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from farsight.ops.castle.reference import INPUT_NAMES, check_castle_inputs, lookahead_mask
-from farsight.ops.checks import check_positive_int, check_tensor, compute_dtype
+from farsight.ops.castle.reference import lookahead_mask
+from farsight.ops.checks import compute_dtype
 
 # Tuned on a 2-core AVX-512 CPU (benchmarks/castle.py): fewer, larger key blocks cut Python
 # overhead; a 64-row sub-block balances the diagonal term against the prefix sums.
@@ -364,270 +363,43 @@ def castle_attention(
     qc: torch.Tensor,
     kc: torch.Tensor,
     vc: torch.Tensor,
-    window: int | None = None,
-    scale: float | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    window: int | None,
+    scale: float,
+    block_size: int,
 ) -> torch.Tensor:
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
-    All six inputs are [B, T, H, d] with one dtype and device; returns o [B, T, H, d] in the
-    input dtype. fp64 computes in fp64, everything else in fp32 (gradients come back in the
-    input dtype). O(T^2 d) time and O(T d + T * block_size) memory in forward and backward.
-    `block_size` is a speed knob (clipped to T); results do not depend on it beyond rounding.
+    All six inputs are [B, T, H, d] with one dtype and device, assumed valid
+    (`farsight.ops.castle.castle_attention` checks them and resolves `scale`); returns
+    o [B, T, H, d] in the input dtype. fp64 computes in fp64, everything else in fp32
+    (gradients come back in the input dtype). O(T^2 d) time and O(T d + T * block_size) memory
+    in forward and backward. `block_size` is a speed knob (clipped to T); results do not depend
+    on it beyond rounding.
     """
-    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
-    scale = check_castle_inputs(named, window, scale)
-    check_positive_int("block_size", block_size)
     return _CastleAttention.apply(qu, ku, vu, qc, kc, vc, window, scale, block_size)
 
 
-@dataclass
-class CastleCache:
-    """UQ-KV cache of one CASTLE layer (Section 2.4 of the paper).
-
-    Buffers u, qu, kc, vc are [B, H, capacity, d] in the compute dtype (fp32 for fp16/bf16/fp32
-    inputs, fp64 for fp64) so that the lookahead keys U, which are updated in place at every
-    step, do not accumulate low-precision rounding. Rows [:length] are valid: u[..., s, :] is
-    the lookahead key of token s after `length` tokens (the last valid row is zero), qu the
-    lookahead queries, kc / vc the causal keys and values. Capacity doubles when full, so a
-    decode step copies nothing in the common case.
-
-    `input_dtype` is the dtype the cache accepts and returns; `layer` is an identity tag set by
-    the owner (any comparable value, e.g. the layer index) so that castle_decode can reject a
-    cache that belongs to another layer.
-    """
-
-    u: torch.Tensor
-    qu: torch.Tensor
-    kc: torch.Tensor
-    vc: torch.Tensor
-    length: int
-    window: int | None
-    scale: float
-    input_dtype: torch.dtype
-    layer: object = None
-
-    @classmethod
-    def empty(
-        cls,
-        batch: int,
-        heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        window: int | None = None,
-        scale: float | None = None,
-        layer: object = None,
-        capacity: int = 16,
-    ) -> CastleCache:
-        """A cache holding no tokens yet (equivalent to castle_prefill of a length-0 prompt)."""
-        for name, value in (("batch", batch), ("heads", heads), ("head_dim", head_dim), ("capacity", capacity)):
-            check_positive_int(name, value)
-        check_positive_int("window", window, allow_none=True)
-        if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-        scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        buffers = [
-            torch.zeros(batch, heads, capacity, head_dim, dtype=compute_dtype(dtype), device=device) for _ in range(4)
-        ]
-        return cls(*buffers, length=0, window=window, scale=scale, input_dtype=dtype, layer=layer)
-
-    @property
-    def batch(self) -> int:
-        return self.u.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.u.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        return self.u.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.u.shape[3]
-
-    @property
-    def device(self) -> torch.device:
-        return self.u.device
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Valid rows (U, QU, KC, VC), each [B, H, length, d] (views into the buffers)."""
-        t = self.length
-        return self.u[:, :, :t], self.qu[:, :, :t], self.kc[:, :, :t], self.vc[:, :, :t]
-
-    def reserve(self, length: int) -> None:
-        """Grow the buffers (by doubling) so that they hold at least `length` tokens."""
-        if length <= self.capacity:
-            return
-        capacity = max(length, 2 * self.capacity)
-        for name in ("u", "qu", "kc", "vc"):
-            old = getattr(self, name)
-            new = old.new_zeros(self.batch, self.heads, capacity, self.head_dim)
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
-
-    def check_consistent(self) -> None:
-        """Raise if the buffers disagree with each other or with `length`."""
-        for name in ("u", "qu", "kc", "vc"):
-            buf = getattr(self, name)
-            check_tensor(f"cache.{name}", buf, ndim=4)
-            if buf.shape != self.u.shape or buf.dtype != self.u.dtype or buf.device != self.u.device:
-                raise ValueError(
-                    f"cache.{name} has shape {list(buf.shape)}, {buf.dtype}, {buf.device} but cache.u has "
-                    f"{list(self.u.shape)}, {self.u.dtype}, {self.u.device}; the cache buffers were modified"
-                )
-        if isinstance(self.length, bool) or not isinstance(self.length, int) or not 0 <= self.length <= self.capacity:
-            raise ValueError(f"cache.length must be an int in [0, {self.capacity}], got {self.length!r}")
-
-
-def castle_prefill(
+def forward_with_lookahead_keys(
     qu: torch.Tensor,
     ku: torch.Tensor,
     vu: torch.Tensor,
     qc: torch.Tensor,
     kc: torch.Tensor,
     vc: torch.Tensor,
-    window: int | None = None,
-    scale: float | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    layer: object = None,
-) -> tuple[torch.Tensor, CastleCache]:
-    """Process a prompt (Algorithm 4): returns (o [B, T, H, d], the UQ-KV cache after T tokens).
+    window: int | None,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of `castle_attention` without autograd, for the prefill (Algorithm 4).
 
-    o equals castle_attention's output. The lookahead keys U^T are the inclusive totals of the
-    forward's D accumulation, so they come out of the same blockwise pass (O(T d) memory).
-    A prompt of length 0 is allowed and gives an empty cache (as does CastleCache.empty).
-    No autograd graph is built (inference path). `layer` tags the cache for castle_decode.
+    Returns (o [B, T, H, d] in the input dtype, U [B, H, T, d] in the compute dtype): U, the
+    lookahead keys after all T tokens, are the inclusive totals of the forward's D
+    accumulation, so they come out of the same pass (O(T d) memory).
     """
-    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
-    scale = check_castle_inputs(named, window, scale)
-    check_positive_int("block_size", block_size)
     batch, steps, heads, dim = qu.shape
-    dtype = compute_dtype(qu.dtype)
+    plan = _Plan.make(steps, block_size, window, scale)
     with torch.no_grad():
-        plan = _Plan.make(steps, block_size, window, scale)
-        out, _, lookahead = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, dtype), plan, want_lookahead=True)
-        u = lookahead.view(batch, heads, plan.padded, dim)[:, :, :steps].clone()
-        # Copies, so the cache never aliases the caller's tensors.
-        rest = [
-            x.transpose(1, 2).to(dtype=dtype, memory_format=torch.contiguous_format, copy=True) for x in (qu, kc, vc)
-        ]
-    cache = CastleCache(u, *rest, length=steps, window=window, scale=scale, input_dtype=qu.dtype, layer=layer)
-    return _unpack(out, plan, qu.shape, qu.dtype), cache
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<taken from the cache>"
-
-
-_FROM_CACHE = _Unset()
-
-
-def _check_decode(
-    named: dict[str, torch.Tensor],
-    cache: CastleCache,
-    window: object,
-    scale: object,
-    layer: object,
-    position: int | None,
-) -> None:
-    if not isinstance(cache, CastleCache):
-        raise TypeError(
-            f"cache must be a CastleCache (from castle_prefill or CastleCache.empty), got {type(cache).__name__}"
-        )
-    cache.check_consistent()
-    if layer is not None and cache.layer != layer:
-        raise ValueError(
-            f"cache belongs to layer {cache.layer!r} but castle_decode was called for layer {layer!r}; "
-            "pass this layer's own cache"
-        )
-    resolved = check_castle_inputs(named, cache.window, None if isinstance(scale, _Unset) else scale)
-    qu = named["qu"]
-    if qu.shape[1] != 1:
-        raise ValueError(
-            f"castle_decode takes exactly one new token per call (inputs [B, 1, H, d]), got qu with "
-            f"{qu.shape[1]} time steps; use castle_prefill for a prompt"
-        )
-    if not isinstance(window, _Unset):
-        check_positive_int("window", window, allow_none=True)
-        if window != cache.window:
-            raise ValueError(
-                f"cache was built with window={cache.window!r} but window={window!r} was requested; "
-                "build the cache with the same window (castle_prefill(..., window=...))"
-            )
-    if not isinstance(scale, _Unset) and resolved != cache.scale:
-        raise ValueError(
-            f"cache was built with scale={cache.scale!r} but scale={resolved!r} was requested; "
-            "use the same scale for prefill and decode"
-        )
-    expected = (cache.batch, 1, cache.heads, cache.head_dim)
-    for name, x in named.items():
-        if tuple(x.shape) != expected:
-            raise ValueError(
-                f"{name} must have shape {list(expected)} (one token with the cache's batch, heads and head dim), "
-                f"got {list(x.shape)}"
-            )
-    if qu.dtype != cache.input_dtype:
-        raise TypeError(
-            f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; cast the inputs"
-        )
-    if qu.device != cache.device:
-        raise ValueError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
-    if position is not None and position != cache.length:
-        raise ValueError(
-            f"cache holds {cache.length} tokens, so the new token is at position {cache.length}, but "
-            f"position={position} was passed; the cache is out of sync with the sequence"
-        )
-
-
-def castle_decode(
-    qu: torch.Tensor,
-    ku: torch.Tensor,
-    vu: torch.Tensor,
-    qc: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
-    cache: CastleCache,
-    *,
-    window: object = _FROM_CACHE,
-    scale: object = _FROM_CACHE,
-    layer: object = None,
-    position: int | None = None,
-) -> tuple[torch.Tensor, CastleCache]:
-    """One decoding step (Algorithm 5): inputs [B, 1, H, d] -> (o [B, 1, H, d], cache).
-
-    The cache is updated in place (and returned): with t tokens cached, the lookahead keys of
-    tokens max(0, t - W) .. t - 1 gain sigmoid(scale * qu_s . ku_t) * vu_t (older rows can no
-    longer change under a window and are not touched), a zero row is appended for the new
-    token, then o = softmax(scale * qc . KC - SiLU(scale * qc . U)) @ VC over all t + 1 tokens.
-    O(t d) per step. The optional `window`, `scale`, `layer` and `position` (= t) are checked
-    against the cache to catch a cache that belongs to another configuration, layer or step.
-    No autograd graph is built (inference path).
-    """
-    named = dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc)))
-    _check_decode(named, cache, window, scale, layer, position)
-    dtype = cache.u.dtype
-    # [B, H, 1, d] row vectors: every product below is then a (1 x d) @ (d x t) matrix product,
-    # which BLAS runs at memory speed (a (t x d) @ (d x 1) batched product is several times slower).
-    q_u, k_u, v_u, q_c, k_c, v_c = (x.transpose(1, 2).to(dtype) for x in (qu, ku, vu, qc, kc, vc))
-    t = cache.length
-    first = 0 if cache.window is None else max(0, t - cache.window)
-    with torch.no_grad():
-        cache.reserve(t + 1)
-        if first < t:
-            gate = torch.matmul(k_u, cache.qu[:, :, first:t].transpose(-1, -2)).mul_(cache.scale).sigmoid_()
-            cache.u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)
-        cache.u[:, :, t : t + 1] = 0
-        cache.qu[:, :, t : t + 1] = q_u
-        cache.kc[:, :, t : t + 1] = k_c
-        cache.vc[:, :, t : t + 1] = v_c
-        cache.length = t + 1
-        query = q_c.mul(cache.scale)
-        score = torch.matmul(query, cache.kc[:, :, : t + 1].transpose(-1, -2))  # [B, H, 1, t + 1]
-        score -= F.silu(torch.matmul(query, cache.u[:, :, : t + 1].transpose(-1, -2)))
-        out = torch.matmul(torch.softmax(score, dim=-1), cache.vc[:, :, : t + 1])  # [B, H, 1, d]
-    return out.transpose(1, 2).to(qu.dtype), cache
+        packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, compute_dtype(qu.dtype))
+        out, _, lookahead = _forward(*packed, plan, want_lookahead=True)
+    u = lookahead.view(batch, heads, plan.padded, dim)[:, :, :steps]
+    return _unpack(out, plan, qu.shape, qu.dtype), u

@@ -41,7 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from farsight.ops.checks import check_positive_int
 from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile
 
 __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
@@ -432,7 +431,6 @@ def castle_attention_triton(
     final lookahead sums U [B, T, H, d] (fp32). `block` (a power of two >= 16) is the query and
     key tile (default: next power of two of T, at most 64, or 32 when d > 64).
     """
-    check_positive_int("window", window, allow_none=True)
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
     return _CastleTriton.apply(qu, ku, vu, qc, kc, vc, window, scale, block)
 
@@ -452,8 +450,8 @@ def castle_prefill_triton(
     """Algorithm 4 without autograd: (o [B, T, H, d] in the input dtype, U [B, H, T, d] fp32).
 
     U (the lookahead keys after all T tokens) is the final D of the same forward launches.
+    Inputs are assumed valid (`farsight.ops.castle.castle_prefill` checks them).
     """
-    check_positive_int("window", window, allow_none=True)
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
     inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
     with torch.no_grad():

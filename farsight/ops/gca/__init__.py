@@ -9,11 +9,9 @@ picks one. Triton is imported only when its backend is used.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
+from farsight.ops.backend import resolve_backend
 from farsight.ops.checks import check_float, check_same_dtype_device, check_shape, check_tensor
 from farsight.ops.gca.recompute import gca_recompute
 from farsight.ops.gca.reference import gca_reference
@@ -21,15 +19,6 @@ from farsight.ops.gca.reference import gca_reference
 __all__ = ["gca", "gca_recompute", "gca_reference", "gca_triton", "check_gca_inputs", "BACKENDS"]
 
 BACKENDS = ("auto", "torch", "triton", "reference")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreting() -> bool:
-    """True when Triton kernels run in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def gca_triton(*args, **kwargs) -> torch.Tensor:
@@ -105,15 +94,9 @@ def gca(
     check_gca_inputs(q, k, v, index, weight)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
-    if backend == "auto":
-        use_triton = q.is_cuda and q.dtype != torch.float64 and triton_available()
-        backend = "triton" if use_triton else "torch"
+    backend = resolve_backend(backend, q, BACKENDS)
     if backend == "torch":
         return gca_recompute(q, k, v, index, weight, softmax_one, scale)
     if backend == "reference":
         return gca_reference(q, k, v, index, weight, softmax_one, scale)
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError('backend="triton" needs the triton package; install it or use backend="torch"')
-        return gca_triton(q, k, v, index, weight, softmax_one, scale)
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return gca_triton(q, k, v, index, weight, softmax_one, scale)

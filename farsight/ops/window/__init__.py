@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from farsight.ops import backend as ops_backend
 from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
 from farsight.ops.window.blockwise import default_block_size, sliding_window_attention_blockwise
 from farsight.ops.window.fused import flex_available, sliding_window_attention_flex, sliding_window_attention_sdpa
@@ -28,27 +29,29 @@ BACKENDS = ("auto", "blockwise", "flex", "sdpa", "reference")
 FLEX_MIN_QUERIES = 128
 
 
+def _flex_or_blockwise(q: torch.Tensor) -> str:
+    """The "auto" rule: FlexAttention where its kernels fit the inputs, else "blockwise"."""
+    use_flex = (
+        q.is_cuda
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and q.shape[1] >= FLEX_MIN_QUERIES
+        and q.shape[-1] >= 16
+        and q.shape[-1] & (q.shape[-1] - 1) == 0  # head dims FlexAttention's kernels are made for
+        and flex_available()
+    )
+    return "flex" if use_flex else "blockwise"
+
+
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
     """The backend `sliding_window_attention` runs for `backend` and inputs like `q`.
 
     "auto": FlexAttention for CUDA tensors (fp32/fp16/bf16, at least FLEX_MIN_QUERIES queries, a
     power-of-two head dim >= 16) when this torch has it, else "blockwise". Raises for an unknown or unusable backend.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        use_flex = (
-            q.is_cuda
-            and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and q.shape[1] >= FLEX_MIN_QUERIES
-            and q.shape[-1] >= 16
-            and q.shape[-1] & (q.shape[-1] - 1) == 0  # head dims FlexAttention's kernels are made for
-            and flex_available()
-        )
-        return "flex" if use_flex else "blockwise"
+    backend = ops_backend.resolve_backend(backend, q, BACKENDS, auto=_flex_or_blockwise)
     if backend == "flex":
         if not flex_available():
-            raise RuntimeError(
+            raise ops_backend.BackendUnavailableError(
                 f'backend="flex" needs torch.nn.attention.flex_attention (torch >= 2.5), this is torch '
                 f'{torch.__version__}; use backend="blockwise"'
             )

@@ -1,0 +1,91 @@
+"""`GrowingBuffer`: rows appended along one dimension of a tensor whose capacity doubles when full.
+
+Caches that grow by a few rows per decoding step (key/value caches, the CASTLE UQ-KV cache,
+DRT's landmark keys) keep their rows here, so that an append copies only the new rows and the
+whole history is copied O(log n) times in all rather than at every step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from farsight.errors import InputError
+from farsight.ops.checks import check_positive_int
+
+
+class GrowingBuffer:
+    """Rows appended along dimension `dim` of one storage tensor.
+
+    With dim=1 and rows [B, n, ...], the storage is [B, capacity, ...] and `view()` is
+    [B, length, ...]; with dim=2 and rows [B, H, n, d] (a key/value cache), the storage is
+    [B, H, capacity, d]. Every dimension but `dim` is fixed by the first append, and so are
+    the dtype and device: later rows are copied into them. The capacity starts at
+    max(min_capacity, rows of the first append) and at least doubles whenever an append does
+    not fit.
+
+    `append` and `view` return views of the storage, valid until the next append that grows
+    it; in-place writes to them change the stored rows.
+    """
+
+    def __init__(self, dim: int = 1, min_capacity: int = 16) -> None:
+        check_positive_int("min_capacity", min_capacity)
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            raise InputError(f"dim must be an integer >= 0 (the dimension rows are appended along), got {dim!r}")
+        self.dim = dim
+        self.min_capacity = min_capacity
+        self.length = 0
+        self._storage: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Rows the storage holds before the next append has to grow it (0 before the first)."""
+        return 0 if self._storage is None else self._storage.shape[self.dim]
+
+    def append(self, rows: torch.Tensor) -> torch.Tensor:
+        """Store `rows` (any number along `dim`, 0 included) after the rows so far; return `view()`."""
+        if rows.dim() <= self.dim:
+            raise InputError(
+                f"rows must have more than {self.dim} dimensions to be appended along dim {self.dim}, "
+                f"got shape {list(rows.shape)}"
+            )
+        if self._storage is not None:
+            stored, given = list(self._storage.shape), list(rows.shape)
+            stored[self.dim] = given[self.dim] = -1
+            if stored != given:
+                raise InputError(
+                    f"rows of shape {list(rows.shape)} do not fit a buffer of rows shaped {stored} "
+                    f"(-1 = dim {self.dim}, the one appended along); append rows of one shape"
+                )
+        end = self.length + rows.shape[self.dim]
+        if self._storage is None or end > self.capacity:
+            self._grow(rows, max(self.min_capacity, end, 2 * self.capacity))
+        self._storage.narrow(self.dim, self.length, end - self.length).copy_(rows)
+        self.length = end
+        return self.view()
+
+    def _grow(self, like: torch.Tensor, capacity: int) -> None:
+        """Move the rows so far into a new storage of `capacity` rows (shaped and typed like the
+        current storage, or like `like` for the first append)."""
+        template = like if self._storage is None else self._storage
+        shape = list(template.shape)
+        shape[self.dim] = capacity
+        grown = template.new_empty(shape)
+        if self._storage is not None:
+            grown.narrow(self.dim, 0, self.length).copy_(self.view())
+        self._storage = grown
+
+    def view(self) -> torch.Tensor | None:
+        """All rows so far (length along `dim`), or None before the first append."""
+        if self._storage is None:
+            return None
+        return self._storage.narrow(self.dim, 0, self.length)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored rows (not of the spare capacity); 0 when empty."""
+        rows = self.view()
+        return 0 if rows is None else rows.numel() * rows.element_size()
+
+    def clear(self) -> None:
+        """Drop every row and the storage; the next append starts a new buffer."""
+        self._storage = None
+        self.length = 0
