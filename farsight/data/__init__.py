@@ -1,17 +1,8 @@
 """Data: tokenizers, document sources and prepared token files (see docs/data.md)."""
 
-from farsight.data.corpora import (
-    CorpusError,
-    Document,
-    HuggingFaceSource,
-    JsonlSource,
-    LocalTextSource,
-    ShakespeareSource,
-    Source,
-    StdlibSource,
-    download_shakespeare,
-    resolve_source,
-)
+from farsight.data.corpora import HuggingFaceSource, JsonlSource, LocalTextSource, StdlibSource, resolve_source
+from farsight.data.documents import CorpusError, Document, Source
+from farsight.data.shakespeare import ShakespeareSource, download_shakespeare
 from farsight.data.token_files import TokenDataError, TokenFile, load_meta, load_token_dataset, prepare_corpus
 from farsight.data.tokenizers import (
     BPETokenizer,

@@ -1,102 +1,33 @@
-"""Training batch sources. A batch is a pure function of (seed, step, micro-step, rank), so a
-resumed run sees exactly the batches it would have seen, and only the step needs saving.
+"""Training batch sources by `data.kind`: the table of kinds and `build_batch_source`.
 
-Sources are registered by `data.kind` in the training config; the synthetic long-context tasks
-add their own kinds.
+    tokens   random windows of a prepared token directory (farsight.data.token_batches)
+    needle   synthetic needle tasks with a length curriculum (farsight.data.tasks.training)
+
+A new kind is a config class and a `factory(config, seed, model_spec)` returning a `BatchSource`,
+added to DATA_KINDS below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
-import torch
+from farsight.config import ConfigBase, ConfigError
+from farsight.data.batch_source import BatchSource
+from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
+from farsight.data.token_batches import TokenBatchConfig, TokenBatches
 
-from farsight.config import ConfigBase, require
-
-
-class BatchSource(Protocol):
-    tokenizer: Any
-
-    def train_batch(self, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]: ...
-
-    def eval_batch(self, index: int) -> dict[str, torch.Tensor]: ...
-
-
-DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int, dict], BatchSource]]] = {}
-
-
-def register_data_kind(name: str, config_class: type[ConfigBase]):
-    """Register `factory(config, seed, model_spec)` as `data.kind: name`."""
-
-    def decorate(factory: Callable[[Any, int, dict], BatchSource]):
-        DATA_KINDS[name] = (config_class, factory)
-        return factory
-
-    return decorate
+DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int, dict[str, Any]], BatchSource]]] = {
+    "tokens": (TokenBatchConfig, TokenBatches),
+    "needle": (NeedleBatchConfig, NeedleBatches),
+}
 
 
 def build_batch_source(data: dict[str, Any], seed: int, model: dict[str, Any] | None = None) -> BatchSource:
     """The batch source for a training config's `data` section (`model` lets it read e.g. chunk_size)."""
-    import farsight.data.tasks  # noqa: F401  (registers the task kinds)
-
     data = dict(data)
     kind = data.pop("kind", "tokens")
     if kind not in DATA_KINDS:
-        raise ValueError(f"data.kind={kind!r} is unknown; choose one of {sorted(DATA_KINDS)}")
+        raise ConfigError(f"data.kind={kind!r} is unknown; choose one of {sorted(DATA_KINDS)}")
     config_class, factory = DATA_KINDS[kind]
     return factory(config_class.from_dict(data, where="data"), seed, model or {})
-
-
-def batch_rng(seed: int, *stream: int) -> np.random.Generator:
-    """Independent, reproducible random stream for one (seed, step, micro, rank, ...) tuple."""
-    return np.random.default_rng([seed, *stream])
-
-
-@dataclass
-class TokenBatchConfig(ConfigBase):
-    """Random windows of `seq_len` tokens from a prepared token directory (`farsight data prepare`)."""
-
-    path: str = ""
-    seq_len: int = 512
-    batch_size: int = 8
-    eval_split: str = "val"
-
-    def validate(self) -> None:
-        require(bool(self.path), "data.path is required: a directory written by `farsight data prepare`")
-        require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
-        require(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
-
-
-class TokenBatches:
-    def __init__(self, config: TokenBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
-        from farsight.data.token_files import load_token_dataset
-
-        self.config = config
-        self.seed = seed
-        self.train = load_token_dataset(config.path, "train")
-        self.val = load_token_dataset(config.path, config.eval_split)
-        self.tokenizer = self.train.tokenizer
-        for split in (self.train, self.val):
-            require(
-                len(split) > config.seq_len,
-                f"{config.path} has only {len(split)} tokens in a split, fewer than data.seq_len={config.seq_len}; "
-                "lower seq_len or prepare more text",
-            )
-
-    def _windows(self, split: Any, rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        n = self.config.seq_len
-        starts = rng.integers(0, len(split) - n, size=self.config.batch_size)
-        ids = torch.from_numpy(np.stack([np.asarray(split.tokens[s : s + n], dtype=np.int64) for s in starts]))
-        return {"input_ids": ids, "labels": ids}
-
-    def train_batch(self, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
-        return self._windows(self.train, batch_rng(self.seed, 0, step, micro, rank))
-
-    def eval_batch(self, index: int) -> dict[str, torch.Tensor]:
-        return self._windows(self.val, batch_rng(self.seed, 1, index))
-
-
-register_data_kind("tokens", TokenBatchConfig)(TokenBatches)

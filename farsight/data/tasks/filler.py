@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from farsight.errors import InputError
+
 REPEATED_TEXT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -26,7 +28,7 @@ class CorpusFiller(Filler):
         self.tokens = tokens
         self.drop = np.asarray(drop_ids, dtype=np.int64)
         if len(tokens) < 2:
-            raise ValueError("the filler corpus holds fewer than 2 tokens; prepare more text")
+            raise InputError("the filler corpus holds fewer than 2 tokens; prepare more text")
 
     def take(self, n: int, rng: np.random.Generator) -> np.ndarray:
         out = []
@@ -60,12 +62,12 @@ def make_filler(kind: str, tokenizer: Any, corpus: str | None = None, split: str
         return RepeatedFiller(tokenizer)
     if kind == "corpus":
         if not corpus:
-            raise ValueError("filler 'corpus' needs a prepared dataset path (farsight data prepare ...)")
+            raise InputError("filler 'corpus' needs a prepared dataset path (farsight data prepare ...)")
         from farsight.data.token_files import load_token_dataset
 
         data = load_token_dataset(corpus, split)
         if data.tokenizer.to_spec() != tokenizer.to_spec():
-            raise ValueError(f"{corpus} was prepared with another tokenizer than the model's; prepare it with the model's tokenizer")
+            raise InputError(f"{corpus} was prepared with another tokenizer than the model's; prepare it with the model's tokenizer")
         specials = tuple(getattr(tokenizer, name) for name in ("eos_id", "bos_id", "pad_id", "lmk_id"))
         return CorpusFiller(data.tokens, drop_ids=specials)
-    raise ValueError(f"unknown filler {kind!r}; choose 'corpus' or 'repeat'")
+    raise InputError(f"unknown filler {kind!r}; choose 'corpus' or 'repeat'")

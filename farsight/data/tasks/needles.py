@@ -20,6 +20,7 @@ Tasks:
 
 from __future__ import annotations
 
+import inspect
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from farsight.data.tasks.filler import Filler
+from farsight.errors import InputError
 
 
 @dataclass
@@ -85,7 +87,7 @@ class NeedleTask:
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1) -> None:
         if align < 1:
-            raise ValueError(f"align must be >= 1 (the model's chunk size), got {align}")
+            raise InputError(f"align must be >= 1 (the model's chunk size), got {align}")
         self.tokenizer = tokenizer
         self.filler = filler
         self.align = align
@@ -102,7 +104,7 @@ class NeedleTask:
     def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
         """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the haystack."""
         if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
+            raise InputError(f"depth must be in [0, 1], got {depth}")
         draw = self.draw(rng)
         needles, head, answer = draw.needles, draw.head, draw.answer
         is_ = self.encode(" is")
@@ -114,7 +116,7 @@ class NeedleTask:
         needed = sum(len(n) for n in needles)
         if haystack < needed:
             shortest = needed + len(head) + tail_len + self.align
-            raise ValueError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens")
+            raise InputError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens")
         filler = self.filler.take(haystack - needed, rng)
         # the first needle (the one asked about) sits at `depth`; any others at random places
         positions = [int(round(depth * len(filler)))]
@@ -230,6 +232,12 @@ TASKS: dict[str, Callable[..., NeedleTask]] = {
 
 
 def make_task(name: str, tokenizer: Any, filler: Filler, align: int = 1, **options: Any) -> NeedleTask:
+    """Task `name` of TASKS; `options` are its own settings (e.g. digits=7 for passkey)."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+        raise InputError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
+    # the parameters after (tokenizer, filler, align) are the task's own options
+    valid = list(inspect.signature(TASKS[name]).parameters)[3:]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise InputError(f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}")
     return TASKS[name](tokenizer, filler, align, **options)

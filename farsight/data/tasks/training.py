@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from farsight.config import ConfigBase, require
-from farsight.data.batches import batch_rng, register_data_kind
+from farsight.data.batch_source import batch_rng
 from farsight.data.tasks.filler import make_filler
 from farsight.data.tasks.needles import TASKS, make_task
 
@@ -105,5 +105,3 @@ class NeedleBatches:
     def eval_batch(self, index: int) -> dict[str, torch.Tensor]:
         return self._batch("val", self.config.seq_len, batch_rng(self.seed, 1, index))
 
-
-register_data_kind("needle", NeedleBatchConfig)(NeedleBatches)

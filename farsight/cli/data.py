@@ -1,0 +1,44 @@
+"""`farsight data prepare|info`: tokenize text sources into token files, and show a prepared dataset."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    data = commands.add_parser("data", help="prepare corpora as token files", description="Prepare corpora as token files.")
+    actions = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    prepare = actions.add_parser(
+        "prepare",
+        help="tokenize text sources into train/val token files",
+        description="Tokenize text sources into train.bin/val.bin (split by document). Sources: stdlib, "
+        "shakespeare, hf:NAME[:CONFIG][@SPLIT], jsonl:PATH or *.jsonl, a text file or a folder.",
+    )
+    prepare.add_argument("--source", action="append", required=True, help="a text source (repeatable)")
+    prepare.add_argument("--tokenizer", default="byte", help="byte, gpt2, or a directory/file with tokenizer.json")
+    prepare.add_argument("--out", required=True, help="output directory")
+    prepare.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)")
+    prepare.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    prepare.set_defaults(func=_prepare)
+    info = actions.add_parser("info", help="print a prepared dataset's metadata")
+    info.add_argument("path")
+    info.set_defaults(func=_info)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from farsight.data.token_files import prepare_corpus
+    from farsight.data.tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    meta = prepare_corpus(args.source, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
+    print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import json
+
+    from farsight.data.token_files import load_meta
+
+    print(json.dumps(load_meta(args.path), indent=2))
+    return 0

@@ -1,0 +1,226 @@
+"""`farsight eval ...`: needle tasks, perplexity vs length, DRT retrieval, comparison tables, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+from farsight.cli.arguments import (
+    add_json_output_argument,
+    add_memory_argument,
+    add_model_argument,
+    add_needle_grid_arguments,
+    load_model_and_tokenizer,
+    needle_grid,
+    parse_list,
+)
+from farsight.errors import InputError, MissingFileError
+
+NEEDLE_TASKS = (
+    ("passkey", "single needle: 'The passkey is: {P}.'"),
+    ("multikey", "several passkeys under different keys, one asked"),
+    ("niah2hop", "2-hop chain a->b->c among distractor chains"),
+)
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    evaluate = commands.add_parser("eval", help="long-context evaluations and benchmarks", description="Long-context evaluations and benchmarks.")
+    evaluations = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
+    for task, what in NEEDLE_TASKS:
+        _add_needle_command(evaluations, task, what)
+
+    ppl = evaluations.add_parser("ppl", help="perplexity vs evaluation length", description="Perplexity vs evaluation length on held-out documents.")
+    add_model_argument(ppl, repeatable=True)
+    ppl.add_argument("--corpus", required=True, help="prepared dataset")
+    ppl.add_argument("--split", default="val")
+    ppl.add_argument("--lengths", default="1k,2k,4k,8k")
+    ppl.add_argument("--windows", type=int, default=8, help="windows per length")
+    ppl.add_argument("--batch-size", type=int, default=4)
+    add_memory_argument(ppl)
+    ppl.add_argument("--seed", type=int, default=0)
+    add_json_output_argument(ppl)
+    ppl.add_argument("--plot", help="write perplexity vs length as a PNG")
+    ppl.set_defaults(func=_perplexity)
+
+    retrieval = evaluations.add_parser(
+        "retrieval", help="show the chunks a DRT retrieves", description="Show, per chunk, the past chunks a DRT retrieves with their weights and text."
+    )
+    add_model_argument(retrieval)
+    source = retrieval.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="a text file")
+    source.add_argument("--corpus", help="a prepared dataset (with --document)")
+    retrieval.add_argument("--split", default="val")
+    retrieval.add_argument("--document", type=int, default=0)
+    retrieval.add_argument("--chunks", help="comma-separated querying chunks to show (default: all)")
+    retrieval.add_argument("--top", type=int, default=None, help="show only the N chunks with the most confident retrieval")
+    retrieval.add_argument("--max-tokens", type=int, default=16384)
+    add_json_output_argument(retrieval)
+    retrieval.set_defaults(func=_retrieval)
+
+    compare = evaluations.add_parser(
+        "compare",
+        help="compare needle-task results of several models",
+        description="One table (and plot) of needle-task results written by --out: a row per length, a column per model.",
+    )
+    compare.add_argument("results", nargs="+", help="JSON files written by `farsight eval passkey|multikey|niah2hop --out`")
+    compare.add_argument("--labels", help="comma-separated column names (default: the file names)")
+    compare.add_argument("--metric", default="exact_match", choices=["exact_match", "first_token", "needle_retrieved"])
+    compare.add_argument("--plot", help="write accuracy vs length as a PNG")
+    compare.add_argument("--title")
+    compare.set_defaults(func=_compare)
+
+    bench = evaluations.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
+    bench.add_argument("--only", help="comma-separated subset, e.g. castle,drt")
+    bench.add_argument("--quick", action="store_true")
+    add_json_output_argument(bench, flag="--json", what="all figures")
+    bench.set_defaults(func=_bench)
+
+
+def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what: str) -> None:
+    needle = evaluations.add_parser(
+        task,
+        help=f"needle in a haystack: {what}",
+        description=f"Needle in a haystack: {what}. "
+        "Exact match of all answer tokens (greedy) and first-token accuracy over lengths x depths.",
+    )
+    add_model_argument(needle)
+    add_needle_grid_arguments(needle, lengths="1k,4k,16k", trials=10, long_trials=None)
+    needle.add_argument("--filler", choices=["corpus", "repeat"], default="corpus", help="haystack text")
+    needle.add_argument("--corpus", default="data/stdlib-byte", help="prepared dataset for corpus filler")
+    needle.add_argument("--split", default="val", help="split of --corpus used as filler (default: held-out val)")
+    needle.add_argument("--align", type=int, default=None, help="chunk alignment of the question (default: the model's chunk size)")
+    needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
+    add_memory_argument(needle)
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
+    add_json_output_argument(needle)
+    needle.add_argument("--plot", help="write the length x depth heatmap PNG")
+    needle.set_defaults(func=_needle, task=task)
+
+
+def _task_options(items: list[str]) -> dict[str, object]:
+    """--task-option KEY=VALUE strings as a dict, each value read as YAML (7 is a number, [a, b] a list)."""
+    import yaml
+
+    options = {}
+    for item in items:
+        key, separator, text = item.partition("=")
+        if not separator:
+            raise InputError(f"--task-option expects KEY=VALUE (e.g. digits=7), got {item!r}")
+        try:
+            options[key] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise InputError(f"--task-option {item!r}: the value is not valid YAML ({exc})") from exc
+    return options
+
+
+def _needle(args: argparse.Namespace) -> int:
+    from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.efficiency import write_json
+    from farsight.eval.needle import evaluate_needle_task, results_table
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    align = args.align or getattr(model.config, "chunk_size", 1)
+    filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
+    task = make_task(args.task, tokenizer, filler, align, **_task_options(args.task_option))
+    lengths, depths, trials = needle_grid(args)
+    summary = evaluate_needle_task(
+        model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory
+    )
+    summary.update(model=str(args.model), align=align, filler=args.filler, corpus=args.corpus, split=args.split)
+    print(results_table(summary))
+    write_json(args.out, summary)
+    if args.plot:
+        from farsight.eval.plots import needle_heatmap
+
+        print(f"wrote {needle_heatmap(summary, args.plot, title=f'{args.task}: {args.model}')}")
+    return 0
+
+
+def _perplexity(args: argparse.Namespace) -> int:
+    from farsight.data.token_files import load_token_dataset
+    from farsight.eval.efficiency import format_table, write_json
+    from farsight.eval.needle import format_length, parse_length
+    from farsight.eval.perplexity import evaluate_perplexity
+
+    split = load_token_dataset(args.corpus, args.split)
+    lengths = parse_list(args.lengths, parse_length, "--lengths", "lengths")
+    results, series = {}, {}
+    for path in args.model:
+        model, _ = load_model_and_tokenizer(path)
+        out = evaluate_perplexity(model, split, lengths, args.windows, args.batch_size, args.seed, memory=args.memory)
+        results[path] = out
+        series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
+    rows = [{"length": format_length(n), **{p: series[p][n] for p in args.model}} for n in lengths]
+    print(format_table(rows, ["length", *args.model]))
+    write_json(args.out, {"corpus": args.corpus, "split": args.split, "results": results})
+    if args.plot:
+        from farsight.eval.plots import curves
+
+        print(f"wrote {curves(series, args.plot, 'perplexity', f'perplexity vs length ({args.corpus})')}")
+    return 0
+
+
+def _retrieval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from farsight.eval.efficiency import write_json
+    from farsight.eval.retrieval import format_retrieval, inspect_retrieval
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    if args.text:
+        if not Path(args.text).is_file():
+            raise MissingFileError(f"--text {args.text} does not exist; pass a text file")
+        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+    else:
+        from farsight.data.token_files import load_token_dataset
+
+        ids = load_token_dataset(args.corpus, args.split).document(args.document).tolist()
+        ids = [i for i in ids if i not in (tokenizer.eos_id, tokenizer.bos_id)]
+    if len(ids) > args.max_tokens:
+        print(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
+        ids = ids[: args.max_tokens]
+    ids = torch.tensor(ids, dtype=torch.long)
+    chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
+    records = inspect_retrieval(model, ids, chunks)
+    if args.top and chunks is None:
+        records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[: args.top]
+        records.sort(key=lambda r: r["chunk"])
+    print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
+    write_json(args.out, {"records": records})
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from farsight.eval.needle import compare_summaries
+
+    labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.results]
+    if len(labels) != len(args.results):
+        raise InputError(f"--labels names {len(labels)} models for {len(args.results)} result files; give one label per file")
+    summaries = {}
+    for label, path in zip(labels, args.results):
+        if not Path(path).is_file():
+            raise MissingFileError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
+        try:
+            summaries[label] = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path} is not valid JSON ({exc}); pass a file written by `farsight eval passkey ... --out`") from exc
+    table, series = compare_summaries(summaries, args.metric)
+    print(f"{args.metric.replace('_', ' ')} %")
+    print(table)
+    if args.plot:
+        from farsight.eval.plots import curves
+
+        title = args.title or f"{next(iter(summaries.values())).get('task', 'needle')}: {args.metric.replace('_', ' ')}"
+        print(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from farsight.eval.bench import run_benchmarks
+
+    return run_benchmarks(args.only.split(",") if args.only else None, quick=args.quick, json_path=args.json)

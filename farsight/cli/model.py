@@ -1,0 +1,67 @@
+"""`farsight generate` and `farsight export`: sample text from a trained model, copy its files out of a run."""
+
+from __future__ import annotations
+
+import argparse
+
+from farsight.cli.arguments import add_model_argument, load_model_and_tokenizer
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    generate = commands.add_parser("generate", help="sample text from a trained model", description="Sample text from a trained model.")
+    add_model_argument(generate)
+    generate.add_argument("--prompt", default="", help="text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8, help="0 decodes greedily")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=_generate)
+
+    export = commands.add_parser(
+        "export",
+        help="copy a model out of a training run",
+        description="Copy the model files of a run's newest checkpoint (or of a checkpoint directory) into a model directory.",
+    )
+    export.add_argument("source", help="training run directory or checkpoint directory")
+    export.add_argument("out", help="model directory to write")
+    export.set_defaults(func=_export)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.shape[1] == 0:
+        ids = torch.tensor([[tokenizer.bos_id]])
+    generator = torch.Generator().manual_seed(args.seed)
+    out = model.generate(
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=tokenizer.eos_id,
+        generator=generator,
+    )
+    print(args.prompt + tokenizer.decode(out[0, ids.shape[1] :].tolist()))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import shutil
+    from pathlib import Path
+
+    from farsight.data.tokenizers import TOKENIZER_FILENAME
+    from farsight.models import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_model_dir
+
+    source = resolve_model_dir(args.source)
+    load_model(source)  # refuse to export a damaged checkpoint
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
+    print(f"exported {source} -> {out}")
+    return 0

@@ -1,0 +1,36 @@
+"""`farsight train CONFIG.yaml`: train a model from a YAML config (resuming the run in train.out_dir)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_DIVERGED = 3
+EXIT_INTERRUPTED = 130
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train", help="train a model from a YAML config", description="Train a model from a YAML config.")
+    train.add_argument("config", help="YAML file with sections model, data, optim, train")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100")
+    train.add_argument("--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    train.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from farsight.train.config import load_train_config
+    from farsight.train.trainer import TrainingDiverged, train
+
+    config = load_train_config(args.config, args.set)
+    if args.no_progress:
+        config.train.progress = False
+    try:
+        result = train(config, resume=not args.restart)
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DIVERGED
+    if result.status == "interrupted":
+        return EXIT_INTERRUPTED
+    print(f"done: step {result.step}, checkpoint {result.checkpoint}")
+    return 0

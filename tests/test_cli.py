@@ -1,0 +1,68 @@
+import subprocess
+import sys
+
+import pytest
+
+from farsight.cli import build_parser, main
+from farsight.errors import InputError
+
+
+def test_help_lists_every_command_without_loading_torch():
+    code = (
+        "import sys\n"
+        "from farsight.cli import build_parser\n"
+        "help_text = build_parser().format_help()\n"
+        "assert 'torch' not in sys.modules, 'building the parser imported torch'\n"
+        "print(help_text)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for command in ("data", "train", "generate", "export", "demo", "eval"):
+        assert f"    {command} " in out
+
+
+def test_python_dash_m_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "farsight.cli", "eval", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "passkey" in out and "bench" in out
+
+
+def test_memory_choices_are_the_model_tiers(capsys):
+    from farsight.models import MEMORY_TIERS
+
+    for tier in MEMORY_TIERS:
+        assert build_parser().parse_args(["eval", "ppl", "--model", "m", "--corpus", "c", "--memory", tier]).memory == tier
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--memory", "nowhere"])
+    assert "invalid choice: 'nowhere'" in capsys.readouterr().err
+
+
+def test_user_errors_print_one_line_and_return_2(tmp_path, capsys):
+    assert main(["data", "info", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "farsight data prepare" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml does not exist" in capsys.readouterr().err
+
+
+def test_traceback_flag_reraises_user_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["--traceback", "train", str(tmp_path / "missing.yaml")])
+
+
+def test_other_exceptions_are_bugs_and_keep_their_traceback(monkeypatch):
+    import farsight.data.token_files
+
+    def broken(path):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(farsight.data.token_files, "load_meta", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["data", "info", "x"])
+
+
+def test_bad_list_arguments_are_input_errors():
+    from farsight.cli.arguments import parse_list
+
+    assert parse_list("1,2, 3", int, "--chunks", "chunk numbers") == [1, 2, 3]
+    with pytest.raises(InputError, match=r"--depths='0,x' is not a comma-separated list of numbers"):
+        parse_list("0,x", float, "--depths", "numbers")
+
