@@ -33,3 +33,7 @@ class MissingDependencyError(FarsightError, ImportError):
 
 class StateError(FarsightError, RuntimeError):
     """An object is used in a state that does not allow it (e.g. a closed session)."""
+
+
+class UnsupportedModelError(FarsightError, TypeError):
+    """The model's kind cannot do what was asked (e.g. retrieval inspection of a non-DRT model)."""

@@ -8,13 +8,15 @@ import sys
 import tempfile
 from pathlib import Path
 
+from farsight.errors import InputError, MissingFileError
+
 BENCHMARKS = ("train_throughput", "castle", "drt", "kernels")
 
 
 def benchmarks_dir() -> Path:
     directory = Path(__file__).resolve().parents[2] / "benchmarks"
     if not directory.is_dir():
-        raise FileNotFoundError(f"{directory} not found: the benchmarks ship with the source checkout, run from a clone")
+        raise MissingFileError(f"{directory} not found: the benchmarks ship with the source checkout, run from a clone")
     return directory
 
 
@@ -23,7 +25,7 @@ def run_benchmarks(names: list[str] | None = None, quick: bool = False, json_pat
     names = list(names or BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
-        raise ValueError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
+        raise InputError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}")
     directory = benchmarks_dir()
     collected, failed = {}, []
     with tempfile.TemporaryDirectory() as tmp:

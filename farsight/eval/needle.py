@@ -13,7 +13,8 @@ import torch
 from tqdm.auto import tqdm
 
 from farsight.data.tasks.needles import NeedleTask
-from farsight.eval.decoding import greedy_continuation, open_decoder
+from farsight.errors import InputError
+from farsight.eval.decoding import greedy_continuation
 
 
 @dataclass
@@ -44,9 +45,9 @@ def parse_length(text: str) -> int:
     try:
         value = float(number) * scale
     except ValueError:
-        raise ValueError(f"cannot read length {text!r}; use numbers like 1024, 16k or 1m") from None
+        raise InputError(f"cannot read length {text!r}; use numbers like 1024, 16k or 1m") from None
     if value < 1 or value != int(value):
-        raise ValueError(f"length {text!r} must be a positive whole number of tokens")
+        raise InputError(f"length {text!r} must be a positive whole number of tokens")
     return int(value)
 
 
@@ -64,7 +65,7 @@ def trials_per_length(lengths: list[int], trials: int, long_trials: int | None =
     """`trials` per (length, depth) cell, or `long_trials` for lengths above 64K when given."""
     for name, value in (("trials", trials), ("long trials", long_trials)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise InputError(f"{name} must be >= 1, got {value}")
     return {n: trials if long_trials is None or n <= LONG else long_trials for n in lengths}
 
 
@@ -111,12 +112,12 @@ def evaluate_needle_task(
                     batch = members[start : start + batch_size]
                     prompt = torch.from_numpy(np.stack([samples[i].prompt for i in batch])).to(device)
                     if int(prompt.max()) >= decode_tokens:
-                        raise ValueError("the task's tokenizer does not match the model's vocabulary")
+                        raise InputError("the task's tokenizer does not match the model's vocabulary")
                     t0 = time.perf_counter()
-                    with open_decoder(model, batch_size=len(batch), memory=memory) as decoder:
-                        predicted = greedy_continuation(decoder, prompt, answer_len, on_tokens=lambda n: bar.update(n * len(batch)))
+                    with model.new_session(batch_size=len(batch), memory=memory) as session:
+                        predicted = greedy_continuation(session, prompt, answer_len, on_tokens=lambda n: bar.update(n * len(batch)))
                         predicted = predicted.cpu().numpy()
-                        retrieved = decoder.retrieved_chunks()
+                        retrieved = session.retrieved_chunks()
                     seconds[length] += time.perf_counter() - t0
                     for row, i in enumerate(batch):
                         sample = samples[i]
@@ -174,11 +175,11 @@ def compare_summaries(summaries: dict[str, dict[str, Any]], metric: str = "exact
     from farsight.eval.efficiency import format_table
 
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {list(METRICS)}, got {metric!r}")
+        raise InputError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     series: dict[str, dict[int, float]] = {}
     for label, summary in summaries.items():
         if "by_length" not in summary:
-            raise ValueError(f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`")
+            raise InputError(f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`")
         series[label] = {int(n): 100 * row[metric] for n, row in summary["by_length"].items() if metric in row}
     lengths = sorted({n for points in series.values() for n in points})
     rows = [{"length": format_length(n), **{label: series[label].get(n) for label in series}} for n in lengths]

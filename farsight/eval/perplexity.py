@@ -12,10 +12,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from farsight.eval.decoding import open_decoder
+from farsight.errors import InputError
 from farsight.eval.needle import format_length
 
 
@@ -32,7 +31,7 @@ def draw_windows(split: Any, length: int, count: int, seed: int) -> tuple[np.nda
             offset = int(rng.integers(start, end - length + 1))
         else:
             if len(split) < length:
-                raise ValueError(f"the held-out split has {len(split)} tokens, fewer than the evaluation length {length}")
+                raise InputError(f"the held-out split has {len(split)} tokens, fewer than the evaluation length {length}")
             offset = int(rng.integers(0, len(split) - length + 1))
         windows.append(np.asarray(split.tokens[offset : offset + length], dtype=np.int64))
     return np.stack(windows), source
@@ -41,14 +40,10 @@ def draw_windows(split: Any, length: int, count: int, seed: int) -> tuple[np.nda
 def window_nll(model: Any, windows: torch.Tensor, block: int, memory: str) -> torch.Tensor:
     """Mean next-token NLL (nats) of each window [B, L] -> [B]."""
     total = torch.zeros(windows.shape[0], dtype=torch.float64)
-    with open_decoder(model, batch_size=windows.shape[0], memory=memory, block=block) as decoder:
-        for start in range(0, windows.shape[1], block):
-            piece = windows[:, start : start + block]
-            logits = decoder.feed(piece, all_logits=True).float()
-            targets = windows[:, start + 1 : start + 1 + piece.shape[1]]
-            logits = logits[:, : targets.shape[1]]
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
-            total += nll.view(windows.shape[0], -1).sum(1).double().cpu()
+    with model.new_session(batch_size=windows.shape[0], memory=memory) as session:
+        session.prefill(windows[:, :1])
+        for start in range(1, windows.shape[1], block):
+            total -= session.score(windows[:, start : start + block]).sum(1).double().cpu()
     return total / (windows.shape[1] - 1)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from farsight.errors import MissingDependencyError
 from farsight.eval.needle import format_length
 
 
@@ -12,7 +13,7 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError as exc:
-        raise ImportError("plots need matplotlib: pip install farsight[plots]") from exc
+        raise MissingDependencyError("plots need matplotlib: pip install farsight[plots]") from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

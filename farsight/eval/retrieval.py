@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from farsight.errors import InputError, UnsupportedModelError
 from farsight.models import DRTForCausalLM
 
 
@@ -17,9 +18,9 @@ def inspect_retrieval(model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int
     Chunk t's landmark made the retrieval; chunk t + 1 is the chunk that reads it.
     """
     if not isinstance(model, DRTForCausalLM):
-        raise TypeError("retrieval inspection needs a DRT model")
+        raise UnsupportedModelError("retrieval inspection needs a DRT model; pass a model directory saved from a DRT run")
     if model.config.retriever == "none":
-        raise ValueError("this model has retriever='none': it retrieves nothing")
+        raise InputError("this model has retriever='none': it retrieves nothing")
     model.eval()
     ids = ids.reshape(1, -1)
     with torch.no_grad():
@@ -29,7 +30,7 @@ def inspect_retrieval(model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int
     records = []
     for t in wanted:
         if not 0 <= t < n:
-            raise ValueError(f"chunk {t} does not exist; the input has chunks 0..{n - 1}")
+            raise InputError(f"chunk {t} does not exist; the input has chunks 0..{n - 1}")
         groups = []
         for index, weight in zip(info.indices, info.weights):
             pairs = [(int(k), float(w)) for k, w in zip(index[0, t], weight[0, t]) if k >= 0]

@@ -1,18 +1,37 @@
-"""Configs and whole models, caches and inference sessions."""
+"""Configs and whole models, their inference sessions, caches and model directories."""
 
-from farsight.models.drt import DRTConfig, DRTForCausalLM, RetrievalInfo
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, load_model, sample_next_token
-from farsight.models.transformer import TransformerConfig, TransformerForCausalLM
+from farsight.models.chunk_memory import MEMORY_TIERS
+from farsight.models.drt import DRTConfig, DRTForCausalLM
+from farsight.models.drt_session import DRTSession
+from farsight.models.drt_state import RetrievalInfo
+from farsight.models.generation import generate, sample_next_token
+from farsight.models.io import CONFIG_FILE, WEIGHTS_FILE, load_weights, read_model_meta, resolve_model_dir
+from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss
+from farsight.models.registry import MODEL_TYPES, build_model, load_model
+from farsight.models.session import Session
+from farsight.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerSession
 
 __all__ = [
+    "CONFIG_FILE",
+    "MEMORY_TIERS",
+    "MODEL_TYPES",
+    "WEIGHTS_FILE",
     "CausalLMOutput",
     "DRTConfig",
     "DRTForCausalLM",
+    "DRTSession",
     "PretrainedLM",
     "RetrievalInfo",
+    "Session",
     "TransformerConfig",
     "TransformerForCausalLM",
+    "TransformerSession",
+    "build_model",
     "causal_lm_loss",
+    "generate",
     "load_model",
+    "load_weights",
+    "read_model_meta",
+    "resolve_model_dir",
     "sample_next_token",
 ]

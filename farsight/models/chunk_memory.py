@@ -1,7 +1,8 @@
 """DRT chunk memory: per past chunk, its landmark key and its shared K/V rows.
 
-Landmark keys ([B, n, d_model], scanned by every retrieval) always live on the compute device.
-The K/V rows ([S, H, d] each per chunk and batch row, read only when retrieved) live in a tier:
+`ChunkMemory` keeps the landmark keys ([B, n, d_model], scanned by every retrieval) on the compute
+device and hands the K/V rows ([S, H, d] each per chunk and batch row, read only when retrieved)
+to a store picked from `STORES`:
 
 - "graph":  the training forward's own tensors, kept in the autograd graph;
 - "device": pages of rows on the compute device;
@@ -10,10 +11,12 @@ The K/V rows ([S, H, d] each per chunk and batch row, read only when retrieved) 
             the memory map nor the page cache counts towards the process's resident memory and
             RAM stays flat however long the context grows.
 
-Pages are never copied when the memory grows (a doubling buffer would copy the whole memory,
-1 GB at 1M tokens, in the middle of a decode step, and briefly hold it twice).
-`fetch(index)` gathers only the chunks that the index names (the K·G chunks of a retrieval) and
-returns them with the index remapped into them, which is what the GCA op takes.
+A store answers append(k, v) / gather(index) / nbytes() / close(). `gather(index)` returns only
+the chunks that the index names (the K·G chunks of a retrieval) with the index remapped into
+them, which is what the GCA op takes; the graph store returns all chunks and the index as is
+(the op reads them in place, without a gathered copy in the graph). Pages are never copied when
+the memory grows (a doubling buffer would copy the whole memory, 1 GB at 1M tokens, in the
+middle of a decode step, and briefly hold it twice).
 """
 
 from __future__ import annotations
@@ -22,105 +25,55 @@ import errno
 import fcntl
 import os
 import tempfile
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
-TIERS = ("device", "host", "disk")
+from farsight.errors import FarsightError, InputError
+from farsight.ops.buffers import GrowingBuffer
+
+MEMORY_TIERS = ("device", "host", "disk")  # what a user picks; "graph" is the training forward's
 
 
-class _GrowingBuffer:
-    """Rows appended along dim 1 of a [B, capacity, ...] tensor that doubles when full."""
+class KVStore(Protocol):
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, m, S, H, d] of m newly completed chunks."""
 
-    def __init__(self) -> None:
-        self.data: torch.Tensor | None = None
-        self.length = 0
-
-    def append(self, rows: torch.Tensor, device: torch.device) -> None:
-        new = rows.shape[1]
-        if self.data is None or self.length + new > self.data.shape[1]:
-            capacity = max(16, self.length + new, 0 if self.data is None else 2 * self.data.shape[1])
-            grown = torch.empty((rows.shape[0], capacity, *rows.shape[2:]), dtype=rows.dtype, device=device)
-            if self.data is not None:
-                grown[:, : self.length] = self.data[:, : self.length]
-            self.data = grown
-        self.data[:, self.length : self.length + new] = rows
-        self.length += new
-
-    def view(self) -> torch.Tensor:
-        return self.data[:, : self.length]
-
-
-class ChunkMemory:
-    """Base: landmark keys on the compute device plus K/V rows in a tier (see module docstring)."""
-
-    tier = "graph"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self._landmarks = _GrowingBuffer()
-
-    @property
-    def n_chunks(self) -> int:
-        return self._landmarks.length
-
-    def landmark_keys(self) -> torch.Tensor:
-        """[B, n_chunks, d_model]"""
-        return self._landmarks.view()
-
-    def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """landmark_keys [B, m, D]; k, v [B, m, S, H, d] for m newly completed chunks."""
-        if landmark_keys.shape[1] == 0:
-            return
-        self._append_kv(k.detach(), v.detach())
-        self._landmarks.append(landmark_keys.detach(), self.device)
-
-    def _append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [B, n, K] of chunk ids (-1 empty) -> (k [B, m, S, H, d], v, index into them)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release files or buffers; the memory is unusable afterwards."""
 
     def nbytes(self) -> int:
-        """Bytes of K/V stored (in whatever tier) plus landmark keys."""
-        keys = self._landmarks.view()
-        return keys.numel() * keys.element_size() if self._landmarks.data is not None else 0
+        """Bytes of K/V stored."""
+
+    def close(self) -> None:
+        """Release files or buffers; the store is unusable afterwards."""
 
 
-class GraphMemory(ChunkMemory):
-    """The training forward's memory: plain tensors that stay in the autograd graph."""
+class GraphStore:
+    """The training forward's chunks: plain tensors that stay in the autograd graph."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._keys: list[torch.Tensor] = []
+    def __init__(self, device: torch.device, path: None = None) -> None:
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
-        self._n = 0
 
-    @property
-    def n_chunks(self) -> int:
-        return self._n
-
-    def landmark_keys(self) -> torch.Tensor:
-        return self._keys[0] if len(self._keys) == 1 else torch.cat(self._keys, dim=1)
-
-    def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if landmark_keys.shape[1] == 0:
-            return
-        self._keys.append(landmark_keys)
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self._k.append(k)
         self._v.append(v)
-        self._n += landmark_keys.shape[1]
 
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k = self._k[0] if len(self._k) == 1 else torch.cat(self._k, dim=1)
         v = self._v[0] if len(self._v) == 1 else torch.cat(self._v, dim=1)
         return k, v, index
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+
+    def close(self) -> None:
+        self._k, self._v = [], []
 
 
 class _PagedBuffer:
@@ -152,7 +105,7 @@ class _PagedBuffer:
             self.length += n
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (sorted, on the CPU) -> [B, len(ids), ...]."""
+        """Rows `ids` (sorted, on the CPU) -> [B, len(ids), ...] on the buffer's device."""
         page_of = torch.searchsorted(self.starts, ids, right=True) - 1
         parts = []
         for p in torch.unique_consecutive(page_of).tolist():
@@ -163,29 +116,33 @@ class _PagedBuffer:
         return self.length * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
 
 
-class DeviceMemory(ChunkMemory):
-    tier = "device"
+class PagedStore:
+    """K and V of each chunk stacked ([B, m, S, 2, H, d]) in pages on the compute device, or in
+    RAM (`on_host`; pinned when computing on CUDA, so copies to the GPU are asynchronous)."""
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
-        self._kv = self._new_buffer()
+    def __init__(self, device: torch.device, path: None = None, on_host: bool = False) -> None:
+        self.device = device
+        self._on_host = on_host
+        self._rows = self._new_rows()
 
-    def _new_buffer(self) -> _PagedBuffer:
+    def _new_rows(self) -> _PagedBuffer:
+        if self._on_host:
+            return _PagedBuffer(torch.device("cpu"), pin=self.device.type == "cuda")
         return _PagedBuffer(self.device)
 
-    def _append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._kv.append(torch.stack([k, v], dim=3))  # [B, m, S, 2, H, d]
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._rows.append(torch.stack([k, v], dim=3))
 
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, remapped = _remap(index)
-        kv = self._kv.gather(ids.cpu()).to(self.device, non_blocking=self._kv.pin)
+        kv = self._rows.gather(ids.cpu()).to(self.device, non_blocking=self._rows.pin)
         return kv[:, :, :, 0], kv[:, :, :, 1], remapped
 
     def nbytes(self) -> int:
-        return super().nbytes() + self._kv.nbytes()
+        return self._rows.nbytes()
 
     def close(self) -> None:
-        self._kv = self._new_buffer()
+        self._rows = self._new_rows()
 
 
 def _remap(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,25 +150,16 @@ def _remap(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = index.reshape(-1)
     ids = torch.unique(flat[flat >= 0])
     if len(ids) == 0:
-        raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
+        raise InputError("fetch needs at least one stored chunk id in index; skip empty retrievals")
     remapped = torch.searchsorted(ids, index.clamp(min=0))
     return ids, torch.where(index >= 0, remapped, index)
 
 
-class HostMemory(DeviceMemory):
-    """The device tier's pages kept in RAM instead, pinned for fast copies when computing on CUDA."""
-
-    tier = "host"
-
-    def _new_buffer(self) -> _PagedBuffer:
-        return _PagedBuffer(torch.device("cpu"), pin=self.device.type == "cuda")
-
-
-class DiskMemoryError(OSError):
+class DiskMemoryError(FarsightError, OSError):
     """The disk tier cannot be created or written; what was written before stays valid."""
 
 
-class DiskMemory(ChunkMemory):
+class FileStore:
     """K/V records in a file: chunk c occupies bytes [c * record, (c + 1) * record).
 
     The file is locked (flock) so that two sessions cannot share it. A chunk only counts as
@@ -219,10 +167,8 @@ class DiskMemory(ChunkMemory):
     truncates the partial record away and leaves the earlier chunks readable.
     """
 
-    tier = "disk"
-
     def __init__(self, device: torch.device, path: str | os.PathLike | None = None) -> None:
-        super().__init__(device)
+        self.device = device
         self._owned = path is None
         if path is None:
             fd, name = tempfile.mkstemp(prefix="farsight-chunks-", suffix=".kv")
@@ -247,7 +193,7 @@ class DiskMemory(ChunkMemory):
         self._torch_dtype: torch.dtype | None = None
         self._stored = 0
 
-    def _append_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = torch.stack([k, v], dim=3).transpose(0, 1).contiguous().cpu()  # [m, B, S, 2, H, d]
         if self._shape is None:
             self._shape = tuple(kv.shape[1:])
@@ -270,10 +216,10 @@ class DiskMemory(ChunkMemory):
             ) from exc
         self._stored += kv.shape[0]
 
-    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, remapped = _remap(index)
         if self._shape is None:
-            raise ValueError("fetch needs at least one stored chunk id in index; skip empty retrievals")
+            raise InputError("gather needs at least one stored chunk id in index; skip empty retrievals")
         out = np.empty((len(ids), *self._shape), dtype=self._dtype)
         for row, chunk in enumerate(ids.tolist()):
             buf = os.pread(self._fd, self._record, chunk * self._record)
@@ -285,7 +231,7 @@ class DiskMemory(ChunkMemory):
         return kv[:, :, :, 0], kv[:, :, :, 1], remapped
 
     def nbytes(self) -> int:
-        return super().nbytes() + self._stored * (self._record or 0)
+        return self._stored * (self._record or 0)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -295,13 +241,63 @@ class DiskMemory(ChunkMemory):
                 self.path.unlink(missing_ok=True)
 
 
-def make_memory(tier: str, device: torch.device, path: str | os.PathLike | None = None) -> ChunkMemory:
-    if tier not in TIERS:
-        raise ValueError(f"memory={tier!r} is not a tier; choose one of {list(TIERS)}")
-    if path is not None and tier != "disk":
-        raise ValueError(f"path is only used by memory='disk', not memory={tier!r}")
-    if tier == "device":
-        return DeviceMemory(device)
-    if tier == "host":
-        return HostMemory(device)
-    return DiskMemory(device, path)
+STORES: dict[str, Callable[[torch.device, str | os.PathLike | None], KVStore]] = {
+    "graph": GraphStore,
+    "device": PagedStore,
+    "host": partial(PagedStore, on_host=True),
+    "disk": FileStore,
+}
+
+
+class ChunkMemory:
+    """Landmark keys on the compute device plus the chunks' K/V in a store (see the module docstring).
+
+    In the graph tier the landmark keys stay autograd tensors (one block per forward); in the
+    others they grow in one buffer that retrieval scans without copying.
+    """
+
+    def __init__(self, tier: str, device: torch.device, path: str | os.PathLike | None = None) -> None:
+        if tier not in STORES:
+            raise InputError(f"memory={tier!r} is not a tier; choose one of {list(MEMORY_TIERS)}")
+        if path is not None and tier != "disk":
+            raise InputError(f"path is only used by memory='disk', not memory={tier!r}")
+        self.tier = tier
+        self.device = torch.device(device)
+        self.store: KVStore = STORES[tier](self.device, path)
+        self._graph_keys: list[torch.Tensor] = []
+        self._keys = GrowingBuffer(dim=1)
+
+    @property
+    def n_chunks(self) -> int:
+        return sum(k.shape[1] for k in self._graph_keys) if self.tier == "graph" else self._keys.length
+
+    def landmark_keys(self) -> torch.Tensor:
+        """[B, n_chunks, d_model]"""
+        if self.tier == "graph":
+            return self._graph_keys[0] if len(self._graph_keys) == 1 else torch.cat(self._graph_keys, dim=1)
+        return self._keys.view()
+
+    def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """landmark_keys [B, m, D]; k, v [B, m, S, H, d] for m newly completed chunks. The store
+        is written first: if it fails, the memory still holds exactly the earlier chunks."""
+        if landmark_keys.shape[1] == 0:
+            return
+        if self.tier == "graph":
+            self.store.append(k, v)
+            self._graph_keys.append(landmark_keys)
+        else:
+            self.store.append(k.detach(), v.detach())
+            self._keys.append(landmark_keys.detach().to(self.device))
+
+    def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """index [B, n, K] of chunk ids (-1 empty) -> (k [B, m, S, H, d], v, index into them)."""
+        return self.store.gather(index)
+
+    def nbytes(self) -> int:
+        """Bytes of K/V stored (in whatever tier) plus landmark keys."""
+        keys = sum(k.numel() * k.element_size() for k in self._graph_keys) + self._keys.nbytes()
+        return self.store.nbytes() + keys
+
+    def close(self) -> None:
+        """Release files or buffers; the memory is unusable afterwards."""
+        self.store.close()

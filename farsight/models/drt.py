@@ -19,6 +19,7 @@ Memory is linear in the span apart from the [chunks x chunks] retrieval scores p
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -28,8 +29,9 @@ from torch import nn
 
 from farsight.config import ConfigBase, require
 from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, swiglu_hidden_size
-from farsight.layers.kv_cache import SlidingKVCache
-from farsight.models.chunk_memory import ChunkMemory, GraphMemory
+from farsight.models.chunk_memory import ChunkMemory
+from farsight.models.drt_session import DRTSession
+from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
 from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
 from farsight.models.transformer import TransformerConfig, init_weights
 from farsight.ops.gca import gca
@@ -132,33 +134,7 @@ class DRTConfig(ConfigBase):
 
 
 @dataclass
-class RetrievalInfo:
-    """Per group g, the retrieval made by chunk t's landmark (used by chunk t+1):
-    indices[g] [B, n, K] chunk ids (-1 empty) and weights[g] [B, n, K]."""
-
-    indices: list[torch.Tensor]
-    weights: list[torch.Tensor]
-
-
-@dataclass
-class DRTState:
-    """What a span hands to the next one.
-
-    slots: slots processed so far; caches: one rolling KV cache per decoder layer (None in the
-    training forward); pending: lower-layer outputs of the incomplete chunk [B, r, D];
-    retrieval: per group, (index [B, K], weight [B, K]) used by the current chunk.
-    """
-
-    memory: ChunkMemory
-    caches: list[SlidingKVCache] | None
-    slots: int = 0
-    pending: torch.Tensor | None = None
-    retrieval: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    record: RetrievalInfo | None = None
-
-
-@dataclass
-class _Span:
+class Span:
     """Where a span of slots [start, start + length) sits on the chunk grid."""
 
     start: int
@@ -195,6 +171,18 @@ class _Span:
         return torch.arange(first, max(first, self.length), s1), self.first_chunk
 
 
+@dataclass
+class Retrieval:
+    """One group's retrieval over a span: index/weight [B, n_grid, K] (what each chunk of the
+    span's grid reads; -1 empty) and made_index/made_weight [B, m, K] (the retrievals made by
+    the span's m landmarks, None when the span holds no landmark)."""
+
+    index: torch.Tensor
+    weight: torch.Tensor
+    made_index: torch.Tensor | None
+    made_weight: torch.Tensor | None
+
+
 class GroupedCrossAttention(nn.Module):
     """Per-layer query and output projections of GCA; keys/values are the shared chunk projections."""
 
@@ -205,11 +193,10 @@ class GroupedCrossAttention(nn.Module):
         self.q = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
         self.out = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, span: _Span, retrieved: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        k, v, index, weight = retrieved
+    def forward(self, x: torch.Tensor, span: Span, chunks: FetchedChunks) -> torch.Tensor:
         b, length, _ = x.shape
         q = span.to_grid(self.q(x).view(b, length, self.n_heads, self.head_dim))
-        o = gca(q, k, v, index, weight, softmax_one=self.softmax_one)
+        o = gca(q, chunks.k, chunks.v, chunks.index, chunks.weight.to(x.dtype), softmax_one=self.softmax_one)
         return self.out(span.from_grid(o).reshape(b, length, -1))
 
 
@@ -221,10 +208,12 @@ class RetrievalBlock(TransformerBlock):
         self.cross_norm = RMSNorm(config.d_model, config.norm_eps)
         self.cross = GroupedCrossAttention(config)
 
-    def forward(self, x: torch.Tensor, cache: Any = None, span: _Span | None = None, retrieved: Any = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: Any = None, span: Span | None = None, chunks: FetchedChunks | None = None
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache)
-        if retrieved is not None:
-            x = x + self.cross(self.cross_norm(x), span, retrieved)
+        if chunks is not None:
+            x = x + self.cross(self.cross_norm(x), span, chunks)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -319,86 +308,102 @@ class DRTForCausalLM(PretrainedLM):
             weight = F.pad(weight, (0, k_max - take))
         return index, weight
 
-    def _retrieve(
-        self, group: int, h: torch.Tensor, span: _Span, state: DRTState
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Retrievals used by the span's chunks for `group`: (index [B, n_grid, K], weight [B, n_grid, K],
-        plus the new retrievals made in the span, for inspection)."""
+    # ---- the span forward, step by step -----------------------------------------------------
+    def _lower_layers(self, h: torch.Tensor, state: DRTState) -> torch.Tensor:
+        for i, block in enumerate(self.lower):
+            h = block(h, state.caches[i] if state.streaming else None)
+        return h
+
+    def _append_completed_chunks(self, h: torch.Tensor, state: DRTState) -> None:
+        """Encode the chunks the span completes (with the rows pending from earlier spans) into
+        the memory; keep the rows of a chunk still incomplete when streaming."""
+        rows = h if state.pending is None else torch.cat([state.pending, h], dim=1)
+        s1 = self.slots_per_chunk
+        complete = rows.shape[1] // s1
+        if complete:
+            state.memory.append(*self.encode_chunks(rows[:, : complete * s1].view(h.shape[0], complete, s1, -1)))
+        state.pending = rows[:, complete * s1 :] if state.streaming else None
+
+    def _empty_retrieval(self, h: torch.Tensor) -> CarriedRetrieval:
+        k = self.config.top_k
+        return CarriedRetrieval(torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device), h.new_zeros(h.shape[0], k))
+
+    def _retrieve(self, group: int, h: torch.Tensor, span: Span, carried: CarriedRetrieval, memory: ChunkMemory) -> Retrieval:
+        """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
+        retrieval, chunk j > 0 the one made by the landmark of chunk j - 1."""
         offsets, first_chunk = span.landmark_positions()
-        b = h.shape[0]
-        previous = state.retrieval[group] if state.retrieval is not None else None
-        if previous is None:
-            previous = (
-                torch.full((b, self.config.top_k), -1, dtype=torch.long, device=h.device),
-                h.new_zeros(b, self.config.top_k),
-            )
-        new_index = new_weight = None
+        made_index = made_weight = None
         if len(offsets):
             query = self.query_proj[group](self.query_norms[group](h[:, offsets.to(h.device)]))  # [B, m, D]
-            keys = state.memory.landmark_keys()  # [B, n_mem, D]
+            keys = memory.landmark_keys()  # [B, n_mem, D]
             scores = torch.einsum("bmd,bnd->bmn", query / math.sqrt(self.config.d_model), keys)
             # chunk first_chunk + i may only retrieve chunks < first_chunk + i: only the columns of
             # this span's own chunks need a mask (an upper triangle); earlier chunks all qualify
             own = scores[:, :, first_chunk:]
             own.masked_fill_(torch.ones(own.shape[1:], dtype=torch.bool, device=h.device).triu(), float("-inf"))
-            new_index, new_weight = self._select(scores)
-        # grid chunk 0 uses the retrieval carried in the state; chunk j > 0 the one made by chunk j - 1
-        index = [previous[0][:, None]]
-        weight = [previous[1][:, None]]
+            made_index, made_weight = self._select(scores)
+        index, weight = carried.index[:, None], carried.weight[:, None]
         if span.n_chunks > 1:
-            index.append(new_index[:, : span.n_chunks - 1])
-            weight.append(new_weight[:, : span.n_chunks - 1])
-        return torch.cat(index, dim=1), torch.cat(weight, dim=1), new_index, new_weight
+            index = torch.cat([index, made_index[:, : span.n_chunks - 1]], dim=1)
+            weight = torch.cat([weight, made_weight[:, : span.n_chunks - 1]], dim=1)
+        return Retrieval(index, weight, made_index, made_weight)
+
+    def _fetch(self, retrieval: Retrieval, carried: CarriedRetrieval, memory: ChunkMemory) -> FetchedChunks | None:
+        """The retrieved chunks' K/V from the memory tier (None when nothing is retrieved). A span
+        inside one chunk reads the carried retrieval: its chunks are fetched once and kept."""
+        if retrieval.index.shape[1] == 1 and carried.fetched is not None:
+            return carried.fetched
+        if not bool((retrieval.index >= 0).any()):
+            return None
+        k, v, index = memory.fetch(retrieval.index)
+        chunks = FetchedChunks(k, v, index, retrieval.weight)
+        if retrieval.index.shape[1] == 1:
+            carried.fetched = chunks
+        return chunks
+
+    def _upper_group(self, group: int, h: torch.Tensor, state: DRTState, span: Span, chunks: FetchedChunks | None) -> torch.Tensor:
+        per_group = self.config.upper_layers // self.config.groups
+        for j in range(group * per_group, (group + 1) * per_group):
+            cache = state.caches[self.config.lower_layers + j] if state.streaming else None
+            h = self.upper[j](h, cache, span, chunks)
+        return h
+
+    def _carry(
+        self, retrieval: Retrieval, carried: CarriedRetrieval, chunks: FetchedChunks | None, span: Span, slots_after: int
+    ) -> CarriedRetrieval:
+        """The retrieval the chunk after the span reads: the one its last landmark made if the
+        span ended with a landmark, else the one its last chunk reads (with its chunks, fetched)."""
+        if slots_after // self.slots_per_chunk == span.first_chunk + span.n_chunks:
+            return CarriedRetrieval(retrieval.made_index[:, -1], retrieval.made_weight[:, -1])
+        if span.n_chunks == 1:
+            return carried
+        last = None if chunks is None else FetchedChunks(chunks.k, chunks.v, chunks.index[:, -1:], chunks.weight[:, -1:])
+        return CarriedRetrieval(retrieval.index[:, -1], retrieval.weight[:, -1], last)
 
     def run_span(self, slot_ids: torch.Tensor, state: DRTState) -> torch.Tensor:
         """Slots [B, P] continuing `state` -> final hidden states [B, P, D] (before the final norm).
 
         Updates `state` in place so the next span continues the stream.
         """
-        cfg = self.config
-        b, length = slot_ids.shape
-        span = _Span(state.slots, length, self.slots_per_chunk)
-        caches = state.caches
-        h = self.embed(slot_ids)
-        for i, block in enumerate(self.lower):
-            h = block(h, None if caches is None else caches[i])
-
-        retrieval_on = cfg.retriever != "none"
-        if retrieval_on:
-            rows = h if state.pending is None else torch.cat([state.pending, h], dim=1)
-            complete = rows.shape[1] // self.slots_per_chunk
-            if complete:
-                chunks = rows[:, : complete * self.slots_per_chunk].view(b, complete, self.slots_per_chunk, -1)
-                state.memory.append(*self.encode_chunks(chunks))
-            state.pending = rows[:, complete * self.slots_per_chunk :] if caches is not None else None
-
-        layers_per_group = cfg.upper_layers // cfg.groups
-        new_retrievals = []
-        for g in range(cfg.groups):
-            retrieved = None
-            if retrieval_on:
-                index, weight, made_index, made_weight = self._retrieve(g, h, span, state)
-                new_retrievals.append((index, weight, made_index, made_weight))
-                if bool((index >= 0).any()):
-                    k, v, op_index = state.memory.fetch(index)
-                    retrieved = (k, v, op_index, weight.to(h.dtype))
-            for j in range(g * layers_per_group, (g + 1) * layers_per_group):
-                cache = None if caches is None else caches[cfg.lower_layers + j]
-                h = self.upper[j](h, cache, span, retrieved)
-
-        if retrieval_on:
-            next_chunk = (state.slots + length) // self.slots_per_chunk
-            carried = []
-            for index, weight, made_index, made_weight in new_retrievals:
-                if next_chunk == span.first_chunk + span.n_chunks:  # the span ended with a landmark
-                    carried.append((made_index[:, -1], made_weight[:, -1]))
-                else:
-                    carried.append((index[:, -1], weight[:, -1]))
-                if state.record is not None and made_index is not None:
-                    state.record.indices.append(made_index)
-                    state.record.weights.append(made_weight)
-            state.retrieval = carried
-        state.slots += length
+        span = Span(state.slots, slot_ids.shape[1], self.slots_per_chunk)
+        h = self._lower_layers(self.embed(slot_ids), state)
+        if self.config.retriever == "none":
+            for g in range(self.config.groups):
+                h = self._upper_group(g, h, state, span, None)
+        else:
+            self._append_completed_chunks(h, state)
+            carried = state.retrieval or [self._empty_retrieval(h) for _ in range(self.config.groups)]
+            next_carried = []
+            for g in range(self.config.groups):
+                retrieval = self._retrieve(g, h, span, carried[g], state.memory)
+                chunks = self._fetch(retrieval, carried[g], state.memory)
+                h = self._upper_group(g, h, state, span, chunks)
+                next_carried.append(self._carry(retrieval, carried[g], chunks, span, state.slots + span.length))
+                if state.record is not None and retrieval.made_index is not None:
+                    state.record.indices.append(retrieval.made_index)
+                    state.record.weights.append(retrieval.made_weight)
+            state.retrieval = next_carried
+        state.slots += span.length
         return h
 
     # ---- public API ---------------------------------------------------------------------------
@@ -415,35 +420,26 @@ class DRTForCausalLM(PretrainedLM):
         logits or the loss. With return_retrieval, `retrieval` is a RetrievalInfo (row t of each
         group: the chunks retrieved by chunk t's landmark, used by chunk t+1).
         """
-        input_ids = check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
+        input_ids = self.check_input_ids(input_ids)
         length = input_ids.shape[1]
         record = RetrievalInfo([], []) if return_retrieval else None
-        state = DRTState(memory=GraphMemory(input_ids.device), caches=None, record=record)
+        state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record)
         h = self.run_span(self.to_slots(input_ids), state)
         logits = self.lm_head(self.norm(self.real_rows(h, length)))
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
         return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
 
-    def new_session(self, batch_size: int = 1, memory: str = "device", path: str | None = None, **kwargs: Any):
-        """A streaming inference session (see farsight.models.drt_session.DRTSession)."""
-        from farsight.models.drt_session import DRTSession
+    def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
 
-        return DRTSession(self, batch_size=batch_size, memory=memory, path=path, **kwargs)
-
-    @torch.no_grad()
-    def generate(
+    def new_session(
         self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
+        batch_size: int = 1,
         memory: str = "device",
-        path: str | None = None,
-    ) -> torch.Tensor:
-        """Sample with a streaming session (landmarks inserted by the runtime, chunk memory in `memory`)."""
-        input_ids = check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
-        with self.new_session(input_ids.shape[0], memory=memory, path=path) as session:
-            return session.generate(input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        path: str | os.PathLike | None = None,
+        segment_chunks: int = 64,
+        record_retrieval: bool = False,
+    ) -> DRTSession:
+        """A streaming session (farsight.models.drt_session.DRTSession): chunk memory in `memory`
+        ("device", "host" or "disk" at `path`), long inputs run `segment_chunks` chunks per span."""
+        return DRTSession(self, batch_size, memory, path, segment_chunks, record_retrieval)

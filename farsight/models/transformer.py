@@ -2,7 +2,7 @@
 
 `attention` picks the self-attention module from farsight.layers.ATTENTION_KINDS: "causal"
 (standard), "sliding" (sliding window + ALiBi, the DRT paper's BaseLM), "castle" and "castle-swl"
-(lookahead keys). A new kind only needs a module registered with `register_attention`.
+(lookahead keys). Decoding runs through `new_session()` with the attention kind's own caches.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-import farsight.layers  # noqa: F401  (registers the built-in attention kinds)
 from farsight.config import ConfigBase, require
+from farsight.errors import InputError
 from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, swiglu_hidden_size
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids, generate_tokens
+from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
+from farsight.models.session import Session
 
 POSITIONS = ("rope", "alibi", "none")
 
@@ -126,22 +127,33 @@ class TransformerForCausalLM(PretrainedLM):
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
         return CausalLMOutput(loss=loss, logits=logits)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Sample continuations with a KV cache; temperature=0 decodes greedily. Returns [B, T + new]."""
-        input_ids = check_input_ids(input_ids, self.config.vocab_size)
-        caches = self.new_caches()
+    def new_session(self, batch_size: int = 1, memory: str = "device", path: Any = None, block: int = 2048) -> TransformerSession:
+        """A decoding session over the attention kind's caches (KV, rolling KV or UQ-KV).
 
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            return self(ids, caches=caches).logits[:, -1]
+        block: prompt tokens per forward call (bounds the [block, context] attention scores of a
+        long prompt). memory/path exist for the protocol's sake: caches live on the model's device.
+        """
+        return TransformerSession(self, batch_size, memory, path, block)
 
-        return generate_tokens(run, run, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+
+class TransformerSession(Session):
+    """Feeds tokens through each layer's cache, `block` tokens per forward call."""
+
+    def __init__(self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int) -> None:
+        if memory != "device" or path is not None:
+            raise InputError(
+                f"memory={memory!r}/path select DRT's chunk-memory tier; a {model.config.attention!r} transformer "
+                "keeps its caches on the model's device: leave memory='device' and no path"
+            )
+        if not isinstance(block, int) or block < 1:
+            raise InputError(f"block must be an integer >= 1, got {block!r}")
+        super().__init__(model, batch_size)
+        self.caches = model.new_caches()
+        self.block = block
+
+    def _run(self, ids: torch.Tensor, every_position: bool) -> torch.Tensor:
+        outputs = []
+        for start in range(0, ids.shape[1], self.block):
+            logits = self.model(ids[:, start : start + self.block], caches=self.caches).logits
+            outputs.append(logits if every_position else logits[:, -1:])
+        return torch.cat(outputs, dim=1) if every_position else outputs[-1]

@@ -6,7 +6,7 @@ import torch
 
 from farsight.config import ConfigError
 from farsight.models import TransformerForCausalLM, load_model
-from farsight.models.chunk_memory import DiskMemory, DiskMemoryError, _PagedBuffer
+from farsight.models.chunk_memory import ChunkMemory, DiskMemoryError, _PagedBuffer
 from farsight.models.drt import DRTConfig, DRTForCausalLM
 
 V = 40
@@ -162,7 +162,7 @@ def test_streaming_prefill_and_decode_equal_parallel_forward(length, groups, mem
     prefix = 11
     path = tmp_path / "kv.bin" if memory == "disk" else None
     with model.new_session(batch_size=2, memory=memory, path=path, segment_chunks=1) as session:
-        logits = [session.score(x[:, :prefix])]
+        logits = [session.feed(x[:, :prefix])]
         logits += [session.step(x[:, i])[:, None] for i in range(prefix, length)]
     torch.testing.assert_close(torch.cat(logits, 1), full, atol=1e-4, rtol=1e-4)
 
@@ -256,7 +256,7 @@ def test_disk_tier_path_errors(tmp_path):
 
 
 def test_disk_full_fails_cleanly(tmp_path, monkeypatch):
-    memory = DiskMemory(torch.device("cpu"), tmp_path / "kv.bin")
+    memory = ChunkMemory("disk", torch.device("cpu"), tmp_path / "kv.bin")
     k = torch.randn(1, 3, 4, 2, 8)
     memory.append(torch.randn(1, 3, 16), k, k + 1)
     real = os.pwrite
@@ -269,7 +269,7 @@ def test_disk_full_fails_cleanly(tmp_path, monkeypatch):
     with pytest.raises(DiskMemoryError, match="3 chunks stored before are intact"):
         memory.append(torch.randn(1, 2, 16), k[:, :2], k[:, :2])
     monkeypatch.setattr(os, "pwrite", real)
-    assert os.path.getsize(tmp_path / "kv.bin") == 3 * memory._record
+    assert os.path.getsize(tmp_path / "kv.bin") == 3 * memory.store._record
     got_k, got_v, index = memory.fetch(torch.tensor([[[2, 0]]]))
     torch.testing.assert_close(got_k[:, index[0, 0]], k[:, [2, 0]])
     torch.testing.assert_close(got_v[:, index[0, 0]], k[:, [2, 0]] + 1)

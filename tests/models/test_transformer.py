@@ -5,7 +5,7 @@ import torch
 
 from farsight.config import ConfigError
 from farsight.models import TransformerConfig, TransformerForCausalLM, load_model
-from farsight.models.lm import build_model, sample_next_token
+from farsight.models import build_model, sample_next_token
 
 KINDS = [("causal", {}), ("sliding", {"window": 6})]
 

@@ -1,0 +1,67 @@
+"""The state a DRT span forward hands to the next span, and its retrieval records.
+
+Shared by the model (farsight.models.drt) and its streaming session (farsight.models.drt_session)
+so that neither imports the other's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from farsight.layers.kv_cache import SlidingKVCache
+from farsight.models.chunk_memory import ChunkMemory
+
+
+@dataclass
+class RetrievalInfo:
+    """Per group g, the retrieval made by chunk t's landmark (used by chunk t+1):
+    indices[g] [B, n, K] chunk ids (-1 empty) and weights[g] [B, n, K]."""
+
+    indices: list[torch.Tensor]
+    weights: list[torch.Tensor]
+
+
+@dataclass
+class FetchedChunks:
+    """The chunks a retrieval reads, as the GCA op takes them: k, v [B, m, S, H, d] and, per
+    query chunk, index [B, n, K] into those m chunks (-1 empty) with softmax weights [B, n, K]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    index: torch.Tensor
+    weight: torch.Tensor
+
+
+@dataclass
+class CarriedRetrieval:
+    """One group's retrieval for the stream's current chunk: index [B, K] of chunk ids (-1 empty)
+    and weight [B, K]. `fetched` keeps its chunks once read from the memory tier, so the tokens
+    of a chunk read them once, not once per token."""
+
+    index: torch.Tensor
+    weight: torch.Tensor
+    fetched: FetchedChunks | None = None
+
+
+@dataclass
+class DRTState:
+    """What a span hands to the next one.
+
+    caches: one rolling KV cache per decoder layer, or None in the training forward (one span
+    from slot 0, everything in the autograd graph); slots: slots processed so far; pending:
+    lower-layer outputs of the incomplete chunk [B, r, D]; retrieval: per group, the retrieval
+    the current chunk reads (None before the first span); record: every retrieval made, if kept.
+    """
+
+    memory: ChunkMemory
+    caches: list[SlidingKVCache] | None
+    slots: int = 0
+    pending: torch.Tensor | None = None
+    retrieval: list[CarriedRetrieval] | None = None
+    record: RetrievalInfo | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.caches is not None

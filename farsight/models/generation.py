@@ -1,0 +1,82 @@
+"""Sampling and the autoregressive loop, written once for every model on the Session protocol."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from farsight.errors import InputError
+
+if TYPE_CHECKING:
+    from farsight.models.session import Session
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]. temperature 0 is greedy decoding."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if temperature < 0:
+        raise InputError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise InputError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def generate(
+    session: Session,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Prefill input_ids [B, T] into `session`, then sample up to max_new_tokens with `step`.
+
+    Returns [B, T + new] ids; rows that produced eos continue with eos, and the loop stops
+    early once every row has.
+    """
+    if max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
+    input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+    logits = session.prefill(input_ids)
+    finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=logits.device)
+    new_tokens = []
+    for i in range(max_new_tokens):
+        token = sample_next_token(logits, temperature, top_k, top_p, generator)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        new_tokens.append(token)
+        if i + 1 == max_new_tokens or bool(finished.all()):
+            break
+        logits = session.step(token)
+    if not new_tokens:
+        return input_ids
+    return torch.cat([input_ids.to(logits.device), torch.stack(new_tokens, dim=1)], dim=1)

@@ -1,0 +1,128 @@
+"""The inference Session protocol that every farsight LM answers (`model.new_session(...)`).
+
+A session owns a model's decoding state (KV caches, UQ-KV caches, DRT's streaming state and
+chunk memory) and is fed tokens in order:
+
+    prefill(ids [B, T] or an iterable of blocks) -> next-token logits [B, V]
+    step(token [B] or [B, 1])                    -> next-token logits [B, V]
+    feed(ids [B, T])                             -> logits [B, T, V] after each token
+    score(ids [B, T])                            -> log-probs [B, T] of ids as the continuation
+    generate(ids, max_new_tokens, ...)           -> [B, T + new] (farsight.models.generation)
+    close() / `with`                             -> frees files and buffers, restores train mode
+
+A model implements `_run(ids, every_position)`; batch size, id checks, closing and the
+inference-mode switch live here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from farsight.errors import InputError, StateError
+from farsight.models.generation import generate
+
+
+class Session:
+    """Base of the per-model sessions; see the module docstring for the protocol."""
+
+    def __init__(self, model: nn.Module, batch_size: int) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        self.model = model
+        self.batch_size = batch_size
+        self.device = next(model.parameters()).device
+        self.tokens_seen = 0
+        self._next_logits: torch.Tensor | None = None  # [B, V] after the last token fed
+        self._closed = False
+        # sessions decode: no dropout, no Gumbel noise; the caller's mode comes back on close
+        self._was_training = model.training
+        model.eval()
+
+    # ---- what a model implements ---------------------------------------------------------------
+    def _run(self, ids: torch.Tensor, every_position: bool) -> torch.Tensor:
+        """ids [B, T] (T >= 1, checked) continuing the state -> logits [B, T, V], or [B, 1, V]
+        for the last token only when every_position is False."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Free what the session holds beyond Python objects (files, pinned pages)."""
+
+    def check_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] or [T] -> [B, T] long on the model's device; refuses ids outside the vocabulary."""
+        return self.model.check_input_ids(ids).to(self.device)
+
+    def retrieved_chunks(self) -> list[set[int]] | None:
+        """Per batch row, the past chunks the current position reads (any group); None for
+        models without retrieval."""
+        return None
+
+    # ---- the protocol --------------------------------------------------------------------------
+    def _feed(self, ids: torch.Tensor, every_position: bool) -> torch.Tensor:
+        if self._closed:
+            raise StateError("this session is closed; start a new one with model.new_session()")
+        ids = self.check_ids(ids)
+        if ids.shape[0] != self.batch_size:
+            raise InputError(f"the session was opened for batch_size={self.batch_size}, got {ids.shape[0]} rows")
+        if ids.shape[1] == 0:
+            raise InputError("got no tokens to feed; pass at least one token per row")
+        with torch.inference_mode():
+            logits = self._run(ids, every_position)
+        self.tokens_seen += ids.shape[1]
+        self._next_logits = logits[:, -1]
+        return logits
+
+    def prefill(self, ids: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
+        """Feed a prompt (a [B, T] / [T] tensor, or an iterable of such blocks, e.g. a 16M-token
+        file read in pieces); returns the next-token logits [B, V] after its last token."""
+        blocks = [ids] if isinstance(ids, torch.Tensor) else ids
+        fed = False
+        for block in blocks:
+            if block.shape[-1]:
+                self._feed(block, every_position=False)
+                fed = True
+        if not fed:
+            raise InputError("prefill got no tokens; pass at least one token per row")
+        return self._next_logits
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row ([B] or [B, 1]); returns the next-token logits [B, V]."""
+        if token.numel() != self.batch_size:
+            raise InputError(f"step takes one token per row ({self.batch_size}), got shape {list(token.shape)}")
+        return self._feed(token.reshape(self.batch_size, 1), every_position=False)[:, -1]
+
+    def feed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Feed ids [B, T]; returns the logits [B, T, V] predicted after each of them."""
+        return self._feed(ids, every_position=True)
+
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities [B, T] (fp32, or fp64 for an fp64 model) of ids [B, T] as the
+        continuation of what was fed before (at least one token), and feeds them."""
+        if self._next_logits is None:
+            raise InputError("score needs a context to continue: prefill at least one token first")
+        before = self._next_logits
+        logits = self.feed(ids)
+        ids = self.check_ids(ids)
+        predicted = torch.cat([before[:, None], logits[:, :-1]], dim=1)
+        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
+        return predicted.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
+        """Prefill input_ids [B, T] and sample up to max_new_tokens (temperature, top_k, top_p,
+        eos_token_id, generator: see farsight.models.generation.generate); returns [B, T + new]."""
+        return generate(self, input_ids, max_new_tokens, **sampling)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._release()
+            self._closed = True
+            self.model.train(self._was_training)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,130 @@
+"""The Session protocol, the same for every LM kind: prefill + steps == the parallel forward,
+score == log-softmax of the forward, one generate code path, and DRT fetching retrieved chunks
+once per chunk."""
+
+import pytest
+import torch
+
+import farsight.models.session as session_module
+from farsight.errors import InputError, StateError
+from farsight.models import DRTConfig, DRTForCausalLM, Session, TransformerConfig, TransformerForCausalLM
+
+V = 40
+
+
+def make(kind):
+    torch.manual_seed(0)
+    if kind == "drt":
+        cfg = DRTConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, chunk_size=5, window=12, top_k=2, groups=2, encoder_layers=1)
+        return DRTForCausalLM(cfg).double().eval()
+    extra = {"sliding": {"window": 6}, "castle-swl": {"lookahead_window": 5}}.get(kind, {})
+    cfg = TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attention=kind, **extra)
+    return TransformerForCausalLM(cfg).double().eval()
+
+
+KINDS = ["causal", "sliding", "castle", "castle-swl", "drt"]
+
+
+def ids(b, n, seed=1):
+    return torch.randint(0, V - 4, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_feed_and_steps_equal_the_parallel_forward(kind):
+    model = make(kind)
+    x = ids(2, 29)
+    full = model(x).logits
+    with model.new_session(batch_size=2) as session:
+        assert isinstance(session, Session)
+        first = session.prefill(x[:, :7])
+        fed = session.feed(x[:, 7:13])
+        steps = [session.step(x[:, i]) for i in range(13, 29)]
+        assert session.tokens_seen == 29
+    torch.testing.assert_close(first, full[:, 6])
+    torch.testing.assert_close(fed, full[:, 7:13])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 13:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_score_is_the_log_probability_of_the_continuation(kind):
+    model = make(kind)
+    x = ids(2, 23)
+    want = model(x).logits.log_softmax(-1)[:, 8:-1].gather(-1, x[:, 9:, None]).squeeze(-1)
+    with model.new_session(batch_size=2) as session:
+        with pytest.raises(InputError, match="prefill at least one token"):
+            session.score(x[:, :3])
+        session.prefill(x[:, :9])
+        got = session.score(x[:, 9:])
+    assert got.shape == (2, 14) and got.dtype == torch.float64
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generate_is_one_code_path_for_every_model(kind, monkeypatch):
+    model = make(kind)
+    calls = []
+    real = session_module.generate
+
+    def spy(session, *args, **kwargs):
+        calls.append(type(session).__name__)
+        return real(session, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "generate", spy)
+    prompt = ids(1, 12)
+    out = model.generate(prompt, 6, temperature=0)
+    assert len(calls) == 1 and out.shape == (1, 18)
+    # greedy: every new token is the argmax of the parallel forward over what came before
+    assert torch.equal(model(out).logits[:, 11:-1].argmax(-1), out[:, 12:])
+
+
+@pytest.mark.parametrize("kind", ["causal", "drt"])
+def test_session_errors_and_mode(kind):
+    model = make(kind).train()
+    session = model.new_session(batch_size=2)
+    assert not model.training  # sessions decode in eval mode
+    with pytest.raises(InputError, match="batch_size=2"):
+        session.prefill(ids(3, 4))
+    with pytest.raises(InputError, match="no tokens"):
+        session.prefill(ids(2, 0))
+    with pytest.raises(InputError, match="outside the model's vocabulary"):
+        session.prefill(torch.full((2, 3), V))
+    session.close()
+    assert model.training  # the caller's mode is back
+    with pytest.raises(StateError, match="closed"):
+        session.step(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(InputError, match="batch_size"):
+        model.new_session(batch_size=0)
+
+
+def test_transformer_session_refuses_a_chunk_memory_tier():
+    with pytest.raises(InputError, match="DRT's chunk-memory tier"):
+        make("causal").new_session(memory="disk")
+
+
+@pytest.mark.parametrize("memory", ["device", "host", "disk"])
+def test_drt_decode_fetches_retrieved_chunks_once_per_chunk(memory):
+    model = make("drt")
+    s, groups = model.config.chunk_size, model.config.groups
+    x = ids(1, 61)
+    full = model(x).logits
+    with model.new_session(memory=memory) as session:
+        store = session.memory.store
+        gathers = []
+        real = store.gather
+
+        def counting(index):
+            gathers[-1] += 1
+            return real(index)
+
+        store.gather = counting
+        gathers.append(0)
+        session.prefill(x[:, :13])
+        logits = []
+        for i in range(13, 61):
+            gathers.append(0)
+            logits.append(session.step(x[:, i]))
+    torch.testing.assert_close(torch.stack(logits, 1), full[:, 13:])
+    steps = gathers[1:]
+    # token i is the first of its chunk when i % s == 0: the retrieval changed, each group reads once
+    for i, count in zip(range(13, 61), steps):
+        assert count == (groups if i % s == 0 else 0), (i, steps)
