@@ -33,6 +33,18 @@ def check_same_dtype_device(named: dict[str, torch.Tensor]) -> None:
             )
 
 
+def check_side_input(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
+    """A side input (GCA's `weight`, ALiBi slopes) next to q: floating, on q's device, and in q's
+    dtype or fp32. The ops use it in their compute dtype (fp32, fp64 for fp64 q), so fp32 weights
+    from an fp32 softmax go with q of any dtype without being rounded."""
+    check_float(name, x)
+    allowed = sorted({str(q.dtype), str(torch.float32)})
+    if str(x.dtype) not in allowed:
+        raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; cast {name} to {' or '.join(allowed)}")
+    if x.device != q.device:
+        raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
+
+
 def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
     """`expected` may hold -1 for dimensions that are free."""
     ok = x.dim() == len(expected) and all(e == -1 or e == s for e, s in zip(expected, x.shape))

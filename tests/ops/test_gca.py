@@ -213,7 +213,7 @@ def _replace(inputs: tuple, **changes) -> tuple:
         (lambda q, k, v, i, w: {"index": i.float()}, TypeError, "index must be a torch.long"),
         (lambda q, k, v, i, w: {"index": i + 4}, ValueError, r"index values must lie in \[-1, 4\)"),
         (lambda q, k, v, i, w: {"index": i - 5}, ValueError, "replace missing chunks by -1"),
-        (lambda q, k, v, i, w: {"weight": w.float()}, TypeError, "weight has dtype torch.float32"),
+        (lambda q, k, v, i, w: {"weight": w.half()}, TypeError, "weight has dtype torch.float16 .* cast weight to"),
         (lambda q, k, v, i, w: {"v": v.float()}, TypeError, "cast them to one dtype"),
         (lambda q, k, v, i, w: {"q": q.long()}, TypeError, "q must be a floating-point tensor"),
         (lambda q, k, v, i, w: {"index": i[..., :0], "weight": w[..., :0]}, ValueError, "K >= 1"),

@@ -13,6 +13,13 @@ any device), "triton" (`farsight.ops.castle.triton`; CUDA, or CPU with TRITON_IN
 and, for `castle_attention` only, "reference" (`castle_parallel_reference`, O(T^3)). "auto"
 picks Triton for CUDA tensors when triton is installed, else "torch" (`farsight.ops.backend`).
 Triton is imported only when its backend is used.
+
+Precision (SPEC 6): the six inputs share one dtype (fp32, fp16, bf16 or fp64). Under autocast
+every entry point here casts them to the autocast dtype and runs with autocast off
+(`farsight.ops.precision`), so outputs come back in the autocast dtype and gradients in each
+input's own dtype. Inside, the torch paths compute in fp32 (fp64 for fp64) and the Triton
+kernels take fp16/bf16 operands with fp32 scores, softmax statistics, lookahead sums D / U and
+accumulators. The decode cache keeps its rows in fp32 (fp64 for fp64; see `CastleCache`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from farsight.ops.castle import blockwise, inference, reference
 from farsight.ops.castle.blockwise import DEFAULT_BLOCK_SIZE
 from farsight.ops.castle.inference import CastleCache
 from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
+from farsight.ops.precision import autocast_inputs
 
 __all__ = [
     "BACKENDS",
@@ -120,7 +128,8 @@ def _check_decode(
             )
     if qu.dtype != cache.input_dtype:
         raise TypeError(
-            f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; cast the inputs"
+            f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; decode in the dtype "
+            "(or under the autocast setting) the cache was built with"
         )
     if qu.device != cache.device:
         raise ValueError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
@@ -152,21 +161,23 @@ def castle_attention(
 ) -> torch.Tensor:
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
-    All six inputs are [B, T, H, d] with one dtype and device; returns o [B, T, H, d] in the
-    input dtype, differentiable in all six; scale defaults to 1/sqrt(d). See
+    All six inputs are [B, T, H, d] with one dtype and device (under autocast: any floating
+    dtypes, cast to the autocast dtype); returns o [B, T, H, d] in that dtype, differentiable in
+    all six; scale defaults to 1/sqrt(d). See
     `farsight.ops.castle.blockwise.castle_attention` for the torch path (its `block_size` is a
     CPU speed knob, unused by the other backends). backend: "auto" (Triton for CUDA tensors when
     installed, else "torch"), "torch", "triton" (fp32/fp16/bf16; CUDA, or CPU with
     TRITON_INTERPRET=1) or "reference" (O(T^3), tests only).
     """
-    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
-    check_positive_int("block_size", block_size)
-    backend = resolve_backend(backend, qu, BACKENDS)
-    if backend == "torch":
-        return blockwise.castle_attention(qu, ku, vu, qc, kc, vc, window, scale, block_size)
-    if backend == "reference":
-        return reference.castle_parallel_reference(qu, ku, vu, qc, kc, vc, window, scale)
-    return castle_attention_triton(qu, ku, vu, qc, kc, vc, window, scale)
+    with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
+        scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
+        check_positive_int("block_size", block_size)
+        backend = resolve_backend(backend, inputs[0], BACKENDS)
+        if backend == "torch":
+            return blockwise.castle_attention(*inputs, window, scale, block_size)
+        if backend == "reference":
+            return reference.castle_parallel_reference(*inputs, window, scale)
+        return castle_attention_triton(*inputs, window, scale)
 
 
 def castle_prefill(
@@ -187,12 +198,14 @@ def castle_prefill(
     o equals castle_attention's output; the lookahead keys U come out of the same forward pass.
     A prompt of length 0 is allowed and gives an empty cache (as does CastleCache.empty). No
     autograd graph is built. `layer` tags the cache for castle_decode. backend: "auto", "torch"
-    (blockwise; `block_size` is its knob) or "triton".
+    (blockwise; `block_size` is its knob) or "triton". Under autocast the inputs are cast to
+    the autocast dtype, which becomes the cache's `input_dtype` (and o's dtype).
     """
-    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
-    check_positive_int("block_size", block_size)
-    backend = resolve_backend(backend, qu, PREFILL_BACKENDS)
-    return inference.prefill(qu, ku, vu, qc, kc, vc, window, scale, block_size, layer, backend)
+    with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
+        scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
+        check_positive_int("block_size", block_size)
+        backend = resolve_backend(backend, inputs[0], PREFILL_BACKENDS)
+        return inference.prefill(*inputs, window, scale, block_size, layer, backend)
 
 
 def castle_decode(
@@ -214,10 +227,12 @@ def castle_decode(
     The cache is updated in place (and returned); see `farsight.ops.castle.inference.decode`.
     O(t d) per step with t tokens cached. The optional `window`, `scale`, `layer` and
     `position` (= t) are checked against the cache to catch a cache that belongs to another
-    configuration, layer or step. No autograd graph is built.
+    configuration, layer or step. No autograd graph is built. Under autocast the inputs are cast
+    to the autocast dtype before they are checked against the cache's `input_dtype`.
     """
-    _check_decode(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), cache, window, scale, layer, position)
-    return inference.decode(cache, qu, ku, vu, qc, kc, vc), cache
+    with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
+        _check_decode(dict(zip(INPUT_NAMES, inputs)), cache, window, scale, layer, position)
+        return inference.decode(cache, *inputs), cache
 
 
 def castle_recurrent(
@@ -231,8 +246,9 @@ def castle_recurrent(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Literal recurrent CASTLE (O(T^3 d); T <= ~130): see `farsight.ops.castle.reference.castle_recurrent`."""
-    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
-    return reference.castle_recurrent(qu, ku, vu, qc, kc, vc, window, scale)
+    with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
+        scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
+        return reference.castle_recurrent(*inputs, window, scale)
 
 
 def castle_parallel_reference(
@@ -246,5 +262,6 @@ def castle_parallel_reference(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Theorem 1 with dense [T, T] matrices (O(T^3)): see `farsight.ops.castle.reference.castle_parallel_reference`."""
-    scale = check_castle_inputs(dict(zip(INPUT_NAMES, (qu, ku, vu, qc, kc, vc))), window, scale)
-    return reference.castle_parallel_reference(qu, ku, vu, qc, kc, vc, window, scale)
+    with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
+        scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
+        return reference.castle_parallel_reference(*inputs, window, scale)

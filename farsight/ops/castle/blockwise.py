@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from farsight.ops.castle.reference import lookahead_mask
 from farsight.ops.checks import compute_dtype
+from farsight.ops.precision import amp_function
 
 # Tuned on a 2-core AVX-512 CPU (benchmarks/castle.py): fewer, larger key blocks cut Python
 # overhead; a 64-row sub-block balances the diagonal term against the prefix sums.
@@ -369,14 +370,15 @@ def castle_attention(
 ) -> torch.Tensor:
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
-    All six inputs are [B, T, H, d] with one dtype and device, assumed valid
-    (`farsight.ops.castle.castle_attention` checks them and resolves `scale`); returns
-    o [B, T, H, d] in the input dtype. fp64 computes in fp64, everything else in fp32
-    (gradients come back in the input dtype). O(T^2 d) time and O(T d + T * block_size) memory
+    All six inputs are [B, T, H, d] with one dtype and device, assumed valid and autocast off
+    (`farsight.ops.castle.castle_attention` checks them, resolves `scale` and handles autocast);
+    returns o [B, T, H, d] in the input dtype. fp64 computes in fp64, everything else in fp32:
+    the running max / sum, the logsumexp and the lookahead sums D are fp32 (gradients come back
+    in the input dtype). O(T^2 d) time and O(T d + T * block_size) memory
     in forward and backward. `block_size` is a speed knob (clipped to T); results do not depend
     on it beyond rounding.
     """
-    return _CastleAttention.apply(qu, ku, vu, qc, kc, vc, window, scale, block_size)
+    return amp_function(_CastleAttention, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block_size)
 
 
 def forward_with_lookahead_keys(

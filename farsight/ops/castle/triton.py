@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile
+from farsight.ops.precision import amp_function
 
 __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
 
@@ -432,7 +433,7 @@ def castle_attention_triton(
     key tile (default: next power of two of T, at most 64, or 32 when d > 64).
     """
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _CastleTriton.apply(qu, ku, vu, qc, kc, vc, window, scale, block)
+    return amp_function(_CastleTriton, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block)
 
 
 def castle_prefill_triton(

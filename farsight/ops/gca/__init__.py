@@ -5,6 +5,10 @@ Backends: `gca_reference` (gather + einsum, the readable definition), `gca_recom
 any device, backward without gathered copies) and `gca_triton` (fused kernels that read the
 chunks through the index; CUDA, or CPU under TRITON_INTERPRET=1). `gca` checks the inputs and
 picks one. Triton is imported only when its backend is used.
+
+Precision (SPEC 6): q, k, v share one dtype (fp32, fp16, bf16 or fp64); under autocast `gca`
+casts them to the autocast dtype (`farsight.ops.precision`). `weight` keeps its own precision
+(q's dtype or fp32): the K per-chunk results are fused with fp32 weights (fp64 for fp64 q).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from farsight.ops.backend import resolve_backend
-from farsight.ops.checks import check_float, check_same_dtype_device, check_shape, check_tensor
+from farsight.ops.checks import check_float, check_same_dtype_device, check_shape, check_side_input, check_tensor
 from farsight.ops.gca.recompute import gca_recompute
 from farsight.ops.gca.reference import gca_reference
+from farsight.ops.precision import autocast_inputs
 
 __all__ = ["gca", "gca_recompute", "gca_reference", "gca_triton", "check_gca_inputs", "BACKENDS"]
 
@@ -36,9 +41,10 @@ def check_gca_inputs(
         check_tensor(name, x, ndim=5)
     check_tensor("index", index, ndim=3)
     check_tensor("weight", weight, ndim=3)
-    for name, x in (("q", q), ("k", k), ("v", v), ("weight", weight)):
+    for name, x in (("q", q), ("k", k), ("v", v)):
         check_float(name, x)
-    check_same_dtype_device({"q": q, "k": k, "v": v, "weight": weight})
+    check_same_dtype_device({"q": q, "k": k, "v": v})
+    check_side_input("weight", weight, q)
     if index.device != q.device:
         raise ValueError(f"index is on {index.device} but q is on {q.device}; move them to one device")
     if index.dtype != torch.long:
@@ -87,16 +93,22 @@ def gca(
     1/sqrt(d). Differentiable in q, k, v and weight; empty slots add exactly zero and get a zero
     weight gradient.
 
+    q, k, v have one dtype; weight has q's dtype or fp32 and is used in fp32 (fp64 for fp64
+    q). Under autocast for q's device type, q, k and v are cast to the autocast dtype first
+    and the output has that dtype. Gradients come back in each input's own dtype. Scores,
+    softmax statistics and accumulation are fp32 (fp64 for fp64 inputs) on every backend.
+
     backend: "auto" (Triton for CUDA tensors when installed, else "torch"), "torch"
     (`gca_recompute`), "triton" (`gca_triton`; CUDA, or CPU with TRITON_INTERPRET=1) or
     "reference" (`gca_reference`).
     """
-    check_gca_inputs(q, k, v, index, weight)
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
-    backend = resolve_backend(backend, q, BACKENDS)
-    if backend == "torch":
-        return gca_recompute(q, k, v, index, weight, softmax_one, scale)
-    if backend == "reference":
-        return gca_reference(q, k, v, index, weight, softmax_one, scale)
-    return gca_triton(q, k, v, index, weight, softmax_one, scale)
+    with autocast_inputs(q, k, v) as (q, k, v):
+        check_gca_inputs(q, k, v, index, weight)
+        if scale is not None and not isinstance(scale, (int, float)):
+            raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
+        backend = resolve_backend(backend, q, BACKENDS)
+        if backend == "torch":
+            return gca_recompute(q, k, v, index, weight, softmax_one, scale)
+        if backend == "reference":
+            return gca_reference(q, k, v, index, weight, softmax_one, scale)
+        return gca_triton(q, k, v, index, weight, softmax_one, scale)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from farsight.ops.checks import compute_dtype
+from farsight.ops.precision import amp_function
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -169,10 +170,11 @@ def gca_recompute(
     Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
     pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
     [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
-    [B, n, H, Lq, S] probabilities. bf16/fp16 inputs are computed in fp32 and returned in their
-    dtype. Inputs are assumed valid (`farsight.ops.gca.gca` checks them).
+    [B, n, H, Lq, S] probabilities. bf16/fp16 inputs are computed in fp32 (logsumexp included)
+    and returned in q's dtype; weight is used in fp32 whatever its dtype. Inputs are assumed
+    valid and autocast off (`farsight.ops.gca.gca` sees to both).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if k.shape[1] > 0 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, weight))):
         return _gca_no_grad(q, k, v, index, weight, softmax_one, scale)
-    return _GCARecompute.apply(q, k, v, index, weight, softmax_one, scale)
+    return amp_function(_GCARecompute, q.device.type).apply(q, k, v, index, weight, softmax_one, scale)

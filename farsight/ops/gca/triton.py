@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from farsight.ops.checks import check_positive_int
+from farsight.ops.precision import amp_function
 
 __all__ = ["gca_triton", "INTERPRETED"]
 
@@ -281,10 +282,11 @@ def gca_triton(
     """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K] -> o [B, n, Lq, H, d].
 
     Same semantics as `gca_reference`; inputs are assumed valid (`farsight.ops.gca.gca` checks
-    them). fp32, fp16 and bf16 inputs; scores, softmax and accumulation are fp32, and fp32 dots
-    follow torch.get_float32_matmul_precision(). Saved for the backward: the inputs and a
-    logsumexp [B, n, K, H, Lq]. block_q / block_s (powers of two >= 16) override the query-row
-    and key-row tile sizes (default: the next power of two of Lq / S, at most 64).
+    them). fp32, fp16 and bf16 inputs (weight in q's dtype or fp32, read as fp32); scores,
+    softmax and accumulation are fp32, and fp32 dots follow torch.get_float32_matmul_precision().
+    Saved for the backward: the inputs and a logsumexp [B, n, K, H, Lq]. block_q / block_s
+    (powers of two >= 16) override the query-row and key-row tile sizes (default: the next power
+    of two of Lq / S, at most 64).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
@@ -298,4 +300,4 @@ def gca_triton(
     lq, s, dim = q.shape[2], k.shape[2], q.shape[4]
     blocks = (block_q or _tile(lq, 64), block_s or _tile(s, 64), _tile(dim, 1 << 30))
     scale = dim**-0.5 if scale is None else float(scale)
-    return _GCATriton.apply(q, k, v, index, weight, softmax_one, scale, blocks)
+    return amp_function(_GCATriton, q.device.type).apply(q, k, v, index, weight, softmax_one, scale, blocks)

@@ -1,12 +1,25 @@
 """Causal sliding-window attention: dense reference, the blockwise O(T * W) path (any device)
-and, on GPU, PyTorch's FlexAttention (or SDPA with a dense mask)."""
+and, on GPU, PyTorch's FlexAttention (or SDPA with a dense mask).
+
+Precision (SPEC 6): q, k, v share one dtype; under autocast `sliding_window_attention` casts
+them to the autocast dtype (`farsight.ops.precision`). ALiBi slopes keep their own precision
+(q's dtype or fp32) and are added to fp32 scores (fp64 for fp64 q) on every backend.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from farsight.ops import backend as ops_backend
-from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
+from farsight.ops.checks import (
+    check_float,
+    check_positive_int,
+    check_same_dtype_device,
+    check_shape,
+    check_side_input,
+    check_tensor,
+)
+from farsight.ops.precision import autocast_inputs
 from farsight.ops.window.blockwise import default_block_size, sliding_window_attention_blockwise
 from farsight.ops.window.fused import flex_available, sliding_window_attention_flex, sliding_window_attention_sdpa
 from farsight.ops.window.reference import sliding_window_attention_reference
@@ -83,7 +96,27 @@ def sliding_window_attention(
     backend: "auto" (FlexAttention for CUDA tensors with >= FLEX_MIN_QUERIES queries, else
     "blockwise"), "blockwise" (O(T * W), any device; `block_size` is its knob), "flex" (CUDA
     only), "sdpa" (SDPA with a dense [Tq, Tk] mask, any device) or "reference" (dense, tests).
+
+    q, k, v have one dtype; under autocast for q's device type they are cast to the autocast
+    dtype, which the output then has. alibi_slopes may be fp32 next to fp16/bf16 q (see
+    `check_side_input`). Gradients come back in each input's own dtype.
     """
+    with autocast_inputs(q, k, v) as (q, k, v):
+        return _sliding_window_attention(q, k, v, window, alibi_slopes, scale, key_padding_mask, block_size, backend)
+
+
+def _sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    alibi_slopes: torch.Tensor | None,
+    scale: float | None,
+    key_padding_mask: torch.Tensor | None,
+    block_size: int | None,
+    backend: str,
+) -> torch.Tensor:
+    """`sliding_window_attention` once autocast is dealt with: check the inputs, run the backend."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4)
         check_float(name, x)
@@ -96,7 +129,9 @@ def sliding_window_attention(
     check_positive_int("window", window)
     check_positive_int("block_size", block_size, allow_none=True)
     if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes)
         check_shape("alibi_slopes", alibi_slopes, (heads,), "one slope per head")
+        check_side_input("alibi_slopes", alibi_slopes, q)
     if key_padding_mask is not None:
         check_shape("key_padding_mask", key_padding_mask, (batch, k.shape[1]), "batch x keys")
         if key_padding_mask.dtype != torch.bool:

@@ -9,6 +9,12 @@ uncompiled form (compile=False) runs forward-only on CPU, which the tests use to
 `sliding_window_attention_sdpa` passes a dense [Tq, Tk] mask (additive when ALiBi is on) to
 F.scaled_dot_product_attention: any device, but O(Tq * Tk) memory for the mask.
 
+Precision: both take q, k, v in one dtype (fp32, fp16, bf16) and return it; their fused kernels
+keep scores and softmax statistics in fp32. ALiBi is added to fp32 scores: FlexAttention's score_mod
+sees fp32 scores and reads fp32 slopes; SDPA takes an additive mask only in the query's dtype
+(on CUDA an fp32 bias next to bf16 queries is rejected by the memory-efficient kernel and
+misread by cuDNN), so with ALiBi fp16/bf16 inputs go through SDPA in fp32.
+
 Positions follow `sliding_window_attention_reference`: query i sits at absolute position
 Tk - Tq + i; key j is visible when 0 <= pos - j < window; a query always keeps itself even
 when key_padding_mask hides it.
@@ -22,6 +28,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from farsight.ops.checks import compute_dtype
 from farsight.ops.window.reference import window_mask_and_distance
 
 
@@ -117,10 +124,14 @@ def sliding_window_attention_sdpa(
     if key_padding_mask is not None:
         keep = keep & (key_padding_mask[:, None, None, :] | (distance == 0))  # [B, 1, Tq, Tk]
     mask: torch.Tensor = keep
+    work = q.dtype
     if alibi_slopes is not None:
-        bias = -alibi_slopes.to(q.dtype)[:, None, None] * distance.to(q.dtype)  # [H, Tq, Tk]
+        # An additive mask must have the query's dtype (module docstring): the bias is fp32, so
+        # fp16/bf16 q, k, v go in as fp32 too.
+        work = compute_dtype(q.dtype)
+        bias = -alibi_slopes.to(work)[:, None, None] * distance.to(work)  # [H, Tq, Tk]
+        # Every row keeps its own position (distance 0), so no row is all -inf.
         mask = torch.where(keep, bias, float("-inf"))
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-    )
-    return out.transpose(1, 2)
+    heads_first = [x.transpose(1, 2).to(work) for x in (q, k, v)]  # [B, H, T, d]
+    out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).to(q.dtype)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from farsight.ops.checks import compute_dtype
+
 
 def window_mask_and_distance(tq: int, tk: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Allowed-key mask and query-key distance for queries at the last `tq` of `tk` positions.
@@ -35,17 +37,20 @@ def sliding_window_attention_reference(
     """q [B, Tq, H, d], k/v [B, Tk, H, d] with Tk >= Tq -> o [B, Tq, H, d].
 
     alibi_slopes [H] adds -slope * (query position - key position) to the scores.
-    key_padding_mask [B, Tk] bool, True for real keys; a query always keeps itself.
+    key_padding_mask [B, Tk] bool, True for real keys; a query always keeps itself (so no row
+    is fully masked and -inf is safe). fp16/bf16 inputs are computed in fp32 (fp64 stays fp64),
+    ALiBi included, and the output has q's dtype.
     """
     tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
     scale = d**-0.5 if scale is None else scale
+    work = compute_dtype(q.dtype)
     mask, distance = window_mask_and_distance(tq, tk, window, q.device)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(work), k.to(work)) * scale
     if alibi_slopes is not None:
-        scores = scores - alibi_slopes.to(scores.dtype)[:, None, None] * distance.to(scores.dtype)
+        scores = scores - alibi_slopes.to(work)[:, None, None] * distance.to(work)
     mask = mask[None, None].expand(q.shape[0], 1, tq, tk)
     if key_padding_mask is not None:
         mask = mask & (key_padding_mask[:, None, None, :] | (distance == 0))
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.to(work)).to(q.dtype)
