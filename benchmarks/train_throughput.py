@@ -1,41 +1,76 @@
-"""Training throughput of the baselines: standard causal attention vs sliding-window attention.
+"""Training throughput per model kind and precision (train.precision), on the CPU.
 
-    python benchmarks/train_throughput.py [--quick] [--json PATH]
+    python benchmarks/train_throughput.py [--quick] [--kinds causal,sliding,...]
+        [--precisions fp32,bf16-mixed,...] [--json PATH]
+    python benchmarks/train_throughput.py --loss-steps N [--kinds ...] [--precisions ...] [--json PATH]
 
-Each case (attention kind x sequence length) runs in a fresh process: a LLaMA-style model
-(d_model 256, 4 layers, 4 heads, byte vocabulary) takes full AdamW steps on random tokens with
-a fixed number of tokens per step; the table gives tokens/s (median step) and the peak-memory
-growth of one step, and the sliding/causal ratios measured in the same run.
+Each case (model kind x sequence length x precision) runs in a fresh process: a model with
+d_model 256, 4 layers, 4 heads and a byte vocabulary (transformer with causal, sliding (window
+256), castle or castle-swl (lookahead 256) attention, or DRT with its default chunking) takes
+full AdamW steps on random tokens with a fixed number of tokens per step, in the given
+precision as the trainer runs it; the table gives tokens/s (median step) and the peak-memory
+growth of one step, each precision's speed relative to the first one listed, and each kind's
+speed and memory relative to causal attention (in the first precision).
+
+--loss-steps N, instead of timing, trains a tiny model of each kind (d_model 64, 2 layers, 8 x
+128 tokens per step) for N steps through farsight's Trainer in each precision and for --seeds
+seeds, on Python source (the standard library's `email` package, bytes; a seed fixes the
+initialisation and the batches, shared by the precisions), and prints the final training and
+validation losses and each precision's validation-loss gap to the first one, seed by seed:
+whether a faster precision learns as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sysconfig
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, run_isolated, time_fn, write_json
-from farsight.models import TransformerConfig, TransformerForCausalLM
+from farsight.models import build_model
+from farsight.train.config import PRECISIONS
+from farsight.train.precision import resolve_precision
 
 TOKENS_PER_STEP = 8192
 WINDOW = 256
+KINDS = ("causal", "sliding", "castle", "castle-swl", "drt")
+EXTRA = {"sliding": {"window": WINDOW}, "castle-swl": {"lookahead_window": WINDOW}}
+
+
+def model_spec(kind: str, **sizes: int) -> dict:
+    if kind == "drt":
+        return {"type": "drt", **sizes}
+    return {"type": "transformer", "attention": kind, **EXTRA.get(kind, {}), **sizes}
 
 
 def _case(case: dict) -> dict:
     torch.manual_seed(0)
-    extra = {"window": WINDOW} if case["attention"] == "sliding" else {}
-    config = TransformerConfig(vocab_size=260, d_model=256, n_layers=4, n_heads=4, attention=case["attention"], **extra)
-    model = TransformerForCausalLM(config)
+    device = torch.device("cpu")
+    mode = resolve_precision(case["precision"], device)
+    model = build_model(model_spec(case["kind"], vocab_size=260, d_model=256, n_layers=4, n_heads=4))
+    mode.cast_parameters(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = mode.grad_scaler(device)
     length = case["length"]
     ids = torch.randint(0, 256, (max(1, TOKENS_PER_STEP // length), length))
 
     def step() -> None:
-        loss = model(ids, labels=ids).loss
+        with mode.autocast(device):
+            loss = model(ids, labels=ids).loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
 
     step()  # optimizer state allocated before the memory measurement
     peak = measure_peak_memory(step)
@@ -43,33 +78,156 @@ def _case(case: dict) -> dict:
     return {"tokens_per_s": ids.numel() / seconds, "step_s": seconds, "peak_mb": peak / 2**20}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two short lengths, one timed step")
-    parser.add_argument("--json", help="write the figures as JSON")
-    args = parser.parse_args()
-    lengths = [512, 1024] if args.quick else [512, 1024, 2048, 4096, 8192]
-    repeat = 1 if args.quick else 3
+def _loss_case(case: dict) -> dict:
+    from farsight.train.config import TrainConfig
+    from farsight.train.trainer import train
+
+    config = TrainConfig.from_dict(
+        {
+            "model": model_spec(case["kind"], d_model=64, n_layers=2, n_heads=2),
+            "data": {"path": case["data"], "seq_len": 128, "batch_size": 8},
+            "optim": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 20},
+            "train": {
+                "steps": case["steps"],
+                "out_dir": case["out_dir"],
+                "precision": case["precision"],
+                "seed": case["seed"],
+                "device": "cpu",
+                "log_interval": case["steps"],
+                "eval_interval": case["steps"],
+                "eval_batches": 8,
+                "checkpoint_interval": case["steps"],
+                "progress": False,
+            },
+        }
+    )
+    start = time.perf_counter()
+    result = train(config)
+    seconds = time.perf_counter() - start
+    last = [loss for _, loss in result.losses[-10:]]
+    records = map(json.loads, (Path(case["out_dir"]) / "metrics.jsonl").read_text().splitlines())
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    return {"train_loss": sum(last) / len(last), "val_loss": val[-1], "seconds": seconds}
+
+
+def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"--{what}: {unknown[0] if unknown else text!r} is not one of {', '.join(known)}")
+    return names
+
+
+def throughput(kinds: list[str], precisions: list[str], quick: bool) -> list[dict]:
+    lengths = [512, 1024] if quick else [512, 1024, 2048, 4096, 8192]
+    repeat = 1 if quick else 3
+    base = precisions[0]
     rows = []
     start = time.perf_counter()
     for length in lengths:
-        row: dict = {"length": length}
-        for attention in ("causal", "sliding"):
-            result = run_isolated(_case, {"attention": attention, "length": length, "repeat": repeat})
-            if "error" in result:
-                row[f"{attention} error"] = result["error"]
-                continue
-            row[f"{attention} tok/s"] = result["tokens_per_s"]
-            row[f"{attention} peak MB"] = result["peak_mb"]
-        if "causal tok/s" in row and "sliding tok/s" in row:
-            row["speed sliding/causal"] = row["sliding tok/s"] / row["causal tok/s"]
-            row["memory sliding/causal"] = row["sliding peak MB"] / max(row["causal peak MB"], 1e-9)
-        rows.append(row)
+        for kind in kinds:
+            row: dict = {"length": length, "kind": kind}
+            for precision in precisions:
+                result = run_isolated(_case, {"kind": kind, "precision": precision, "length": length, "repeat": repeat})
+                if "error" in result:
+                    row[f"{precision} error"] = result["error"]
+                    continue
+                row[f"{precision} tok/s"] = result["tokens_per_s"]
+                row[f"{precision} peak MB"] = result["peak_mb"]
+            for precision in precisions[1:]:
+                if f"{precision} tok/s" in row and f"{base} tok/s" in row:
+                    row[f"speed {precision}/{base}"] = row[f"{precision} tok/s"] / row[f"{base} tok/s"]
+            rows.append(row)
+        same_length = [r for r in rows if r["length"] == length]
+        causal = next((r for r in same_length if r["kind"] == "causal"), {})
+        for row in same_length:
+            if f"{base} tok/s" in row and f"{base} tok/s" in causal:
+                row["speed vs causal"] = row[f"{base} tok/s"] / causal[f"{base} tok/s"]
+                row["memory vs causal"] = row[f"{base} peak MB"] / max(causal[f"{base} peak MB"], 1e-9)
         print(f"  length {length} done ({time.perf_counter() - start:.0f}s)", flush=True)
-    columns = ["length", "causal tok/s", "sliding tok/s", "speed sliding/causal", "causal peak MB", "sliding peak MB", "memory sliding/causal"]
-    print(f"\nTraining throughput, d_model 256, 4 layers, 4 heads, {TOKENS_PER_STEP} tokens/step, sliding window {WINDOW}")
+    columns = ["length", "kind"]
+    columns += [f"{p} tok/s" for p in precisions] + [f"speed {p}/{base}" for p in precisions[1:]]
+    columns += [f"{p} peak MB" for p in precisions]
+    columns += ["speed vs causal", "memory vs causal"] if "causal" in kinds and len(kinds) > 1 else []
+    columns += [c for c in sorted({k for r in rows for k in r}) if c.endswith(" error")]
+    print(
+        f"\nTraining throughput, d_model 256, 4 layers, 4 heads, {TOKENS_PER_STEP} tokens/step, "
+        f"window {WINDOW}, {torch.get_num_threads()} threads"
+    )
     print(format_table(rows, columns))
-    write_json(args.json, {"benchmark": "train_throughput", "machine": machine_description(), "rows": rows})
+    for precision in precisions[1:]:
+        ratios = []
+        for kind in kinds:
+            found = [r[f"speed {precision}/{base}"] for r in rows if r["kind"] == kind and f"speed {precision}/{base}" in r]
+            if found:
+                ratios.append(f"{kind} {math.exp(sum(map(math.log, found)) / len(found)):.2f}x")
+        print(f"speed {precision}/{base} by kind (geometric mean over lengths): {', '.join(ratios) or '-'}")
+    return rows
+
+
+def loss_curves(kinds: list[str], precisions: list[str], steps: int, seeds: int) -> list[dict]:
+    from farsight.data.token_files import prepare_corpus
+
+    base = precisions[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "tokens"
+        prepare_corpus([str(Path(sysconfig.get_paths()["stdlib"]) / "email")], "byte", data, val_fraction=0.1, progress=False)
+        for kind in kinds:
+            for seed in range(seeds):
+                row: dict = {"kind": kind, "seed": seed}
+                for precision in precisions:
+                    case = {"kind": kind, "precision": precision, "seed": seed, "steps": steps, "data": str(data)}
+                    result = run_isolated(_loss_case, case | {"out_dir": f"{tmp}/{kind}-{precision}-{seed}"})
+                    if "error" in result:
+                        row[f"{precision} error"] = result["error"]
+                        continue
+                    row |= {f"{precision} {key}": value for key, value in result.items()}
+                rows.append(row)
+    columns = ["kind", "seed"] + [f"{p} {key}" for key in ("train_loss", "val_loss", "seconds") for p in precisions]
+    columns += [c for c in sorted({k for r in rows for k in r}) if c.endswith(" error")]
+    print(
+        f"\nLoss after {steps} steps (train: mean of the last 10 steps; val: 8 held-out batches), "
+        "d_model 64, 2 layers, 1024 tokens/step"
+    )
+    print(format_table(rows, columns))
+    for kind in kinds:
+        for precision in precisions[1:]:
+            pairs = [r for r in rows if r["kind"] == kind and f"{precision} val_loss" in r and f"{base} val_loss" in r]
+            if pairs:
+                gaps = [r[f"{precision} val_loss"] - r[f"{base} val_loss"] for r in pairs]
+                spread = [r[f"{base} val_loss"] for r in pairs]
+                print(
+                    f"{kind}: val loss {precision} - {base} over {len(pairs)} seeds: mean {sum(gaps) / len(gaps):+.4f} "
+                    f"(each: {', '.join(f'{g:+.4f}' for g in gaps)}); "
+                    f"{base} val loss across seeds {min(spread):.4f}-{max(spread):.4f}"
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="two short lengths, one timed step")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated model kinds (default: {','.join(KINDS)})")
+    parser.add_argument(
+        "--precisions",
+        default="fp32,bf16-mixed",
+        help=f"comma-separated, the first is the reference of the ratios (default: fp32,bf16-mixed; any of {','.join(PRECISIONS)})",
+    )
+    parser.add_argument(
+        "--loss-steps", type=int, default=0, metavar="N", help="instead of timing, compare the losses after N training steps"
+    )
+    parser.add_argument("--seeds", type=int, default=3, help="with --loss-steps: train seeds 0..N-1 (default 3)")
+    parser.add_argument("--json", help="write the figures as JSON")
+    args = parser.parse_args()
+    kinds = _names(args.kinds, KINDS, "kinds")
+    precisions = _names(args.precisions, PRECISIONS, "precisions")
+    payload = {"benchmark": "train_throughput", "machine": machine_description()}
+    if args.loss_steps > 0:
+        payload["loss_rows"] = loss_curves(kinds, precisions, args.loss_steps, args.seeds)
+    else:
+        payload["rows"] = throughput(kinds, precisions, args.quick)
+    write_json(args.json, payload)
 
 
 if __name__ == "__main__":

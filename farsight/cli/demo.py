@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from farsight.cli.arguments import (
+    add_dtype_argument,
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
@@ -25,6 +26,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_needle_grid_arguments(demo, lengths="1k,4k,16k,64k,256k,1m", trials=2, long_trials=1)
     demo.add_argument("--batch-size", type=int, default=2)
     add_memory_argument(demo)
+    add_dtype_argument(demo)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="demo-results", help="directory for passkey.json and passkey-heatmap.png")
     demo.set_defaults(func=_demo)
@@ -40,7 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
     from farsight.eval.plots import needle_heatmap
 
     start = time.perf_counter()
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     corpus = Path(args.corpus)
     if not (corpus / "meta.json").is_file():
         from farsight.data.token_files import prepare_corpus
@@ -55,7 +57,9 @@ def _demo(args: argparse.Namespace) -> int:
         f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}"
         + (f", chunk size {trained}" if trained else "")
     )
-    summary = evaluate_needle_task(model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, batch_size=args.batch_size)
+    summary = evaluate_needle_task(
+        model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, kv_dtype=args.kv_dtype, batch_size=args.batch_size
+    )
     print(results_table(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import argparse
 
 from farsight.cli.arguments import (
     add_json_output_argument,
+    add_dtype_argument,
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
@@ -36,6 +37,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ppl.add_argument("--windows", type=int, default=8, help="windows per length")
     ppl.add_argument("--batch-size", type=int, default=4)
     add_memory_argument(ppl)
+    add_dtype_argument(ppl)
     ppl.add_argument("--seed", type=int, default=0)
     add_json_output_argument(ppl)
     ppl.add_argument("--plot", help="write perplexity vs length as a PNG")
@@ -90,6 +92,7 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--align", type=int, default=None, help="chunk alignment of the question (default: the model's chunk size)")
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
+    add_dtype_argument(needle)
     needle.add_argument("--seed", type=int, default=0)
     needle.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
     add_json_output_argument(needle)
@@ -118,15 +121,15 @@ def _needle(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, results_table
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
     task = make_task(args.task, tokenizer, filler, align, **_task_options(args.task_option))
     lengths, depths, trials = needle_grid(args)
     summary = evaluate_needle_task(
-        model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory
+        model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory, kv_dtype=args.kv_dtype
     )
-    summary.update(model=str(args.model), align=align, filler=args.filler, corpus=args.corpus, split=args.split)
+    summary.update(model=str(args.model), dtype=args.dtype, kv_dtype=args.kv_dtype, align=align, filler=args.filler, corpus=args.corpus, split=args.split)
     print(results_table(summary))
     write_json(args.out, summary)
     if args.plot:
@@ -146,13 +149,15 @@ def _perplexity(args: argparse.Namespace) -> int:
     lengths = parse_list(args.lengths, parse_length, "--lengths", "lengths")
     results, series = {}, {}
     for path in args.model:
-        model, _ = load_model_and_tokenizer(path)
-        out = evaluate_perplexity(model, split, lengths, args.windows, args.batch_size, args.seed, memory=args.memory)
+        model, _ = load_model_and_tokenizer(path, args.dtype)
+        out = evaluate_perplexity(
+            model, split, lengths, args.windows, args.batch_size, args.seed, memory=args.memory, kv_dtype=args.kv_dtype
+        )
         results[path] = out
         series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
     rows = [{"length": format_length(n), **{p: series[p][n] for p in args.model}} for n in lengths]
     print(format_table(rows, ["length", *args.model]))
-    write_json(args.out, {"corpus": args.corpus, "split": args.split, "results": results})
+    write_json(args.out, {"corpus": args.corpus, "split": args.split, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "results": results})
     if args.plot:
         from farsight.eval.plots import curves
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from farsight.cli.arguments import add_model_argument, load_model_and_tokenizer
+from farsight.cli.arguments import add_dtype_argument, add_model_argument, load_model_and_tokenizer
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     generate = commands.add_parser("generate", help="sample text from a trained model", description="Sample text from a trained model.")
     add_model_argument(generate)
+    add_dtype_argument(generate)
     generate.add_argument("--prompt", default="", help="text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument("--temperature", type=float, default=0.8, help="0 decodes greedily")
@@ -31,7 +32,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if ids.shape[1] == 0:
         ids = torch.tensor([[tokenizer.bos_id]])

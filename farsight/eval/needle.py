@@ -82,6 +82,7 @@ def evaluate_needle_task(
     seed: int = 0,
     batch_size: int = 1,
     memory: str = "device",
+    kv_dtype: str | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the grid; returns {"trials": [...], "by_length": {...}, "by_cell": {...}, timing}.
@@ -114,7 +115,7 @@ def evaluate_needle_task(
                     if int(prompt.max()) >= decode_tokens:
                         raise InputError("the task's tokenizer does not match the model's vocabulary")
                     t0 = time.perf_counter()
-                    with model.new_session(batch_size=len(batch), memory=memory) as session:
+                    with model.new_session(batch_size=len(batch), memory=memory, kv_dtype=kv_dtype) as session:
                         predicted = greedy_continuation(session, prompt, answer_len, on_tokens=lambda n: bar.update(n * len(batch)))
                         predicted = predicted.cpu().numpy()
                         retrieved = session.retrieved_chunks()

@@ -37,10 +37,10 @@ def draw_windows(split: Any, length: int, count: int, seed: int) -> tuple[np.nda
     return np.stack(windows), source
 
 
-def window_nll(model: Any, windows: torch.Tensor, block: int, memory: str) -> torch.Tensor:
+def window_nll(model: Any, windows: torch.Tensor, block: int, memory: str, kv_dtype: str | None = None) -> torch.Tensor:
     """Mean next-token NLL (nats) of each window [B, L] -> [B]."""
     total = torch.zeros(windows.shape[0], dtype=torch.float64)
-    with model.new_session(batch_size=windows.shape[0], memory=memory) as session:
+    with model.new_session(batch_size=windows.shape[0], memory=memory, kv_dtype=kv_dtype) as session:
         session.prefill(windows[:, :1])
         for start in range(1, windows.shape[1], block):
             total -= session.score(windows[:, start : start + block]).sum(1).double().cpu()
@@ -57,6 +57,7 @@ def evaluate_perplexity(
     block: int = 2048,
     memory: str = "device",
     progress: bool = True,
+    kv_dtype: str | None = None,
 ) -> dict[str, Any]:
     device = next(model.parameters()).device
     results = {}
@@ -66,7 +67,7 @@ def evaluate_perplexity(
         data, source = draw_windows(split, length, windows, seed)
         nll = []
         for start in range(0, windows, batch_size):
-            nll.append(window_nll(model, torch.from_numpy(data[start : start + batch_size]).to(device), block, memory))
+            nll.append(window_nll(model, torch.from_numpy(data[start : start + batch_size]).to(device), block, memory, kv_dtype))
             bar.update(min(batch_size, windows - start))
         values = torch.cat(nll)
         mean = float(values.mean())

@@ -70,11 +70,12 @@ class CastleAttention(nn.Module):
         elif cache.state is None and t > 1:
             o, cache.state = castle_prefill(*self._project(x, 0), window=self.window, layer=id(self))
         else:
-            if cache.state is None:
-                cache.state = CastleCache.empty(
-                    b, self.n_heads, self.head_dim, dtype=x.dtype, device=x.device, window=self.window, layer=id(self)
-                )
             inputs = self._project(x, cache.length)
+            if cache.state is None:
+                # the projections' dtype, not x's: under autocast they are bf16/fp16 while x is fp32
+                cache.state = CastleCache.empty(
+                    b, self.n_heads, self.head_dim, dtype=inputs[0].dtype, device=x.device, window=self.window, layer=id(self)
+                )
             # a block after a prefix is decoded token by token (Algorithm 5 per step)
             steps = []
             for i in range(t):

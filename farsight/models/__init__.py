@@ -1,19 +1,21 @@
 """Configs and whole models, their inference sessions, caches and model directories."""
 
-from farsight.models.chunk_memory import MEMORY_TIERS
+from farsight.models.chunk_memory import KV_DTYPES, MEMORY_TIERS
 from farsight.models.drt import DRTConfig, DRTForCausalLM
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import RetrievalInfo
 from farsight.models.generation import generate, sample_next_token
 from farsight.models.io import CONFIG_FILE, WEIGHTS_FILE, load_weights, read_model_meta, resolve_model_dir
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss
+from farsight.models.lm import MODEL_DTYPES, CausalLMOutput, PretrainedLM, causal_lm_loss
 from farsight.models.registry import MODEL_TYPES, build_model, load_model
 from farsight.models.session import Session
 from farsight.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerSession
 
 __all__ = [
     "CONFIG_FILE",
+    "KV_DTYPES",
     "MEMORY_TIERS",
+    "MODEL_DTYPES",
     "MODEL_TYPES",
     "WEIGHTS_FILE",
     "CausalLMOutput",

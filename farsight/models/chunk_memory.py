@@ -37,6 +37,7 @@ from farsight.errors import FarsightError, InputError
 from farsight.ops.buffers import GrowingBuffer
 
 MEMORY_TIERS = ("device", "host", "disk")  # what a user picks; "graph" is the training forward's
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class KVStore(Protocol):
@@ -249,20 +250,41 @@ STORES: dict[str, Callable[[torch.device, str | os.PathLike | None], KVStore]] =
 }
 
 
+def resolve_kv_dtype(kv_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """None (keep the compute dtype), a floating torch.dtype, or one of KV_DTYPES' names."""
+    if kv_dtype is None or kv_dtype in KV_DTYPES.values():
+        return kv_dtype
+    if kv_dtype in KV_DTYPES:
+        return KV_DTYPES[kv_dtype]
+    raise InputError(f"kv_dtype={kv_dtype!r} is not a storage dtype; choose one of {list(KV_DTYPES)} (or None: the model's)")
+
+
 class ChunkMemory:
     """Landmark keys on the compute device plus the chunks' K/V in a store (see the module docstring).
 
     In the graph tier the landmark keys stay autograd tensors (one block per forward); in the
-    others they grow in one buffer that retrieval scans without copying.
+    others they grow in one buffer that retrieval scans without copying. `kv_dtype` stores the
+    K/V rows in another dtype than the model computes in (bf16/fp16 halve an fp32 model's
+    memory on every tier); they are cast back when retrieved. Landmark keys keep the compute
+    dtype: they decide the top-k.
     """
 
-    def __init__(self, tier: str, device: torch.device, path: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        tier: str,
+        device: torch.device,
+        path: str | os.PathLike | None = None,
+        kv_dtype: torch.dtype | str | None = None,
+    ) -> None:
         if tier not in STORES:
             raise InputError(f"memory={tier!r} is not a tier; choose one of {list(MEMORY_TIERS)}")
         if path is not None and tier != "disk":
             raise InputError(f"path is only used by memory='disk', not memory={tier!r}")
         self.tier = tier
         self.device = torch.device(device)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype)
+        if self.kv_dtype is not None and tier == "graph":
+            raise InputError("kv_dtype is for the inference tiers; the training forward keeps K/V in the autograd graph")
         self.store: KVStore = STORES[tier](self.device, path)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
@@ -286,7 +308,8 @@ class ChunkMemory:
             self.store.append(k, v)
             self._graph_keys.append(landmark_keys)
         else:
-            self.store.append(k.detach(), v.detach())
+            dtype = self.kv_dtype or k.dtype
+            self.store.append(k.detach().to(dtype), v.detach().to(dtype))
             self._keys.append(landmark_keys.detach().to(self.device))
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

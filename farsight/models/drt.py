@@ -196,7 +196,10 @@ class GroupedCrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, span: Span, chunks: FetchedChunks) -> torch.Tensor:
         b, length, _ = x.shape
         q = span.to_grid(self.q(x).view(b, length, self.n_heads, self.head_dim))
-        o = gca(q, chunks.k, chunks.v, chunks.index, chunks.weight.to(x.dtype), softmax_one=self.softmax_one)
+        # weight stays fp32 (the op fuses the K per-chunk results in fp32); k, v come in the
+        # memory's storage dtype and compute in q's
+        k, v = chunks.k.to(q.dtype), chunks.v.to(q.dtype)
+        o = gca(q, k, v, chunks.index, chunks.weight, softmax_one=self.softmax_one)
         return self.out(span.from_grid(o).reshape(b, length, -1))
 
 
@@ -326,7 +329,8 @@ class DRTForCausalLM(PretrainedLM):
 
     def _empty_retrieval(self, h: torch.Tensor) -> CarriedRetrieval:
         k = self.config.top_k
-        return CarriedRetrieval(torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device), h.new_zeros(h.shape[0], k))
+        empty = torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device)
+        return CarriedRetrieval(empty, torch.zeros(h.shape[0], k, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device))
 
     def _retrieve(self, group: int, h: torch.Tensor, span: Span, carried: CarriedRetrieval, memory: ChunkMemory) -> Retrieval:
         """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
@@ -336,7 +340,11 @@ class DRTForCausalLM(PretrainedLM):
         if len(offsets):
             query = self.query_proj[group](self.query_norms[group](h[:, offsets.to(h.device)]))  # [B, m, D]
             keys = memory.landmark_keys()  # [B, n_mem, D]
-            scores = torch.einsum("bmd,bnd->bmn", query / math.sqrt(self.config.d_model), keys)
+            # scores in fp32 (fp64 for fp64 models) whatever the compute dtype: bf16 scores tie
+            # often enough to change the top-k, and fp16 cannot hold the masks' finite stand-ins
+            dtype = torch.promote_types(query.dtype, torch.float32)
+            with torch.autocast(h.device.type, enabled=False):
+                scores = torch.einsum("bmd,bnd->bmn", query.to(dtype) / math.sqrt(self.config.d_model), keys.to(dtype))
             # chunk first_chunk + i may only retrieve chunks < first_chunk + i: only the columns of
             # this span's own chunks need a mask (an upper triangle); earlier chunks all qualify
             own = scores[:, :, first_chunk:]
@@ -439,7 +447,9 @@ class DRTForCausalLM(PretrainedLM):
         path: str | os.PathLike | None = None,
         segment_chunks: int = 64,
         record_retrieval: bool = False,
+        kv_dtype: torch.dtype | str | None = None,
     ) -> DRTSession:
         """A streaming session (farsight.models.drt_session.DRTSession): chunk memory in `memory`
-        ("device", "host" or "disk" at `path`), long inputs run `segment_chunks` chunks per span."""
-        return DRTSession(self, batch_size, memory, path, segment_chunks, record_retrieval)
+        ("device", "host" or "disk" at `path`) with K/V stored in `kv_dtype` (default: the
+        compute dtype), long inputs run `segment_chunks` chunks per span."""
+        return DRTSession(self, batch_size, memory, path, segment_chunks, record_retrieval, kv_dtype)

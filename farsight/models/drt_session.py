@@ -28,7 +28,8 @@ class DRTSession(Session):
     landmark slots never reach the caller.
 
     memory: "device", "host" (RAM, pinned on CUDA) or "disk" (a file at `path`, a temporary file
-    by default). segment_chunks: chunks per span when a long input is processed (speed vs peak
+    by default). kv_dtype: storage dtype of the chunk K/V ("fp32", "bf16", "fp16" or a torch
+    dtype; default the model's compute dtype). segment_chunks: chunks per span when a long input is processed (speed vs peak
     activation memory). record_retrieval keeps every retrieval made (see RetrievalInfo).
     """
 
@@ -40,13 +41,14 @@ class DRTSession(Session):
         path: str | os.PathLike | None = None,
         segment_chunks: int = 64,
         record_retrieval: bool = False,
+        kv_dtype: torch.dtype | str | None = None,
     ) -> None:
         if not isinstance(segment_chunks, int) or segment_chunks < 1:
             raise InputError(f"segment_chunks must be an integer >= 1, got {segment_chunks!r}")
         super().__init__(model, batch_size)
         self.config = model.config
         self.segment_slots = segment_chunks * model.slots_per_chunk
-        self.memory = ChunkMemory(memory, self.device, path)
+        self.memory = ChunkMemory(memory, self.device, path, kv_dtype)
         self.state = DRTState(
             memory=self.memory,
             caches=[SlidingKVCache(self.config.window) for _ in model.layers()],

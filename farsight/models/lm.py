@@ -17,6 +17,7 @@ from farsight.errors import InputError, ModelFileError
 from farsight.models.io import load_weights, read_model_meta, resolve_model_dir, write_model_dir
 from farsight.models.session import Session
 
+MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what a model can run in
 
 @dataclass
 class CausalLMOutput:

@@ -127,23 +127,26 @@ class TransformerForCausalLM(PretrainedLM):
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def new_session(self, batch_size: int = 1, memory: str = "device", path: Any = None, block: int = 2048) -> TransformerSession:
+    def new_session(
+        self, batch_size: int = 1, memory: str = "device", path: Any = None, block: int = 2048, kv_dtype: Any = None
+    ) -> TransformerSession:
         """A decoding session over the attention kind's caches (KV, rolling KV or UQ-KV).
 
         block: prompt tokens per forward call (bounds the [block, context] attention scores of a
-        long prompt). memory/path exist for the protocol's sake: caches live on the model's device.
+        long prompt). memory/path/kv_dtype select DRT's chunk memory and are accepted here only at
+        their defaults, so that an evaluation can open any model's session the same way.
         """
-        return TransformerSession(self, batch_size, memory, path, block)
+        return TransformerSession(self, batch_size, memory, path, block, kv_dtype)
 
 
 class TransformerSession(Session):
     """Feeds tokens through each layer's cache, `block` tokens per forward call."""
 
-    def __init__(self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int) -> None:
-        if memory != "device" or path is not None:
+    def __init__(self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int, kv_dtype: Any) -> None:
+        if memory != "device" or path is not None or kv_dtype is not None:
             raise InputError(
-                f"memory={memory!r}/path select DRT's chunk-memory tier; a {model.config.attention!r} transformer "
-                "keeps its caches on the model's device: leave memory='device' and no path"
+                f"memory={memory!r}/path/kv_dtype select DRT's chunk-memory tier; a {model.config.attention!r} transformer "
+                "keeps its caches on the model's device in its dtype: leave memory='device', no path, no kv_dtype"
             )
         if not isinstance(block, int) or block < 1:
             raise InputError(f"block must be an integer >= 1, got {block!r}")

@@ -12,6 +12,7 @@ from farsight.config import ConfigBase, ConfigError, require
 from farsight.errors import MissingFileError
 
 SECTIONS = ("model", "data", "optim", "train")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class RunConfig(ConfigBase):
 
     init_from: a model directory or training run whose weights start a fresh run (fine-tuning,
     as in the DRT paper's Appendix D); the architecture must match. A resumed run ignores it.
+    precision: fp32, bf16-mixed, fp16-mixed, bf16 or auto (farsight.train.precision).
     """
 
     steps: int = 1000
@@ -54,6 +56,7 @@ class RunConfig(ConfigBase):
     checkpoint_interval: int = 200
     keep_last: int = 3
     device: str = "auto"
+    precision: str = "auto"
     distributed: str = "ddp"
     tensorboard: bool = False
     progress: bool = True
@@ -64,6 +67,10 @@ class RunConfig(ConfigBase):
             value = getattr(self, name)
             require(value >= 1, f"train.{name} must be >= 1, got {value}")
         require(self.eval_batches >= 0, f"train.eval_batches must be >= 0, got {self.eval_batches}")
+        require(
+            self.precision in PRECISIONS,
+            f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+        )
         require(self.distributed in ("ddp", "fsdp"), f"train.distributed must be 'ddp' or 'fsdp', got {self.distributed!r}")
         require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
@@ -134,4 +141,4 @@ def dump_train_config(config: TrainConfig, path: Path) -> None:
     path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
-__all__ = ["OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config"]
+__all__ = ["PRECISIONS", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config"]

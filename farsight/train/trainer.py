@@ -1,9 +1,10 @@
 """The training loop behind `farsight train CONFIG.yaml`.
 
 AdamW (decay on matrices only), linear warmup + cosine decay to min_lr, gradient clipping and
-accumulation, bf16 autocast on CUDA (fp32 on CPU), torchrun DDP/FSDP, atomic checkpoints that
-resume to the bit-identical loss curve, graceful Ctrl-C/SIGTERM, and a stop with a clear
-message on a non-finite loss.
+accumulation, fp32 / bf16-mixed / fp16-mixed (loss-scaled) / pure bf16 precision
+(farsight.train.precision), torchrun DDP/FSDP, atomic checkpoints that resume to the
+bit-identical loss curve, graceful Ctrl-C/SIGTERM, and a stop with a clear message on a
+non-finite loss.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
 from farsight.train.config import TrainConfig, dump_train_config
+from farsight.train.precision import resolve_precision, slow_precision_note
+
+# Under fp16-mixed an overflowing step is skipped and the loss scale halved; gradients that
+# still overflow below this scale are not an fp16 range problem, and the run stops as diverged.
+MIN_LOSS_SCALE = 1.0
 
 
 class TrainingDiverged(FarsightError, RuntimeError):
@@ -115,6 +121,7 @@ class Trainer:
         self.device = resolve_device(run.device, self.ctx.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.precision = resolve_precision(run.precision, self.device)
         torch.manual_seed(run.seed)
         np.random.seed(run.seed)
         random.seed(run.seed)
@@ -123,6 +130,7 @@ class Trainer:
         self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
         if run.init_from:
             self._init_weights(run.init_from)
+        self.precision.cast_parameters(self.model)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
@@ -137,11 +145,10 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_at(s, opt.lr, opt.min_lr, opt.warmup_steps, run.steps) / opt.lr
         )
-        self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
-        )
+        self.scaler = self.precision.grad_scaler(self.device)
         self.step = 0
         self.tokens_seen = 0
+        self.skipped_steps = 0
 
     def _init_weights(self, source: str) -> None:
         """Start from the weights of another run or model directory (a resume overrides them)."""
@@ -178,6 +185,9 @@ class Trainer:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
+            "precision": self.precision.name,
+            "skipped_steps": self.skipped_steps,
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_state(self.device),
@@ -231,9 +241,16 @@ class Trainer:
             load_model(self.model, path / "model.safetensors", device=str(self.device))
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # checkpoints written before train.precision existed lack the precision keys
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        previous = state.get("precision")
+        if previous not in (None, self.precision.name) and self.ctx.is_main:
+            print(f"{path} was trained in {previous}; continuing in {self.precision.name}")
         return True
 
     # ---- loop --------------------------------------------------------------------------------
@@ -246,12 +263,13 @@ class Trainer:
         total = 0.0
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
-            with self.autocast:
+            with self.precision.autocast(self.device):
                 total += float(self.model(**batch).loss)
         self.model.train()
         return float(dist_utils.all_reduce_mean(torch.tensor(total / n, device=self.device), self.ctx))
 
     def _train_step(self) -> tuple[float, float, int]:
+        """One optimizer step over grad_accum micro-batches: (loss, gradient norm, tokens)."""
         run = self.config.train
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
@@ -261,24 +279,38 @@ class Trainer:
             tokens += batch["input_ids"].numel()
             last = micro == run.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
-            with sync, self.autocast:
+            with sync, self.precision.autocast(self.device):
                 loss = self.wrapped(**batch).loss / run.grad_accum
-            loss.backward()
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         loss_value = float(dist_utils.all_reduce_mean(total, self.ctx))
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         clip = self.config.optim.grad_clip
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf")))
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        overflow_skips = self.scaler is not None and self.scaler.get_scale() >= MIN_LOSS_SCALE
+        if not (math.isfinite(loss_value) and (math.isfinite(grad_norm) or overflow_skips)):
             latest = self.latest_checkpoint()
             what = "loss" if not math.isfinite(loss_value) else "gradient norm"
+            fix = "Lower optim.lr, set optim.grad_clip, or check the data for bad tokens"
+            if self.scaler is not None:
+                fix += f" (the fp16 loss scale is down to {self.scaler.get_scale():g}; bf16-mixed has fp32's range)"
             raise TrainingDiverged(
                 f"{what} is {loss_value if what == 'loss' else grad_norm} at step {self.step + 1}; stopped without "
-                f"updating the weights. Last good checkpoint: {latest or 'none saved yet'}. "
-                "Lower optim.lr, set optim.grad_clip, or check the data for bad tokens."
+                f"updating the weights. Last good checkpoint: {latest or 'none saved yet'}. {fix}."
             )
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.scaler is None:
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)  # skipped when the gradients overflowed
+            self.scaler.update()
+            if self.scaler.get_scale() < scale:
+                self.skipped_steps += 1
+            else:
+                self.scheduler.step()
         self.step += 1
         return loss_value, grad_norm, tokens * self.ctx.world_size
 
@@ -293,8 +325,14 @@ class Trainer:
             shutil.rmtree(self.ckpt_root)
         dist_utils.barrier(self.ctx)
         resumed = resume and self.resume()
-        if resumed and self.ctx.is_main:
-            print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
+        if self.ctx.is_main:
+            if resumed:
+                print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
+            how = " (train.precision=auto)" if run.precision == "auto" else ""
+            print(f"training in {self.precision.name}{how} on {self.device}")
+            note = slow_precision_note(self.precision, self.device)
+            if note:
+                print(note)
         # a fresh run starts a fresh log; a resumed one continues it
         metrics = open(self.out_dir / "metrics.jsonl", "a" if resumed else "w") if self.ctx.is_main else None
         writer = self._tensorboard() if run.tensorboard and self.ctx.is_main else None
@@ -324,11 +362,14 @@ class Trainer:
                             "step": self.step,
                             "loss": loss,
                             "lr": self.scheduler.get_last_lr()[0],
-                            "grad_norm": grad_norm,
+                            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # None: a skipped fp16 step
                             "tokens": self.tokens_seen,
                             "tokens_per_s": rate,
                             "rss_mb": current_rss_bytes() / 2**20,
+                            "precision": self.precision.name,
                         }
+                        if self.scaler is not None:
+                            record |= {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
                         self._log(metrics, writer, record)
                         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
                         t_last, tokens_last = time.perf_counter(), 0
@@ -361,7 +402,7 @@ class Trainer:
         metrics.flush()
         if writer is not None:
             for key, value in record.items():
-                if key != "step":
+                if key != "step" and isinstance(value, (int, float)):
                     writer.add_scalar(key, value, record["step"])
 
     def _tensorboard(self) -> Any:

@@ -33,6 +33,7 @@ def tiny_config(token_dir, out_dir, **train):
             "eval_batches": 1,
             "checkpoint_interval": 1000,
             "progress": False,
+            "precision": "fp32",  # the same arithmetic on every machine ("auto" depends on the CPU)
             **train,
         },
     }

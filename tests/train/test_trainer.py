@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from farsight.config import ConfigError
 from farsight.models import load_model
@@ -47,10 +48,20 @@ def test_schedule_warmup_then_cosine_to_min():
     assert lr_at(12, 1.0, 0.1, 4, 20) == pytest.approx(0.55)
 
 
-def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path):
-    straight = train(tiny_config(token_dir, tmp_path / "a"))
+def _trainer(token_dir, out_dir, precision):
+    trainer = Trainer(tiny_config(token_dir, out_dir, precision=precision))
+    if precision == "fp16-mixed":
+        # a loss scale at the edge of fp16's range that grows after every good step: steps
+        # overflow and are skipped now and then, so a resume must restore the scaler's state
+        trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**23, growth_interval=1)
+    return trainer
 
-    trainer = Trainer(tiny_config(token_dir, tmp_path / "b"))
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp16-mixed"])
+def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path, precision):
+    straight = _trainer(token_dir, tmp_path / "a", precision).fit()
+
+    trainer = _trainer(token_dir, tmp_path / "b", precision)
     step = trainer._train_step
 
     def step_then_ctrl_c():
@@ -64,10 +75,19 @@ def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path):
     assert first.status == "interrupted" and first.step == 3
     assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [3]
 
-    resumed = train(tiny_config(token_dir, tmp_path / "b"))
+    resumed = train(tiny_config(token_dir, tmp_path / "b", precision=precision))
     assert resumed.status == "completed"
     losses = dict(first.losses) | dict(resumed.losses)
     assert losses == dict(straight.losses)  # exact equality, not approximate
+    weights = load_file(resumed.checkpoint / "model.safetensors")
+    expected = load_file(straight.checkpoint / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert tensor.dtype == torch.float32 and torch.equal(weights[name], tensor), name  # fp32 master weights
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    if precision == "fp16-mixed":
+        assert 0 < records[-1]["skipped_steps"] < 6 and any(r["grad_norm"] is None for r in records)
 
 
 def test_grad_accumulation_averages_micro_batch_gradients(token_dir, tmp_path):
