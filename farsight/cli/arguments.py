@@ -1,9 +1,12 @@
-"""What several commands share: the --model, --memory, JSON output and needle-grid arguments, and reading them."""
+"""What several commands share: the --model, --memory, JSON output, lengths and needle-grid
+arguments, reading them, and the checks every command runs on them before any work starts."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from farsight.errors import InputError
@@ -11,6 +14,7 @@ from farsight.errors import InputError
 T = TypeVar("T")
 
 MODEL_HELP = "model directory or training run directory"
+MAX_LENGTH = 64 << 20  # longer evaluation lengths need --allow-long: 1e9 is more likely a typo than a plan
 
 
 def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None = None, repeatable: bool = False) -> None:
@@ -63,9 +67,15 @@ def add_json_output_argument(parser: argparse.ArgumentParser, flag: str = "--out
     parser.add_argument(flag, help=f"write {what} as JSON")
 
 
+def add_lengths_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    """--lengths and --allow-long: the evaluation lengths, capped at MAX_LENGTH unless --allow-long."""
+    parser.add_argument("--lengths", default=default, help="comma-separated lengths, e.g. 1k,16k,1m (k = 1024)")
+    parser.add_argument("--allow-long", action="store_true", help="allow lengths above 64M tokens")
+
+
 def add_needle_grid_arguments(parser: argparse.ArgumentParser, *, lengths: str, trials: int, long_trials: int | None) -> None:
-    """--lengths, --depths, --trials and --long-trials: the length x depth grid of a needle evaluation."""
-    parser.add_argument("--lengths", default=lengths, help="comma-separated lengths, e.g. 1k,16k,1m (k = 1024)")
+    """--lengths, --allow-long, --depths, --trials and --long-trials: the length x depth grid of a needle evaluation."""
+    add_lengths_argument(parser, lengths)
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     parser.add_argument("--trials", type=int, default=trials, help="trials per (length, depth) cell")
     long_default = "--trials" if long_trials is None else "%(default)s"
@@ -82,13 +92,82 @@ def parse_list(text: str, convert: Callable[[str], T], option: str, what: str) -
         raise InputError(f"{option}={text!r} is not a comma-separated list of {what}: {exc}") from exc
 
 
-def needle_grid(args: argparse.Namespace) -> tuple[list[int], list[float], dict[int, int]]:
-    """The lengths, depths and trials per length that the needle-grid arguments ask for."""
-    from farsight.eval.needle import parse_length, trials_per_length
+def parse_lengths(args: argparse.Namespace, minimum: int = 1) -> list[int]:
+    """The --lengths asked for, each at least `minimum` and at most MAX_LENGTH unless --allow-long."""
+    from farsight.eval.needle import format_length, parse_length
 
     lengths = parse_list(args.lengths, parse_length, "--lengths", "lengths")
+    for length in lengths:
+        if length < minimum:
+            raise InputError(f"--lengths {length} is too short; this evaluation needs lengths of at least {minimum} tokens")
+        if length > MAX_LENGTH and not args.allow_long:
+            raise InputError(f"--lengths {length} is above {format_length(MAX_LENGTH)} tokens; pass --allow-long if you mean it")
+    return lengths
+
+
+def needle_grid(args: argparse.Namespace) -> tuple[list[int], list[float], dict[int, int]]:
+    """The lengths, depths and trials per length that the needle-grid arguments ask for."""
+    from farsight.eval.needle import trials_per_length
+
+    lengths = parse_lengths(args)
     depths = parse_list(args.depths, float, "--depths", "numbers")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise InputError(f"--depths {depth} is outside [0, 1]; a depth is the needle's position as a fraction of the haystack")
     return lengths, depths, trials_per_length(lengths, args.trials, args.long_trials)
+
+
+def check_at_least(args: argparse.Namespace, minimums: dict[str, int]) -> None:
+    """Each option (flag -> smallest allowed value) that was given must be at least its minimum."""
+    for flag, minimum in minimums.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and value < minimum:
+            raise InputError(f"{flag} must be at least {minimum}, got {value}")
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """The file `flag` names can be written: it is not a folder and its nearest existing folder is writable."""
+    if path is not None:
+        if Path(path).is_dir():
+            raise InputError(f"{flag} {path} is a folder; pass a file path")
+        _check_writable_folder(Path(path).parent, flag, path)
+
+
+def check_output_folder(path: str, flag: str) -> None:
+    """The folder `flag` names is, or can be made as, a writable folder."""
+    _check_writable_folder(Path(path), flag, path)
+
+
+def _check_writable_folder(folder: Path, flag: str, path: str) -> None:
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(f"{flag} {path} cannot be written: {existing} is not a folder; pass a path in a writable folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path} cannot be written: {existing} is not writable; pass a path in a writable folder")
+
+
+def model_tokenizer(path: str) -> Any:
+    """The tokenizer of the model or run directory `path`, without loading the model."""
+    from farsight.data.tokenizers import load_tokenizer
+    from farsight.models import resolve_model_dir
+
+    return load_tokenizer(resolve_model_dir(path))
+
+
+def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
+    """`split` of the prepared dataset `corpus`, insisting it was prepared with every model's tokenizer."""
+    from farsight.data.token_files import load_token_dataset
+
+    data = load_token_dataset(corpus, split)
+    for path in model_paths:
+        if model_tokenizer(path).to_spec() != data.tokenizer.to_spec():
+            raise InputError(
+                f"{corpus} was prepared with another tokenizer than the model {path}'s, so its scores would mean nothing; "
+                f"prepare it with `farsight data prepare --tokenizer {path} ...`"
+            )
+    return data
 
 
 def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from farsight.cli.arguments import check_output_folder
+
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
     data = commands.add_parser("data", help="prepare corpora as token files", description="Prepare corpora as token files.")
@@ -29,6 +31,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from farsight.data.token_files import prepare_corpus
     from farsight.data.tokenizers import load_tokenizer
 
+    check_output_folder(args.out, "--out")
     tokenizer = load_tokenizer(args.tokenizer)
     meta = prepare_corpus(args.source, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))

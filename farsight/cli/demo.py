@@ -9,9 +9,12 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
+    check_at_least,
+    check_output_folder,
     load_model_and_tokenizer,
     needle_grid,
 )
+from farsight.errors import UnsupportedModelError
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -40,22 +43,26 @@ def _demo(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, format_length, results_table
     from farsight.eval.plots import needle_heatmap
+    from farsight.models import DRTForCausalLM
 
     start = time.perf_counter()
+    check_output_folder(args.out, "--out")
+    check_at_least(args, {"--batch-size": 1})
+    lengths, depths, trials = needle_grid(args)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+    if not isinstance(model, DRTForCausalLM):
+        raise UnsupportedModelError(f"the demo shows a DRT's retrieval but {args.model} is a {type(model).__name__}; pass a DRT model directory")
     corpus = Path(args.corpus)
     if not (corpus / "meta.json").is_file():
         from farsight.data.token_files import prepare_corpus
 
         print(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
         prepare_corpus(["stdlib"], tokenizer, corpus)
-    lengths, depths, trials = needle_grid(args)
     task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), model.config.chunk_size)
-    trained = getattr(model.config, "chunk_size", None)
     print(
         f"passkey retrieval with {args.model} ({model.num_parameters() / 1e6:.2f}M parameters), "
-        f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}"
-        + (f", chunk size {trained}" if trained else "")
+        f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}, "
+        f"chunk size {model.config.chunk_size}"
     )
     summary = evaluate_needle_task(
         model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, kv_dtype=args.kv_dtype, batch_size=args.batch_size

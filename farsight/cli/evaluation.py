@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 
 from farsight.cli.arguments import (
-    add_json_output_argument,
     add_dtype_argument,
+    add_json_output_argument,
+    add_lengths_argument,
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
+    check_at_least,
+    check_output_file,
     load_model_and_tokenizer,
+    model_tokenizer,
     needle_grid,
+    open_corpus,
+    parse_lengths,
     parse_list,
 )
 from farsight.errors import InputError, MissingFileError
@@ -33,7 +39,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_model_argument(ppl, repeatable=True)
     ppl.add_argument("--corpus", required=True, help="prepared dataset")
     ppl.add_argument("--split", default="val")
-    ppl.add_argument("--lengths", default="1k,2k,4k,8k")
+    add_lengths_argument(ppl, "1k,2k,4k,8k")
     ppl.add_argument("--windows", type=int, default=8, help="windows per length")
     ppl.add_argument("--batch-size", type=int, default=4)
     add_memory_argument(ppl)
@@ -51,7 +57,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     source.add_argument("--text", help="a text file")
     source.add_argument("--corpus", help="a prepared dataset (with --document)")
     retrieval.add_argument("--split", default="val")
-    retrieval.add_argument("--document", type=int, default=0)
+    retrieval.add_argument("--document", type=int, default=0, help="document number in --split (from 0)")
     retrieval.add_argument("--chunks", help="comma-separated querying chunks to show (default: all)")
     retrieval.add_argument("--top", type=int, default=None, help="show only the N chunks with the most confident retrieval")
     retrieval.add_argument("--max-tokens", type=int, default=16384)
@@ -121,11 +127,15 @@ def _needle(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, results_table
 
+    check_output_file(args.out, "--out")
+    check_output_file(args.plot, "--plot")
+    check_at_least(args, {"--batch-size": 1, "--align": 1})
+    lengths, depths, trials = needle_grid(args)
+    options = _task_options(args.task_option)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
-    task = make_task(args.task, tokenizer, filler, align, **_task_options(args.task_option))
-    lengths, depths, trials = needle_grid(args)
+    task = make_task(args.task, tokenizer, filler, align, **options)
     summary = evaluate_needle_task(
         model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory, kv_dtype=args.kv_dtype
     )
@@ -140,13 +150,15 @@ def _needle(args: argparse.Namespace) -> int:
 
 
 def _perplexity(args: argparse.Namespace) -> int:
-    from farsight.data.token_files import load_token_dataset
     from farsight.eval.efficiency import format_table, write_json
-    from farsight.eval.needle import format_length, parse_length
-    from farsight.eval.perplexity import evaluate_perplexity
+    from farsight.eval.needle import format_length
+    from farsight.eval.perplexity import MIN_LENGTH, evaluate_perplexity
 
-    split = load_token_dataset(args.corpus, args.split)
-    lengths = parse_list(args.lengths, parse_length, "--lengths", "lengths")
+    check_output_file(args.out, "--out")
+    check_output_file(args.plot, "--plot")
+    check_at_least(args, {"--windows": 1, "--batch-size": 1})
+    lengths = parse_lengths(args, minimum=MIN_LENGTH)
+    split = open_corpus(args.corpus, args.split, args.model)
     results, series = {}, {}
     for path in args.model:
         model, _ = load_model_and_tokenizer(path, args.dtype)
@@ -173,21 +185,26 @@ def _retrieval(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.retrieval import format_retrieval, inspect_retrieval
 
-    model, tokenizer = load_model_and_tokenizer(args.model)
+    check_output_file(args.out, "--out")
+    check_at_least(args, {"--max-tokens": 1, "--top": 1, "--document": 0})
+    chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
+    tokenizer = model_tokenizer(args.model)
     if args.text:
         if not Path(args.text).is_file():
             raise MissingFileError(f"--text {args.text} does not exist; pass a text file")
         ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
     else:
-        from farsight.data.token_files import load_token_dataset
-
-        ids = load_token_dataset(args.corpus, args.split).document(args.document).tolist()
-        ids = [i for i in ids if i not in (tokenizer.eos_id, tokenizer.bos_id)]
+        data = open_corpus(args.corpus, args.split, [args.model])
+        if args.document >= data.num_documents:
+            raise InputError(
+                f"--document {args.document} does not exist: the {args.split} split of {args.corpus} has documents 0..{data.num_documents - 1}"
+            )
+        ids = [i for i in data.document(args.document).tolist() if i not in (tokenizer.eos_id, tokenizer.bos_id)]
     if len(ids) > args.max_tokens:
         print(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
         ids = ids[: args.max_tokens]
     ids = torch.tensor(ids, dtype=torch.long)
-    chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
+    model, _ = load_model_and_tokenizer(args.model)
     records = inspect_retrieval(model, ids, chunks)
     if args.top and chunks is None:
         records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[: args.top]
@@ -203,6 +220,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     from farsight.eval.needle import compare_summaries
 
+    check_output_file(args.plot, "--plot")
     labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.results]
     if len(labels) != len(args.results):
         raise InputError(f"--labels names {len(labels)} models for {len(args.results)} result files; give one label per file")
@@ -228,4 +246,5 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from farsight.eval.bench import run_benchmarks
 
+    check_output_file(args.json, "--json")
     return run_benchmarks(args.only.split(",") if args.only else None, quick=args.quick, json_path=args.json)

@@ -22,7 +22,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export",
         help="copy a model out of a training run",
-        description="Copy the model files of a run's newest checkpoint (or of a checkpoint directory) into a model directory.",
+        description=(
+            "Copy the model files of a run's newest checkpoint (or of a checkpoint directory) into a model directory, "
+            "with checksums.json: a source whose files differ from its checksums.json or whose weights are not finite "
+            "is refused (a source without one, from an older farsight, is exported with a warning and a new record)."
+        ),
     )
     export.add_argument("source", help="training run directory or checkpoint directory")
     export.add_argument("out", help="model directory to write")
@@ -51,18 +55,26 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    import json
     import shutil
     from pathlib import Path
 
     from farsight.data.tokenizers import TOKENIZER_FILENAME
+    from farsight.errors import ModelFileError
     from farsight.models import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_model_dir
+    from farsight.models.io import CHECKSUMS_FILE, write_checksums
 
     source = resolve_model_dir(args.source)
-    load_model(source)  # refuse to export a damaged checkpoint
+    load_model(source)  # refuse a damaged checkpoint: files against checksums.json, readable and finite weights
+    recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, out / name)
+    names = [name for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME) if (source / name).is_file()]
+    for name in names:
+        shutil.copyfile(source / name, out / name)
+    copied = write_checksums(out, names)
+    for name, entry in recorded.items():
+        if name in copied and copied[name] != entry:
+            raise ModelFileError(f"the copy {out / name} differs from {source / name}; check the disk under {out} and export again")
     print(f"exported {source} -> {out}")
     return 0

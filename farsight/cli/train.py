@@ -14,6 +14,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     train.add_argument("config", help="YAML file with sections model, data, optim, train")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100")
     train.add_argument("--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir")
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume even though optim, data, train.seed or train.grad_accum differ from the checkpoint's, with the new values",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     train.set_defaults(func=_train)
 
@@ -26,7 +31,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.no_progress:
         config.train.progress = False
     try:
-        result = train(config, resume=not args.restart)
+        result = train(config, resume=not args.restart, allow_config_change=args.allow_config_change)
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from farsight.data.documents import UNSPECIFIED_LICENSE, CorpusError, Document, Source
 from farsight.data.shakespeare import ShakespeareSource
 
@@ -51,7 +53,9 @@ class LocalTextSource(Source):
     """A text file, or every file under a folder (recursively) whose extension is in `extensions`.
 
     Each file is one document, read as UTF-8 with invalid bytes replaced. In a folder, hidden
-    files and folders (names starting with ".") and __pycache__ are skipped. The doc_id is the
+    files and folders (names starting with ".") and __pycache__ are skipped, and so, each with a
+    one-line note, are links to folders, dangling links, links to files outside the folder and
+    anything that is not a regular file (a FIFO would block the read). The doc_id is the
     path relative to the folder's parent, e.g. "notes/a/b.txt", so moving the folder elsewhere
     keeps the split.
     """
@@ -71,10 +75,19 @@ class LocalTextSource(Source):
         """The files this source reads, in document order."""
         if self.path.is_file():
             return [self.path]
+        if not self.path.is_dir():
+            raise CorpusError(f"{self.path} is neither a regular file nor a folder; pass a text file or a folder of them")
+        root = self.path.resolve()
         found: list[Path] = []
         for directory, subdirs, names in os.walk(self.path):
             subdirs[:] = sorted(name for name in subdirs if not name.startswith(".") and name != "__pycache__")
-            found.extend(Path(directory) / name for name in sorted(names) if not name.startswith(".") and Path(name).suffix.lower() in self.extensions)
+            for name in subdirs:
+                if (Path(directory) / name).is_symlink():
+                    _note(f"skipped {Path(directory) / name}: links to folders are not followed")
+            for name in sorted(names):
+                path = Path(directory) / name
+                if not name.startswith(".") and Path(name).suffix.lower() in self.extensions and _readable_inside(path, root):
+                    found.append(path)
         return found
 
     def __iter__(self) -> Iterator[Document]:
@@ -85,6 +98,25 @@ class LocalTextSource(Source):
         for path in files:
             doc_id = path.resolve().relative_to(base).as_posix()
             yield Document(doc_id=doc_id, text=_read_text(path), license=self.license)
+
+
+def _note(message: str) -> None:
+    # tqdm.write keeps the note on its own line while the tokenizing bar is drawn
+    tqdm.write(f"note: {message}", file=sys.stderr)
+
+
+def _readable_inside(path: Path, root: Path) -> bool:
+    """Whether `path` is a regular file (or a link to one) inside `root`; a note says why not."""
+    target = path.resolve()
+    if path.is_symlink() and not target.exists():
+        _note(f"skipped {path}: dangling link to {target}")
+    elif not target.is_relative_to(root):
+        _note(f"skipped {path}: it links to {target}, outside {root}")
+    elif not target.is_file():
+        _note(f"skipped {path}: not a regular file")
+    else:
+        return True
+    return False
 
 
 class JsonlSource(Source):

@@ -3,6 +3,7 @@ first-token accuracy (what the DRT authors' code scores), over a length x depth 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -46,7 +47,7 @@ def parse_length(text: str) -> int:
         value = float(number) * scale
     except ValueError:
         raise InputError(f"cannot read length {text!r}; use numbers like 1024, 16k or 1m") from None
-    if value < 1 or value != int(value):
+    if not math.isfinite(value) or value < 1 or value != int(value):
         raise InputError(f"length {text!r} must be a positive whole number of tokens")
     return int(value)
 
@@ -93,6 +94,8 @@ def evaluate_needle_task(
     `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the evidence
     (the passkey digits; both links of a 2-hop chain).
     """
+    if batch_size < 1:
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     decode_tokens = model.config.vocab_size
     results: list[TrialResult] = []
     # progress counts prompt tokens: a 1M-token trial moves the bar while it streams

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from farsight.errors import InputError
 from farsight.eval.needle import format_length
 
+MIN_LENGTH = 2  # a window's first token is context only: a 1-token window scores nothing
 
 def draw_windows(split: Any, length: int, count: int, seed: int) -> tuple[np.ndarray, str]:
     """[count, length] token windows and where they came from ("documents" or "concatenated")."""
@@ -59,6 +60,12 @@ def evaluate_perplexity(
     progress: bool = True,
     kv_dtype: str | None = None,
 ) -> dict[str, Any]:
+    too_short = [length for length in lengths if length < MIN_LENGTH]
+    if too_short:
+        raise InputError(f"lengths {too_short} are too short; perplexity needs windows of at least {MIN_LENGTH} tokens")
+    for name, value in (("windows", windows), ("batch_size", batch_size)):
+        if value < 1:
+            raise InputError(f"{name} must be >= 1, got {value}")
     device = next(model.parameters()).device
     results = {}
     bar = tqdm(total=len(lengths) * windows, unit="window", disable=not progress, dynamic_ncols=True, desc="ppl")

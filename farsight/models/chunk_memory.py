@@ -9,10 +9,14 @@ to a store picked from `STORES`:
 - "host":   pages of rows in RAM (pinned when the compute device is CUDA);
 - "disk":   a file of fixed-size records written with pwrite and read with pread, so neither
             the memory map nor the page cache counts towards the process's resident memory and
-            RAM stays flat however long the context grows.
+            RAM stays flat however long the context grows. A given `path` is created new (an
+            existing file or a symlink is refused unless `overwrite=True`, which still refuses
+            a symlink); by default the file is a temporary one in a farsight folder of the
+            system's temporary directory, named with the process id, removed on close, at exit
+            and on SIGTERM, and, if the process was killed, when a later process opens one.
 
-A store answers append(k, v) / gather(index) / nbytes() / close(). `gather(index)` returns only
-the chunks that the index names (the K·G chunks of a retrieval) with the index remapped into
+A store answers append(k, v) / gather(index) / nbytes() / truncate(n) / close(). `gather(index)`
+returns only the chunks that the index names (the K·G chunks of a retrieval) with the index remapped into
 them, which is what the GCA op takes; the graph store returns all chunks and the index as is
 (the op reads them in place, without a gathered copy in the graph). Pages are never copied when
 the memory grows (a doubling buffer would copy the whole memory, 1 GB at 1M tokens, in the
@@ -21,9 +25,13 @@ middle of a decode step, and briefly hold it twice).
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import os
+import re
+import signal
+import stat
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -50,6 +58,10 @@ class KVStore(Protocol):
     def nbytes(self) -> int:
         """Bytes of K/V stored."""
 
+    def truncate(self, n_chunks: int) -> None:
+        """Forget every chunk after the first n_chunks (undoes the appends of a failed session
+        call; the inference stores only)."""
+
     def close(self) -> None:
         """Release files or buffers; the store is unusable afterwards."""
 
@@ -57,7 +69,7 @@ class KVStore(Protocol):
 class GraphStore:
     """The training forward's chunks: plain tensors that stay in the autograd graph."""
 
-    def __init__(self, device: torch.device, path: None = None) -> None:
+    def __init__(self, device: torch.device, path: None = None, overwrite: bool = False) -> None:
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
 
@@ -116,12 +128,19 @@ class _PagedBuffer:
     def nbytes(self) -> int:
         return self.length * self.pages[0][:, :1].numel() * self.pages[0].element_size() if self.pages else 0
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows; pages that then hold none are dropped."""
+        kept = int((self.starts < length).sum())
+        self.pages = self.pages[:kept]
+        self.starts = self.starts[:kept]
+        self.length = min(self.length, length)
+
 
 class PagedStore:
     """K and V of each chunk stacked ([B, m, S, 2, H, d]) in pages on the compute device, or in
     RAM (`on_host`; pinned when computing on CUDA, so copies to the GPU are asynchronous)."""
 
-    def __init__(self, device: torch.device, path: None = None, on_host: bool = False) -> None:
+    def __init__(self, device: torch.device, path: None = None, overwrite: bool = False, on_host: bool = False) -> None:
         self.device = device
         self._on_host = on_host
         self._rows = self._new_rows()
@@ -142,6 +161,9 @@ class PagedStore:
     def nbytes(self) -> int:
         return self._rows.nbytes()
 
+    def truncate(self, n_chunks: int) -> None:
+        self._rows.truncate(n_chunks)
+
     def close(self) -> None:
         self._rows = self._new_rows()
 
@@ -160,28 +182,116 @@ class DiskMemoryError(FarsightError, OSError):
     """The disk tier cannot be created or written; what was written before stays valid."""
 
 
+_TEMP_NAME = re.compile(r"^chunks-(\d+)-.+\.kv$")  # chunks-<pid>-<random>.kv
+
+
+class _TempFiles:
+    """The default disk-tier files of this process: removed at exit and on SIGTERM (then the
+    handler in place before, or the default action, runs); files of dead processes are removed
+    when the next one starts."""
+
+    paths: set[Path] = set()
+    at_exit = False
+    on_sigterm = False
+    previous_sigterm: object = None
+
+    @classmethod
+    def folder(cls) -> Path:
+        """farsight's folder for them: per user, 0700, not a symlink."""
+        folder = Path(tempfile.gettempdir()) / f"farsight-{os.getuid()}"
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            info = os.lstat(folder)
+        except OSError as exc:
+            raise DiskMemoryError(exc.errno, f"cannot create {folder} for the disk tier ({exc.strerror}); pass path= to choose the file") from exc
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise DiskMemoryError(errno.EPERM, f"{folder} is not a private directory of this user; remove it or pass path= to choose the file")
+        return folder
+
+    @staticmethod
+    def _alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            pass
+        return True
+
+    @classmethod
+    def remove_orphans(cls, folder: Path) -> None:
+        """Remove the files of processes that no longer run and that no session holds (flock)."""
+        for entry in folder.iterdir():
+            match = _TEMP_NAME.match(entry.name)
+            if not match or cls._alive(int(match.group(1))):
+                continue
+            try:
+                fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                entry.unlink(missing_ok=True)
+            except BlockingIOError:
+                pass
+            finally:
+                os.close(fd)
+
+    @classmethod
+    def add(cls, path: Path) -> None:
+        cls.paths.add(path)
+        if not cls.at_exit:
+            atexit.register(cls.remove_all)
+            cls.at_exit = True
+        if not cls.on_sigterm:
+            try:
+                cls.previous_sigterm = signal.signal(signal.SIGTERM, cls._on_sigterm)
+            except ValueError:  # not the main thread: if SIGTERM kills the process, the next one removes the file
+                return
+            cls.on_sigterm = True
+
+    @classmethod
+    def remove_all(cls) -> None:
+        """Remove this process's files (not those a forked parent registered)."""
+        for path in list(cls.paths):
+            match = _TEMP_NAME.match(path.name)
+            if match and int(match.group(1)) == os.getpid():
+                path.unlink(missing_ok=True)
+                cls.paths.discard(path)
+
+    @classmethod
+    def _on_sigterm(cls, signum: int, frame: object) -> None:
+        cls.remove_all()
+        previous = cls.previous_sigterm
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
 class FileStore:
     """K/V records in a file: chunk c occupies bytes [c * record, (c + 1) * record).
 
     The file is locked (flock) so that two sessions cannot share it. A chunk only counts as
     stored once its whole record is written; a failed write (disk full) raises DiskMemoryError,
-    truncates the partial record away and leaves the earlier chunks readable.
+    truncates the partial record away and leaves the earlier chunks readable. A given `path`
+    must not exist (or pass overwrite=True) and must not be a symlink; without one, the file is
+    a temporary one (see the module docstring).
     """
 
-    def __init__(self, device: torch.device, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, device: torch.device, path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
         self.device = device
         self._owned = path is None
         if path is None:
-            fd, name = tempfile.mkstemp(prefix="farsight-chunks-", suffix=".kv")
-            os.close(fd)
-            path = name
-        self.path = Path(path)
-        if self.path.is_dir():
-            raise DiskMemoryError(errno.EISDIR, f"disk memory path {self.path} is a directory; give a file path")
-        try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise DiskMemoryError(exc.errno, f"cannot open {self.path} for writing ({exc.strerror}); choose a writable path") from exc
+            folder = _TempFiles.folder()
+            _TempFiles.remove_orphans(folder)
+            self._fd, name = tempfile.mkstemp(prefix=f"chunks-{os.getpid()}-", suffix=".kv", dir=folder)
+            self.path = Path(name)
+            _TempFiles.add(self.path)
+        else:
+            self.path = Path(path)
+            self._fd = self._open(overwrite)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -193,6 +303,33 @@ class FileStore:
         self._dtype: np.dtype | None = None
         self._torch_dtype: torch.dtype | None = None
         self._stored = 0
+
+    def _open(self, overwrite: bool) -> int:
+        """Open the given path: a new file, or an existing regular one with overwrite=True."""
+        if self.path.is_symlink():
+            raise DiskMemoryError(errno.ELOOP, f"disk memory path {self.path} is a symlink; give the path of a regular file")
+        if self.path.is_dir():
+            raise DiskMemoryError(errno.EISDIR, f"disk memory path {self.path} is a directory; give a file path")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if overwrite else os.O_EXCL)
+        try:
+            return os.open(self.path, flags, 0o600)
+        except FileExistsError:
+            raise DiskMemoryError(errno.EEXIST, self._exists_message()) from None
+        except OSError as exc:
+            raise DiskMemoryError(exc.errno, f"cannot open {self.path} for writing ({exc.strerror}); choose a writable path") from exc
+
+    def _exists_message(self) -> str:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return f"disk memory path {self.path} already exists; choose a new path"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"{self.path} is in use by another session; give each session its own path"
+        finally:
+            os.close(fd)
+        return f"disk memory path {self.path} already exists; choose a new path, or pass overwrite=True to replace it"
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         kv = torch.stack([k, v], dim=3).transpose(0, 1).contiguous().cpu()  # [m, B, S, 2, H, d]
@@ -234,15 +371,21 @@ class FileStore:
     def nbytes(self) -> int:
         return self._stored * (self._record or 0)
 
+    def truncate(self, n_chunks: int) -> None:
+        if n_chunks < self._stored:
+            os.ftruncate(self._fd, n_chunks * self._record)
+            self._stored = n_chunks
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
             if self._owned:
                 self.path.unlink(missing_ok=True)
+                _TempFiles.paths.discard(self.path)
 
 
-STORES: dict[str, Callable[[torch.device, str | os.PathLike | None], KVStore]] = {
+STORES: dict[str, Callable[[torch.device, str | os.PathLike | None, bool], KVStore]] = {
     "graph": GraphStore,
     "device": PagedStore,
     "host": partial(PagedStore, on_host=True),
@@ -266,7 +409,7 @@ class ChunkMemory:
     others they grow in one buffer that retrieval scans without copying. `kv_dtype` stores the
     K/V rows in another dtype than the model computes in (bf16/fp16 halve an fp32 model's
     memory on every tier); they are cast back when retrieved. Landmark keys keep the compute
-    dtype: they decide the top-k.
+    dtype: they decide the top-k. `path` and `overwrite` choose the disk tier's file.
     """
 
     def __init__(
@@ -275,17 +418,18 @@ class ChunkMemory:
         device: torch.device,
         path: str | os.PathLike | None = None,
         kv_dtype: torch.dtype | str | None = None,
+        overwrite: bool = False,
     ) -> None:
         if tier not in STORES:
             raise InputError(f"memory={tier!r} is not a tier; choose one of {list(MEMORY_TIERS)}")
-        if path is not None and tier != "disk":
-            raise InputError(f"path is only used by memory='disk', not memory={tier!r}")
+        if (path is not None or overwrite) and tier != "disk":
+            raise InputError(f"path and overwrite are only used by memory='disk', not memory={tier!r}")
         self.tier = tier
         self.device = torch.device(device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype)
         if self.kv_dtype is not None and tier == "graph":
             raise InputError("kv_dtype is for the inference tiers; the training forward keeps K/V in the autograd graph")
-        self.store: KVStore = STORES[tier](self.device, path)
+        self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
 
@@ -311,6 +455,11 @@ class ChunkMemory:
             dtype = self.kv_dtype or k.dtype
             self.store.append(k.detach().to(dtype), v.detach().to(dtype))
             self._keys.append(landmark_keys.detach().to(self.device))
+
+    def truncate(self, n_chunks: int) -> None:
+        """Keep the first n_chunks chunks (an inference tier): undoes the appends of a failed session call."""
+        self.store.truncate(n_chunks)
+        self._keys.length = min(self._keys.length, n_chunks)
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [B, n, K] of chunk ids (-1 empty) -> (k [B, m, S, H, d], v, index into them)."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from farsight.config import ConfigBase, require
+from farsight.config import ConfigBase, ConfigError, require
 from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, swiglu_hidden_size
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
@@ -251,6 +251,16 @@ class DRTForCausalLM(PretrainedLM):
     def config_defaults(cls, tokenizer: Any) -> dict[str, Any]:
         return {"vocab_size": tokenizer.vocab_size, "landmark_id": tokenizer.lmk_id, "pad_id": tokenizer.pad_id}
 
+    @classmethod
+    def check_tokenizer(cls, config: DRTConfig, tokenizer: Any) -> None:
+        """The landmark slot must not share an id with a token the data holds (eos/bos/pad)."""
+        for name in ("eos", "bos", "pad"):
+            if config.landmark_id == getattr(tokenizer, f"{name}_id"):
+                raise ConfigError(
+                    f"model.landmark_id={config.landmark_id} is the tokenizer's {name} id; landmarks need an id "
+                    f"of their own — remove model.landmark_id (the tokenizer's lmk id {tokenizer.lmk_id} is used)"
+                )
+
     @property
     def slots_per_chunk(self) -> int:
         return self.config.chunk_size + 1
@@ -448,8 +458,9 @@ class DRTForCausalLM(PretrainedLM):
         segment_chunks: int = 64,
         record_retrieval: bool = False,
         kv_dtype: torch.dtype | str | None = None,
+        overwrite: bool = False,
     ) -> DRTSession:
         """A streaming session (farsight.models.drt_session.DRTSession): chunk memory in `memory`
-        ("device", "host" or "disk" at `path`) with K/V stored in `kv_dtype` (default: the
-        compute dtype), long inputs run `segment_chunks` chunks per span."""
-        return DRTSession(self, batch_size, memory, path, segment_chunks, record_retrieval, kv_dtype)
+        ("device", "host" or "disk" at `path`, a new file unless `overwrite`) with K/V stored in
+        `kv_dtype` (default: the compute dtype), long inputs run `segment_chunks` chunks per span."""
+        return DRTSession(self, batch_size, memory, path, segment_chunks, record_retrieval, kv_dtype, overwrite)

@@ -11,6 +11,7 @@ nothing grows with the context except the chunk memory.
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -27,10 +28,13 @@ class DRTSession(Session):
     """The Session protocol (farsight.models.session) over a DRT model's span forward; the
     landmark slots never reach the caller.
 
-    memory: "device", "host" (RAM, pinned on CUDA) or "disk" (a file at `path`, a temporary file
-    by default). kv_dtype: storage dtype of the chunk K/V ("fp32", "bf16", "fp16" or a torch
-    dtype; default the model's compute dtype). segment_chunks: chunks per span when a long input is processed (speed vs peak
+    memory: "device", "host" (RAM, pinned on CUDA) or "disk" (a new file at `path`, an existing
+    one only with overwrite=True; a temporary file by default). kv_dtype: storage dtype of the
+    chunk K/V ("fp32", "bf16", "fp16" or a torch dtype; default the model's compute dtype). segment_chunks: chunks per span when a long input is processed (speed vs peak
     activation memory). record_retrieval keeps every retrieval made (see RetrievalInfo).
+
+    A call that fails (e.g. the disk tier's ENOSPC) leaves the caches, the carried state, the
+    chunk memory and the records as they were before it, so the same tokens can be fed again.
     """
 
     def __init__(
@@ -42,13 +46,14 @@ class DRTSession(Session):
         segment_chunks: int = 64,
         record_retrieval: bool = False,
         kv_dtype: torch.dtype | str | None = None,
+        overwrite: bool = False,
     ) -> None:
         if not isinstance(segment_chunks, int) or segment_chunks < 1:
             raise InputError(f"segment_chunks must be an integer >= 1, got {segment_chunks!r}")
         super().__init__(model, batch_size)
         self.config = model.config
         self.segment_slots = segment_chunks * model.slots_per_chunk
-        self.memory = ChunkMemory(memory, self.device, path, kv_dtype)
+        self.memory = ChunkMemory(memory, self.device, path, kv_dtype, overwrite)
         self.state = DRTState(
             memory=self.memory,
             caches=[SlidingKVCache(self.config.window) for _ in model.layers()],
@@ -57,6 +62,26 @@ class DRTSession(Session):
 
     def _release(self) -> None:
         self.memory.close()
+
+    def _mark(self) -> dict[str, Any]:
+        # shallow copies are snapshots: a span replaces the caches' tensors, the pending rows and
+        # the carried retrievals rather than writing into them, and the memory only grows
+        state = self.state
+        return {
+            "slots": state.slots,
+            "pending": state.pending,
+            "caches": [copy.copy(cache) for cache in state.caches],
+            "retrieval": None if state.retrieval is None else [copy.copy(carried) for carried in state.retrieval],
+            "chunks": self.memory.n_chunks,
+            "records": None if state.record is None else len(state.record.indices),
+        }
+
+    def _undo(self, mark: dict[str, Any]) -> None:
+        state = self.state
+        state.slots, state.pending, state.caches, state.retrieval = mark["slots"], mark["pending"], mark["caches"], mark["retrieval"]
+        self.memory.truncate(mark["chunks"])
+        if state.record is not None:
+            del state.record.indices[mark["records"] :], state.record.weights[mark["records"] :]
 
     @property
     def retrievals(self) -> RetrievalInfo | None:

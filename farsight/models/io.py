@@ -1,11 +1,19 @@
-"""Model directories on disk: config.json (model type + config) and model.safetensors, written
-atomically and read with checks; a training run directory resolves to its newest checkpoint."""
+"""Model directories on disk: config.json (model type + config), model.safetensors (and the
+tokenizer's file), written atomically, with checksums.json recording the size and SHA-256 of each,
+and read with checks; a training run directory resolves to its newest checkpoint.
+
+Loading verifies every file checksums.json lists and refuses one that differs (flipped bytes, an
+edited config, a missing file). A directory without checksums.json (written by farsight before
+it existed) still loads, with a warning, since nothing can be verified.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +25,7 @@ from farsight.errors import MissingFileError, ModelFileError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CHECKSUMS_FILE = "checksums.json"
 
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -41,6 +50,68 @@ def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.T
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
     atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Record the size and SHA-256 of the files `names` of directory `path` in checksums.json
+    (those that exist), atomically: {"files": {name: {"bytes": n, "sha256": hex}}}; returns the entries."""
+    files = {
+        name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
+        for name in sorted(names)
+        if (path / name).is_file()
+    }
+    atomic_write(path / CHECKSUMS_FILE, lambda tmp: Path(tmp).write_text(json.dumps({"files": files}, indent=2) + "\n"))
+    return files
+
+
+def read_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
+    """The files checksums.json of directory `path` lists, or None (with a warning) without one."""
+    record = path / CHECKSUMS_FILE
+    if not record.is_file():
+        warnings.warn(
+            f"{path} has no {CHECKSUMS_FILE} (written by an older farsight); its files cannot be verified — "
+            "re-save it with save_pretrained to add one",
+            stacklevel=3,
+        )
+        return None
+    try:
+        files = json.loads(record.read_text())["files"]
+        valid = all(isinstance(e, dict) and isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in files.values())
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelFileError(f"{record} is corrupted ({exc!r}); restore the directory from a good copy or re-save the model") from exc
+    if not valid:
+        raise ModelFileError(f"{record} is corrupted (an entry lacks bytes/sha256); restore the directory from a good copy or re-save the model")
+    return files
+
+
+def verify_model_dir(path: Path) -> dict[str, dict[str, Any]] | None:
+    """Refuse (ModelFileError) a model directory whose files differ from its checksums.json;
+    returns the verified entries (None for a directory without the record)."""
+    files = read_checksums(path)
+    for name, entry in (files or {}).items():
+        file = path / name
+        if not file.is_file():
+            raise ModelFileError(f"{file} is missing but {CHECKSUMS_FILE} lists it; the directory is incomplete — restore it or re-save the model")
+        size = file.stat().st_size
+        if size != entry["bytes"]:
+            raise ModelFileError(
+                f"{file} has {size} bytes, {CHECKSUMS_FILE} says {entry['bytes']}: truncated or corrupted (or edited); "
+                "restore it or use another checkpoint"
+            )
+        if _sha256(file) != entry["sha256"]:
+            raise ModelFileError(
+                f"{file} does not match its SHA-256 in {CHECKSUMS_FILE}: corrupted or edited; "
+                "restore it or use another checkpoint"
+            )
+    return files
 
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
@@ -90,3 +161,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike, map_location: str | 
         raise ModelFileError(
             f"{weights} does not match this model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ModelFileError(f"{weights}: tensor {name!r} holds NaN or inf values; the training run diverged — use an earlier checkpoint")

@@ -14,7 +14,17 @@ from torch import nn
 
 from farsight.config import ConfigBase
 from farsight.errors import InputError, ModelFileError
-from farsight.models.io import load_weights, read_model_meta, resolve_model_dir, write_model_dir
+from farsight.data.tokenizers import TOKENIZER_FILENAME
+from farsight.models.io import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    load_weights,
+    read_model_meta,
+    resolve_model_dir,
+    verify_model_dir,
+    write_checksums,
+    write_model_dir,
+)
 from farsight.models.session import Session
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what a model can run in
@@ -70,7 +80,7 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, forbidden: dict[st
 
 class PretrainedLM(nn.Module):
     """Base of farsight's LMs: a config, a forward, a Session for decoding, and a model
-    directory (config.json with the model type + config, model.safetensors)."""
+    directory (config.json with the model type + config, model.safetensors, checksums.json)."""
 
     model_type: ClassVar[str]
     config_class: ClassVar[type[ConfigBase]]
@@ -80,6 +90,10 @@ class PretrainedLM(nn.Module):
     def config_defaults(cls, tokenizer: Any) -> dict[str, Any]:
         """Config values a tokenizer determines when the config leaves them out."""
         return {"vocab_size": tokenizer.vocab_size}
+
+    @classmethod
+    def check_tokenizer(cls, config: Any, tokenizer: Any) -> None:
+        """Raise ConfigError if `config` cannot be trained with `tokenizer`'s special tokens."""
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -116,8 +130,9 @@ class PretrainedLM(nn.Module):
     def save_pretrained(
         self, path: str | os.PathLike, tokenizer: Any = None, state_dict: dict[str, torch.Tensor] | None = None
     ) -> Path:
-        """Write config.json, model.safetensors (and tokenizer.json). `state_dict` overrides the
-        module's own tensors (e.g. the full state gathered from FSDP shards)."""
+        """Write config.json, model.safetensors (and tokenizer.json), then checksums.json with
+        their SHA-256. `state_dict` overrides the module's own tensors (e.g. the full state
+        gathered from FSDP shards)."""
         import farsight
 
         path = Path(path)
@@ -133,11 +148,13 @@ class PretrainedLM(nn.Module):
         write_model_dir(path, meta, tensors)
         if tokenizer is not None:
             tokenizer.save(path)
+        write_checksums(path, (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME))
         return path
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> PretrainedLM:
-        """Load a directory holding a model of this class (any class: farsight.models.load_model)."""
+        """Load a directory holding a model of this class (any class: farsight.models.load_model),
+        refusing files that differ from its checksums.json and weights that are not finite."""
         path = resolve_model_dir(path)
         meta = read_model_meta(path)
         if meta["model_type"] != cls.model_type:
@@ -145,6 +162,7 @@ class PretrainedLM(nn.Module):
                 f"{path} holds a {meta['model_type']!r} model, not a {cls.model_type!r} one; "
                 "load it with farsight.models.load_model"
             )
+        verify_model_dir(path)
         model = cls(cls.config_class.from_dict(meta["config"], where="config"))
         load_weights(model, path, map_location)
         return model.to(map_location)

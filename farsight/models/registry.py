@@ -34,7 +34,10 @@ def build_model(spec: dict[str, Any], tokenizer: Any = None) -> PretrainedLM:
                 f"model.vocab_size={spec['vocab_size']} is smaller than the tokenizer's vocabulary "
                 f"({tokenizer.vocab_size}); remove model.vocab_size or set it >= {tokenizer.vocab_size}"
             )
-    return cls(cls.config_class.from_dict(spec, where="model"))
+    config = cls.config_class.from_dict(spec, where="model")
+    if tokenizer is not None:
+        cls.check_tokenizer(config, tokenizer)
+    return cls(config)
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> PretrainedLM:

@@ -12,6 +12,11 @@ chunk memory) and is fed tokens in order:
 
 A model implements `_run(ids, every_position)`; batch size, id checks, closing and the
 inference-mode switch live here once.
+
+A call that fails midway (a full disk, out of memory, an interrupt) must not leave half-advanced
+state behind: a session that implements `_mark`/`_undo` is put back as it was before the call
+(the call can be retried; of an iterable prefill, the blocks before the failing one stay fed),
+any other refuses every later call with a StateError.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Session:
         self.tokens_seen = 0
         self._next_logits: torch.Tensor | None = None  # [B, V] after the last token fed
         self._closed = False
+        self._failed: str | None = None  # why a failed call left the state unusable
         # sessions decode: no dropout, no Gumbel noise; the caller's mode comes back on close
         self._was_training = model.training
         model.eval()
@@ -47,6 +53,13 @@ class Session:
         """ids [B, T] (T >= 1, checked) continuing the state -> logits [B, T, V], or [B, 1, V]
         for the last token only when every_position is False."""
         raise NotImplementedError
+
+    def _mark(self) -> Any:
+        """What `_undo` needs to put the state back as it is now; None if the model cannot undo."""
+        return None
+
+    def _undo(self, mark: Any) -> None:
+        """Put the state back as it was when `mark` was taken."""
 
     def _release(self) -> None:
         """Free what the session holds beyond Python objects (files, pinned pages)."""
@@ -64,13 +77,26 @@ class Session:
     def _feed(self, ids: torch.Tensor, every_position: bool) -> torch.Tensor:
         if self._closed:
             raise StateError("this session is closed; start a new one with model.new_session()")
+        if self._failed is not None:
+            raise StateError(
+                f"this session is unusable: an earlier call failed midway ({self._failed}) and left its state "
+                "half-advanced; start a new one with model.new_session()"
+            )
         ids = self.check_ids(ids)
         if ids.shape[0] != self.batch_size:
             raise InputError(f"the session was opened for batch_size={self.batch_size}, got {ids.shape[0]} rows")
         if ids.shape[1] == 0:
             raise InputError("got no tokens to feed; pass at least one token per row")
         with torch.inference_mode():
-            logits = self._run(ids, every_position)
+            mark = self._mark()
+            try:
+                logits = self._run(ids, every_position)
+            except BaseException as exc:
+                self._failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                if mark is not None:
+                    self._undo(mark)
+                    self._failed = None
+                raise
         self.tokens_seen += ids.shape[1]
         self._next_logits = logits[:, -1]
         return logits

@@ -1,14 +1,21 @@
 """Training checkpoints: a loadable model directory plus the trainer state, written atomically.
 
 Layout: OUT/checkpoints/step_00001200/ holding config.json + model.safetensors (a model directory
-that `load_model` opens), tokenizer.json, trainer_state.pt (optimizer, scheduler, RNG states,
-step, data position) and manifest.json (size and SHA-256 of every file). The directory is
-written as step_XXXX.tmp and renamed into place, so a crash never leaves a half-written
-checkpoint under a final name; the manifest catches later truncation or corruption.
+that `load_model` opens), tokenizer.json, the trainer state (optimizer, scheduler, grad scaler,
+RNG states, step, precision, config) as trainer_state.json + trainer_state.safetensors, and
+manifest.json (size and SHA-256 of every file). Nothing in a checkpoint is a pickle: a run
+directory someone hands you is read as JSON and safetensors, which cannot run code.
+
+The directory is written as step_XXXX.tmp and renamed into place, and an old checkpoint is
+renamed to step_XXXX.deleting before it is removed, so a crash never leaves a half-written or
+half-deleted checkpoint under a final name; the manifest catches later truncation or corruption.
+A write that fails (a full disk) removes its temporary directory and leaves the previous
+checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -18,17 +25,44 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from farsight.errors import FarsightError
+from farsight.models.io import atomic_write
 
-STATE_FILE = "trainer_state.pt"
+STATE_JSON = "trainer_state.json"
+STATE_TENSORS = "trainer_state.safetensors"
+LEGACY_STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER = re.compile(r"^step_\d{8}\.(tmp|deleting)$")
 
 
 class CheckpointError(FarsightError, RuntimeError):
-    """A checkpoint is missing, truncated or corrupted; the message says which and what to do."""
+    """A checkpoint is missing, truncated, corrupted or cannot be written; the message says which and what to do."""
+
+
+def write_error(path: Path, exc: OSError) -> CheckpointError:
+    """The one-line error for a failed write under `path` (a full disk, a read-only directory...)."""
+    if exc.errno == errno.ENOSPC:
+        return CheckpointError(f"disk full at {path} ({exc.strerror}); free some space and run the same command to resume")
+    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}); check the permissions and space of that directory")
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` (flushed to disk first): a crash or a full disk leaves the old file whole."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        atomic_write(path, write)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
 
 
 def _sha256(path: Path) -> str:
@@ -59,6 +93,81 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _remove(path: Path) -> None:
+    """Take `path` out of the final names at once (a rename), then delete it."""
+    doomed = path.with_name(path.name + ".deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+# ---- trainer state: nested dicts/lists/tuples of plain values and tensors <-> JSON + safetensors ----
+
+
+def _encode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, tensors) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _encode(v, tensors) for k, v in value.items()}
+        return {"__items__": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint's trainer state")
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.array(value["__ndarray__"], dtype=np.dtype(value["dtype"]))
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value["__items__"]}
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+def _write_state(directory: Path, state: dict[str, Any]) -> None:
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(state, tensors)
+    # serialised in memory and written by Python, so that a failed write raises OSError
+    (directory / STATE_TENSORS).write_bytes(save(tensors))
+    (directory / STATE_JSON).write_text(json.dumps(encoded))
+
+
+def _check_tensor_files(directory: Path) -> None:
+    """safetensors' save_file can lose a failed write silently; a short file fails to open."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in directory.glob("*.safetensors"):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except SafetensorError as exc:
+            raise OSError(errno.ENOSPC, f"{file.name} came out incomplete ({exc})") from exc
+
+
+def _clean_leftovers(root: Path) -> None:
+    """Temporary directories of writes and deletions that a crash interrupted."""
+    for p in root.iterdir():
+        if _LEFTOVER.match(p.name):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -66,26 +175,36 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write a checkpoint for `step` atomically and delete all but the newest `keep_last`."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Write a checkpoint for `step` atomically and delete all but the newest `keep_last`.
+
+    A failed write (e.g. a full disk) removes the partial directory and raises CheckpointError;
+    the checkpoints already there stay as they were."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _clean_leftovers(root)
+    except OSError as exc:
+        raise write_error(root, exc) from exc
     final = checkpoint_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_model(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
-    (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
-    for p in tmp.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    try:
+        tmp.mkdir()
+        write_model(tmp)
+        _write_state(tmp, state)
+        _check_tensor_files(tmp)
+        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(tmp, exc) from exc
     if final.exists():
-        shutil.rmtree(final)
+        _remove(final)
     os.replace(tmp, final)
     _fsync_dir(root)
     for _, old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
 
 
@@ -96,7 +215,7 @@ def verify_checkpoint(path: Path) -> None:
         raise CheckpointError(f"{path} has no {MANIFEST_FILE}; it is incomplete — delete it to resume from an earlier checkpoint")
     try:
         manifest = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as exc:
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{manifest_path} is corrupted ({exc}); delete {path} to resume from an earlier checkpoint") from exc
     for name, entry in manifest.items():
         file = path / name
@@ -112,8 +231,19 @@ def verify_checkpoint(path: Path) -> None:
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
+    """The trainer state of checkpoint `path`, read from JSON and safetensors only (never unpickled)."""
+    if not (path / STATE_JSON).is_file() and (path / LEGACY_STATE_FILE).is_file():
+        raise CheckpointError(
+            f"{path} holds its trainer state as a pickle ({LEGACY_STATE_FILE}, written by an older farsight), which could run "
+            f"code when loaded and is not read; to keep its weights, start a new run with --set train.init_from={path} "
+            "and a new train.out_dir, or start over with --restart"
+        )
     verify_checkpoint(path)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
-        return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    except Exception as exc:  # torch raises several types for damaged pickles
-        raise CheckpointError(f"cannot read {path / STATE_FILE} ({exc}); delete {path} to resume from an earlier checkpoint") from exc
+        tensors = load_file(path / STATE_TENSORS)
+        return _decode(json.loads((path / STATE_JSON).read_text()), tensors)
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot read the trainer state in {path} ({exc}); delete {path} to resume from an earlier checkpoint") from exc

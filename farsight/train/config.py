@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,30 @@ from farsight.config import ConfigBase, ConfigError, require
 from farsight.errors import MissingFileError
 
 SECTIONS = ("model", "data", "optim", "train")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 with YAML 1.2's floats: 1e-3 and 5E4 are numbers (1.1 reads them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _parse_yaml(text: str, what: str) -> Any:
+    """`text` parsed as YAML; a syntax error is a one-line ConfigError naming `what` and where."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{what} is not valid YAML ({problem}{where}); fix the syntax (quote strings that contain : [ ] {{ }} #)") from exc
+
+
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
 
 
@@ -122,7 +147,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a section")
-        node[parts[-1]] = yaml.safe_load(text)
+        node[parts[-1]] = _parse_yaml(text, f"--set {item}")
     return raw
 
 
@@ -130,15 +155,14 @@ def load_train_config(path: str | Path, overrides: list[str] | None = None) -> T
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    raw = _parse_yaml(path.read_text(), str(path)) or {}
     return TrainConfig.from_dict(apply_overrides(raw, overrides or []))
 
 
 def dump_train_config(config: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    from farsight.train.checkpoint import write_text_atomically
+
+    write_text_atomically(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 __all__ = ["PRECISIONS", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config"]

@@ -30,13 +30,35 @@ from farsight.errors import ConfigError, FarsightError, MissingDependencyError
 from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
-from farsight.train.checkpoint import list_checkpoints, load_trainer_state, save_checkpoint
+from farsight.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state, save_checkpoint, write_text_atomically
 from farsight.train.config import TrainConfig, dump_train_config
 from farsight.train.precision import resolve_precision, slow_precision_note
 
 # Under fp16-mixed an overflowing step is skipped and the loss scale halved; gradients that
 # still overflow below this scale are not an fp16 range problem, and the run stops as diverged.
 MIN_LOSS_SCALE = 1.0
+
+# Fields that steer how a run is carried out, not what it trains: a resume takes their new
+# values (and says so). Any other change (optim, data, train.seed, train.grad_accum) is refused
+# unless asked for with --allow-config-change; a change to the model section is always refused.
+RESUME_FREE_FIELDS = frozenset(
+    f"train.{name}"
+    for name in (
+        "steps",
+        "out_dir",
+        "log_interval",
+        "eval_interval",
+        "eval_batches",
+        "checkpoint_interval",
+        "keep_last",
+        "device",
+        "precision",
+        "distributed",
+        "tensorboard",
+        "progress",
+        "init_from",
+    )
+)
 
 
 class TrainingDiverged(FarsightError, RuntimeError):
@@ -57,6 +79,22 @@ def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float
         return lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (saved value, current value)} for the fields of `saved` that `current` changes."""
+    old, new = _flatten(saved), _flatten(current)
+    return {key: (value, new[key]) for key, value in old.items() if key in new and new[key] != value}
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -115,6 +153,8 @@ class Trainer:
         self.config = config
         run = config.train
         self.out_dir = Path(run.out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():
+            raise ConfigError(f"train.out_dir={run.out_dir} is a file, not a directory; set train.out_dir to a run directory")
         self.ckpt_root = self.out_dir / "checkpoints"
         probe = resolve_device(run.device, 0)
         self.ctx = dist_utils.init_distributed(probe.type)
@@ -213,7 +253,7 @@ class Trainer:
         found = list_checkpoints(self.ckpt_root)
         return found[-1][1] if found else None
 
-    def resume(self) -> bool:
+    def resume(self, allow_config_change: bool = False) -> bool:
         path = self.latest_checkpoint()
         if path is None:
             return False
@@ -223,25 +263,22 @@ class Trainer:
                 f"{path} was trained with model config {state['config']['model']}, not {self.config.model}; "
                 "use a new train.out_dir or restore the original model section"
             )
-        if self._sharded:
-            from safetensors.torch import load_file
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-            weights = load_file(path / "model.safetensors")
-            set_state_dict(
-                self.wrapped,
-                self.optimizer,
-                model_state_dict=weights,
-                optim_state_dict=state["optimizer"],
-                options=StateDictOptions(full_state_dict=True, strict=False),
+        changes = config_changes(state["config"], self.config.to_dict())
+        guarded = [key for key in changes if key not in RESUME_FREE_FIELDS]
+        if guarded and not allow_config_change:
+            listed = ", ".join(f"{key} {changes[key][0]!r} -> {changes[key][1]!r}" for key in guarded)
+            raise ConfigError(
+                f"the config differs from the one {path} was trained with: {listed}; restore those values, "
+                "pass --allow-config-change to continue the run with the new ones, or --restart to start over"
             )
-        else:
-            from safetensors.torch import load_model
+        from safetensors import SafetensorError
 
-            load_model(self.model, path / "model.safetensors", device=str(self.device))
-            self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self._load_weights_and_optimizer(path, state["optimizer"])
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {path / 'model.safetensors'} ({exc}); delete {path} to resume from an earlier checkpoint") from exc
         self.scheduler.load_state_dict(state["scheduler"])
-        # checkpoints written before train.precision existed lack the precision keys
+        # None when the checkpoint was trained without a loss scale (anything but fp16-mixed)
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         _set_rng_state(state["rng"], self.device)
@@ -251,7 +288,41 @@ class Trainer:
         previous = state.get("precision")
         if previous not in (None, self.precision.name) and self.ctx.is_main:
             print(f"{path} was trained in {previous}; continuing in {self.precision.name}")
+        if changes:
+            self._apply_optim_config()
+            if self.ctx.is_main:
+                for key, (old, new) in changes.items():
+                    print(f"config change on resume: {key} {old!r} -> {new!r} (from step {self.step + 1})")
         return True
+
+    def _load_weights_and_optimizer(self, path: Path, optimizer: dict[str, Any]) -> None:
+        if self._sharded:
+            from safetensors.torch import load_file
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            weights = load_file(path / "model.safetensors")
+            set_state_dict(
+                self.wrapped,
+                self.optimizer,
+                model_state_dict=weights,
+                optim_state_dict=optimizer,
+                options=StateDictOptions(full_state_dict=True, strict=False),
+            )
+        else:
+            from safetensors.torch import load_model
+
+            load_model(self.model, path / "model.safetensors", device=str(self.device))
+            self.optimizer.load_state_dict(optimizer)
+
+    def _apply_optim_config(self) -> None:
+        """Put the config's optimizer settings and lr schedule in place of the ones a checkpoint restored."""
+        opt = self.config.optim
+        for group, decay in zip(self.optimizer.param_groups, (opt.weight_decay, 0.0)):
+            group.update(betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=decay, initial_lr=opt.lr)
+        self.scheduler.base_lrs = [opt.lr] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+            group["lr"] = opt.lr * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ---- loop --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -314,19 +385,38 @@ class Trainer:
         self.step += 1
         return loss_value, grad_norm, tokens * self.ctx.world_size
 
-    def fit(self, resume: bool = True) -> TrainResult:
+    def _trim_metrics(self, path: Path) -> None:
+        """Drop the records after the resumed step (logged before a crash, about to be redone)
+        and a last line that a crash cut short."""
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= self.step:
+                kept.append(line + "\n")
+        write_text_atomically(path, "".join(kept))
+
+    def fit(self, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
         run = self.config.train
         if self.ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            dump_train_config(self.config, self.out_dir / "config.yaml")
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"cannot create train.out_dir={run.out_dir} ({exc.strerror}); set train.out_dir to a directory you can write") from exc
         if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
             # starting over: older checkpoints would otherwise look newer than the new run's
             print(f"starting over: removing {self.ckpt_root}")
             shutil.rmtree(self.ckpt_root)
         dist_utils.barrier(self.ctx)
-        resumed = resume and self.resume()
+        resumed = resume and self.resume(allow_config_change)
         if self.ctx.is_main:
+            dump_train_config(self.config, self.out_dir / "config.yaml")
             if resumed:
+                self._trim_metrics(self.out_dir / "metrics.jsonl")
                 print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
             how = " (train.precision=auto)" if run.precision == "auto" else ""
             print(f"training in {self.precision.name}{how} on {self.device}")
@@ -416,9 +506,9 @@ class Trainer:
         dist_utils.shutdown(self.ctx)
 
 
-def train(config: TrainConfig, resume: bool = True) -> TrainResult:
+def train(config: TrainConfig, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
     trainer = Trainer(config)
     try:
-        return trainer.fit(resume=resume)
+        return trainer.fit(resume=resume, allow_config_change=allow_config_change)
     finally:
         trainer.close()

@@ -136,7 +136,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(token_dir, tmp_pat
 
 def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
     train(tiny_config(token_dir, tmp_path / "c", steps=2))
-    state = tmp_path / "c" / "checkpoints" / "step_00000002" / "trainer_state.pt"
+    state = tmp_path / "c" / "checkpoints" / "step_00000002" / "trainer_state.safetensors"
     state.write_bytes(state.read_bytes()[:50])
     with pytest.raises(CheckpointError, match="truncated"):
         train(tiny_config(token_dir, tmp_path / "c", steps=4))

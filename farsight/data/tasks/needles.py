@@ -143,6 +143,13 @@ class NeedleTask:
         )
 
 
+def _whole(task: str, option: str, value: Any, minimum: int) -> int:
+    """A task option that must be a whole number of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"the {task} task's option {option} must be a whole number >= {minimum}, got {value!r}")
+    return value
+
+
 def _digits(rng: np.random.Generator, n: int) -> str:
     return "".join(str(int(d)) for d in rng.integers(0, 10, size=n))
 
@@ -157,7 +164,7 @@ class PasskeyTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, digits: int = 5) -> None:
         super().__init__(tokenizer, filler, align)
-        self.digits = digits
+        self.digits = _whole(self.name, "digits", digits, 1)
 
     def draw(self, rng: np.random.Generator):
         key = _digits(rng, self.digits)
@@ -175,7 +182,10 @@ class MultiKeyTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, keys: int = 4, digits: int = 5) -> None:
         super().__init__(tokenizer, filler, align)
-        self.keys, self.digits = keys, digits
+        self.keys = _whole(self.name, "keys", keys, 1)
+        self.digits = _whole(self.name, "digits", digits, 1)
+        if self.keys > 26**4:
+            raise InputError(f"the {self.name} task's option keys={keys} exceeds the {26**4} distinct 4-letter key names")
 
     def draw(self, rng: np.random.Generator):
         names = set()
@@ -204,7 +214,10 @@ class TwoHopTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, distractors: int = 2, symbol: int = 4) -> None:
         super().__init__(tokenizer, filler, align)
-        self.distractors, self.symbol = distractors, symbol
+        self.distractors = _whole(self.name, "distractors", distractors, 0)
+        self.symbol = _whole(self.name, "symbol", symbol, 1)
+        if 26**symbol < 3 * (distractors + 1):
+            raise InputError(f"the {self.name} task needs {3 * (distractors + 1)} distinct symbols but symbol={symbol} letters give {26**symbol}; raise symbol")
 
     def draw(self, rng: np.random.Generator):
         n_symbols = 3 * (self.distractors + 1)
