@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, farsight's Triton kernels are tested under Triton's interpreter. The variable must
+# be set before triton is first imported, and transformers (tests/hf) imports it through torch's
+# own Triton ops, so it is set here for the whole session rather than by the kernel test modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -177,3 +177,20 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
 
     directory = resolve_model_dir(path)
     return load_model(directory).to(MODEL_DTYPES[dtype]).eval(), load_tokenizer(directory)
+
+
+def parse_task_options(items: list[str]) -> dict[str, object]:
+    """--task-option KEY=VALUE strings as a dict, each value read as YAML (7 is a number, uuids a
+    string, [a, b] a list)."""
+    import yaml
+
+    options = {}
+    for item in items:
+        key, separator, text = item.partition("=")
+        if not separator:
+            raise InputError(f"--task-option expects KEY=VALUE (e.g. digits=7), got {item!r}")
+        try:
+            options[key] = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise InputError(f"--task-option {item!r}: the value is not valid YAML ({exc})") from exc
+    return options

@@ -13,13 +13,17 @@ from farsight.cli.arguments import (
     add_needle_grid_arguments,
     check_at_least,
     check_output_file,
+    check_output_folder,
     load_model_and_tokenizer,
     model_tokenizer,
     needle_grid,
     open_corpus,
     parse_lengths,
+    parse_task_options,
     parse_list,
 )
+from farsight.cli.harness import add_harness_command
+from farsight.cli.ruler import add_ruler_command
 from farsight.errors import InputError, MissingFileError
 
 NEEDLE_TASKS = (
@@ -34,6 +38,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     evaluations = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     for task, what in NEEDLE_TASKS:
         _add_needle_command(evaluations, task, what)
+    add_ruler_command(evaluations)
+    add_harness_command(evaluations)
 
     ppl = evaluations.add_parser("ppl", help="perplexity vs evaluation length", description="Perplexity vs evaluation length on held-out documents.")
     add_model_argument(ppl, repeatable=True)
@@ -103,23 +109,11 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
     add_json_output_argument(needle)
     needle.add_argument("--plot", help="write the length x depth heatmap PNG")
+    needle.add_argument(
+        "--export-choice", metavar="DIR", help="write the grid's items as lm-eval multiple-choice tasks to DIR instead of evaluating"
+    )
+    needle.add_argument("--choices", type=int, default=4, help="with --export-choice: choices per item (the answer and random distractors)")
     needle.set_defaults(func=_needle, task=task)
-
-
-def _task_options(items: list[str]) -> dict[str, object]:
-    """--task-option KEY=VALUE strings as a dict, each value read as YAML (7 is a number, [a, b] a list)."""
-    import yaml
-
-    options = {}
-    for item in items:
-        key, separator, text = item.partition("=")
-        if not separator:
-            raise InputError(f"--task-option expects KEY=VALUE (e.g. digits=7), got {item!r}")
-        try:
-            options[key] = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise InputError(f"--task-option {item!r}: the value is not valid YAML ({exc})") from exc
-    return options
 
 
 def _needle(args: argparse.Namespace) -> int:
@@ -131,7 +125,9 @@ def _needle(args: argparse.Namespace) -> int:
     check_output_file(args.plot, "--plot")
     check_at_least(args, {"--batch-size": 1, "--align": 1})
     lengths, depths, trials = needle_grid(args)
-    options = _task_options(args.task_option)
+    options = parse_task_options(args.task_option)
+    if args.export_choice:
+        return _export_choice(args, lengths, depths, trials, options)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
@@ -146,6 +142,22 @@ def _needle(args: argparse.Namespace) -> int:
         from farsight.eval.plots import needle_heatmap
 
         print(f"wrote {needle_heatmap(summary, args.plot, title=f'{args.task}: {args.model}')}")
+    return 0
+
+
+def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[float], trials: dict[int, int], options: dict) -> int:
+    from farsight.data.tasks import make_filler, make_task
+    from farsight.eval.choice import export_choice_tasks
+    from farsight.models import read_model_meta, resolve_model_dir
+
+    check_output_folder(args.export_choice, "--export-choice")
+    check_at_least(args, {"--choices": 2})
+    tokenizer = model_tokenizer(args.model)
+    align = args.align or read_model_meta(resolve_model_dir(args.model))["config"].get("chunk_size", 1)
+    task = make_task(args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options)
+    names = export_choice_tasks(task, lengths, depths, trials, args.export_choice, args.choices, args.seed)
+    print(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
+    print(f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} --tasks {','.join(names)}")
     return 0
 
 

@@ -185,6 +185,10 @@ class _BackendTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def backend_copy(self) -> tokenizers.Tokenizer:
+        """A copy of the `tokenizers.Tokenizer` pipeline (changing it leaves this one as it is)."""
+        return tokenizers.Tokenizer.from_str(self._backend.to_str())
+
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 

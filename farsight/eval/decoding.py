@@ -19,11 +19,14 @@ def greedy_continuation(
 ) -> torch.Tensor:
     """Feed prompt [B, T] (in blocks, reporting each to `on_tokens`), then decode `steps` tokens
     greedily; returns them [B, steps]."""
-    for start in range(0, prompt.shape[1], block):
-        piece = prompt[:, start : start + block]
-        logits = session.prefill(piece)
-        if on_tokens is not None:
-            on_tokens(piece.shape[1])
+
+    def blocks():
+        for start in range(0, prompt.shape[1], block):
+            yield prompt[:, start : start + block]
+            if on_tokens is not None:
+                on_tokens(min(block, prompt.shape[1] - start))
+
+    logits = session.prefill(blocks(), length=prompt.shape[1])
     out = []
     for i in range(steps):
         token = logits.argmax(-1)

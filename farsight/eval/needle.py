@@ -135,7 +135,7 @@ def evaluate_needle_task(
                                 first_token=first,
                                 retrieved_needle=None
                                 if retrieved is None
-                                else sample.evidence_chunks(model.config.chunk_size) <= retrieved[row],
+                                else sample.evidence_chunks(model.config.chunk_size, session.prompt_offset) <= retrieved[row],
                                 answer=task.tokenizer.decode(sample.answer.tolist()),
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
                             )

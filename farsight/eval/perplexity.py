@@ -42,7 +42,7 @@ def window_nll(model: Any, windows: torch.Tensor, block: int, memory: str, kv_dt
     """Mean next-token NLL (nats) of each window [B, L] -> [B]."""
     total = torch.zeros(windows.shape[0], dtype=torch.float64)
     with model.new_session(batch_size=windows.shape[0], memory=memory, kv_dtype=kv_dtype) as session:
-        session.prefill(windows[:, :1])
+        session.feed(windows[:, :1])  # not prefill: a document is scored from stream position 0, unaligned
         for start in range(1, windows.shape[1], block):
             total -= session.score(windows[:, start : start + block]).sum(1).double().cpu()
     return total / (windows.shape[1] - 1)

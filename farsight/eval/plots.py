@@ -20,14 +20,19 @@ def _pyplot():
     return plt
 
 
-def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
-    """Exact-match accuracy as a depth (rows) x context length (columns) heatmap."""
+HEATMAP_METRICS = {"exact_match": "exact match", "first_token": "first token", "string_match": "string match"}
+
+
+def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None = None, metric: str = "exact_match") -> Path:
+    """A needle metric (exact match by default; RULER scores string match) in % as a depth
+    (rows) x context length (columns) heatmap."""
+    label = HEATMAP_METRICS[metric]
     plt = _pyplot()
     lengths = sorted({c["length"] for c in summary["by_cell"]})
     depths = sorted({c["depth"] for c in summary["by_cell"]})
     grid = [[float("nan")] * len(lengths) for _ in depths]
     for cell in summary["by_cell"]:
-        grid[depths.index(cell["depth"])][lengths.index(cell["length"])] = 100 * cell["exact_match"]
+        grid[depths.index(cell["depth"])][lengths.index(cell["length"])] = 100 * cell[metric]
     fig, ax = plt.subplots(figsize=(1.1 * len(lengths) + 2.5, 0.55 * len(depths) + 1.8))
     image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [format_length(n) for n in lengths])
@@ -38,8 +43,8 @@ def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None 
         for j, value in enumerate(row):
             if value == value:
                 ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(image, ax=ax, label="exact match %")
-    ax.set_title(title or f"{summary['task']}: exact match")
+    fig.colorbar(image, ax=ax, label=f"{label} %")
+    ax.set_title(title or f"{summary['task']}: {label}")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """nn.Modules built on farsight.ops: norms, MLP, positions, attention kinds, blocks."""
 
-from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention
+from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention, padding_mask
 from farsight.layers.block import TransformerBlock
 from farsight.layers.castle import CastleAttention, CastleSWLAttention, castle_heads_for_parity
 from farsight.layers.kinds import ATTENTION_KINDS, build_attention, register_attention
@@ -25,6 +25,7 @@ __all__ = [
     "alibi_slopes",
     "build_attention",
     "castle_heads_for_parity",
+    "padding_mask",
     "register_attention",
     "rms_norm_reference",
     "rotary_reference",

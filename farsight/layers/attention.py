@@ -80,20 +80,37 @@ class SlidingWindowAttention(_QKVAttention):
     def new_cache(self) -> SlidingKVCache:
         return SlidingKVCache(self.window)
 
-    def forward(self, x: torch.Tensor, cache: SlidingKVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: SlidingKVCache | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] continuing `cache` (or from position 0). pad [B] long, optional: the
+        stream positions before pad[b] are left padding, hidden from the real positions' keys."""
         b, t, _ = x.shape
         q, k, v = self.project(x, cache.length if cache is not None else 0)
         if cache is not None:
             k, v = cache.append(k, v)
-        o = sliding_window_attention(q, k, v, self.window, self.alibi_slopes)
+        end = cache.length if cache is not None else t
+        o = sliding_window_attention(q, k, v, self.window, self.alibi_slopes, key_padding_mask=padding_mask(pad, end - k.shape[1], end))
         return self.out(o.reshape(b, t, -1))
+
+
+def padding_mask(pad: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """Keys at stream positions [start, end) -> [B, end - start] bool, True where position >= pad[b]
+    (a real token); None when no key is padding."""
+    if pad is None or start >= int(pad.max()):
+        return None
+    return torch.arange(start, end, device=pad.device) >= pad[:, None]
 
 
 class BidirectionalAttention(_QKVAttention):
     """Unmasked attention within a sequence (DRT's chunk encoder), RoPE at positions 0..T-1."""
 
-    def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D]; key_padding_mask [B, T] (True = real token) hides padding keys from
+        every query but the key's own (so rows of padding stay finite)."""
         b, t, _ = x.shape
         q, k, v = (y.transpose(1, 2) for y in self.project(x, 0))
-        o = F.scaled_dot_product_attention(q, k, v)
+        mask = None
+        if key_padding_mask is not None:
+            own = torch.eye(t, dtype=torch.bool, device=x.device)
+            mask = (key_padding_mask[:, None, :] | own)[:, None]  # [B, 1, T, T]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(b, t, -1))

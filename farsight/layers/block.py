@@ -20,6 +20,8 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.mlp_hidden)
 
-    def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
+    def forward(self, x: torch.Tensor, cache: Any = None, **masks: Any) -> torch.Tensor:
+        """`masks` go to the attention (e.g. `pad` of the sliding window, `key_padding_mask` of
+        the bidirectional one); attentions without padding support take none."""
+        x = x + self.attn(self.attn_norm(x), cache, **masks)
         return x + self.mlp(self.mlp_norm(x))

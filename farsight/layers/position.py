@@ -31,8 +31,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
-        inv_freq = theta ** (-torch.arange(0, head_dim // 2, dtype=torch.float64) * 2 / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # no buffers: model.to(bf16) would round the frequencies (and the angles with them)
         self._cos = self._sin = None
 
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +40,8 @@ class RotaryEmbedding(nn.Module):
             # plain tensors even when first built inside a session's inference mode: a later
             # training forward must be able to save them for backward
             with torch.inference_mode(False):
-                angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.inv_freq.to(device)[None]
+                exponents = torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=device) * 2 / self.head_dim
+                angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
                 self._cos, self._sin = angles.cos(), angles.sin()
         return self._cos, self._sin
 

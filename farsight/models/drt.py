@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from farsight.config import ConfigBase, ConfigError, require
-from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, swiglu_hidden_size
+from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, padding_mask, swiglu_hidden_size
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
 from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
+from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
 from farsight.ops.gca import gca
 
@@ -199,7 +200,7 @@ class GroupedCrossAttention(nn.Module):
         # weight stays fp32 (the op fuses the K per-chunk results in fp32); k, v come in the
         # memory's storage dtype and compute in q's
         k, v = chunks.k.to(q.dtype), chunks.v.to(q.dtype)
-        o = gca(q, k, v, chunks.index, chunks.weight, softmax_one=self.softmax_one)
+        o = gca(q, k, v, chunks.index, chunks.weight, softmax_one=self.softmax_one, key_mask=chunks.key_mask)
         return self.out(span.from_grid(o).reshape(b, length, -1))
 
 
@@ -212,9 +213,14 @@ class RetrievalBlock(TransformerBlock):
         self.cross = GroupedCrossAttention(config)
 
     def forward(
-        self, x: torch.Tensor, cache: Any = None, span: Span | None = None, chunks: FetchedChunks | None = None
+        self,
+        x: torch.Tensor,
+        cache: Any = None,
+        span: Span | None = None,
+        chunks: FetchedChunks | None = None,
+        pad: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache)
+        x = x + self.attn(self.attn_norm(x), cache, pad)
         if chunks is not None:
             x = x + self.cross(self.cross_norm(x), span, chunks)
         return x + self.mlp(self.mlp_norm(x))
@@ -285,14 +291,37 @@ class DRTForCausalLM(PretrainedLM):
         rows = h.view(b, n, self.slots_per_chunk, *h.shape[2:])[:, :, : self.config.chunk_size]
         return rows.reshape(b, n * self.config.chunk_size, *h.shape[2:])[:, :length]
 
+    # ---- left padding (SPEC 2.1: inference prompts end on a chunk boundary) ---------------------
+    def pad_slots(self, lead: torch.Tensor) -> torch.Tensor | None:
+        """lead [B] left-padding tokens per row -> the slots they fill (a whole chunk of padding
+        takes its landmark slot too), or None when no row is padded: DRTState.pad."""
+        if not bool(lead.any()):
+            return None
+        s = self.config.chunk_size
+        return lead // s * (s + 1) + lead % s
+
+    def _retrieved_key_mask(self, index: torch.Tensor, pad: torch.Tensor | None) -> torch.Tensor | None:
+        """index [B, n, K] retrieved chunk ids -> GCA key mask [B, n, K, S] (True = real key), or
+        None when no retrieved chunk holds padding (only the first real chunk of a prompt can)."""
+        if pad is None:
+            return None
+        s1 = self.slots_per_chunk
+        slots = index[..., None] * s1 + torch.arange(self.config.chunk_size, device=index.device)
+        mask = (slots >= pad[:, None, None, None]) | (index[..., None] < 0)
+        return None if bool(mask.all()) else mask
+
     # ---- pieces of the span forward ------------------------------------------------------------
-    def encode_chunks(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def encode_chunks(
+        self, rows: torch.Tensor, key_padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rows [B, m, S+1, D] lower-layer outputs of m whole chunks -> (landmark keys [B, m, D],
-        k [B, m, S, H, d], v [B, m, S, H, d]). Each chunk is encoded on its own."""
+        k [B, m, S, H, d], v [B, m, S, H, d]). Each chunk is encoded on its own;
+        key_padding_mask [B, m, S+1] (True = real slot) hides left padding inside a chunk."""
         b, m, s1, d = rows.shape
         x = rows.reshape(b * m, s1, d)
+        masks = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask.reshape(b * m, s1)}
         for block in self.encoder:
-            x = block(x)
+            x = block(x, **masks)
         x = self.encoder_norm(x).view(b, m, s1, d)
         kv = self.chunk_kv(x[:, :, :-1]).view(b, m, s1 - 1, 2, self.config.n_heads, self.config.head_dim)
         return self.landmark_key(x[:, :, -1]), kv[:, :, :, 0], kv[:, :, :, 1]
@@ -323,8 +352,9 @@ class DRTForCausalLM(PretrainedLM):
 
     # ---- the span forward, step by step -----------------------------------------------------
     def _lower_layers(self, h: torch.Tensor, state: DRTState) -> torch.Tensor:
+        masks = {} if state.pad is None else {"pad": state.pad}
         for i, block in enumerate(self.lower):
-            h = block(h, state.caches[i] if state.streaming else None)
+            h = block(h, state.caches[i] if state.streaming else None, **masks)
         return h
 
     def _append_completed_chunks(self, h: torch.Tensor, state: DRTState) -> None:
@@ -334,7 +364,10 @@ class DRTForCausalLM(PretrainedLM):
         s1 = self.slots_per_chunk
         complete = rows.shape[1] // s1
         if complete:
-            state.memory.append(*self.encode_chunks(rows[:, : complete * s1].view(h.shape[0], complete, s1, -1)))
+            first = state.memory.n_chunks
+            mask = padding_mask(state.pad, first * s1, (first + complete) * s1)
+            mask = None if mask is None else mask.view(h.shape[0], complete, s1)
+            state.memory.append(*self.encode_chunks(rows[:, : complete * s1].view(h.shape[0], complete, s1, -1), mask))
         state.pending = rows[:, complete * s1 :] if state.streaming else None
 
     def _empty_retrieval(self, h: torch.Tensor) -> CarriedRetrieval:
@@ -342,7 +375,9 @@ class DRTForCausalLM(PretrainedLM):
         empty = torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device)
         return CarriedRetrieval(empty, torch.zeros(h.shape[0], k, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device))
 
-    def _retrieve(self, group: int, h: torch.Tensor, span: Span, carried: CarriedRetrieval, memory: ChunkMemory) -> Retrieval:
+    def _retrieve(
+        self, group: int, h: torch.Tensor, span: Span, carried: CarriedRetrieval, memory: ChunkMemory, pad: torch.Tensor | None
+    ) -> Retrieval:
         """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
         retrieval, chunk j > 0 the one made by the landmark of chunk j - 1."""
         offsets, first_chunk = span.landmark_positions()
@@ -359,6 +394,10 @@ class DRTForCausalLM(PretrainedLM):
             # this span's own chunks need a mask (an upper triangle); earlier chunks all qualify
             own = scores[:, :, first_chunk:]
             own.masked_fill_(torch.ones(own.shape[1:], dtype=torch.bool, device=h.device).triu(), float("-inf"))
+            if pad is not None:
+                # chunks of nothing but left padding are no candidates
+                padded = torch.arange(scores.shape[-1], device=h.device) < (pad // self.slots_per_chunk)[:, None]
+                scores.masked_fill_(padded[:, None], float("-inf"))
             made_index, made_weight = self._select(scores)
         index, weight = carried.index[:, None], carried.weight[:, None]
         if span.n_chunks > 1:
@@ -366,7 +405,9 @@ class DRTForCausalLM(PretrainedLM):
             weight = torch.cat([weight, made_weight[:, : span.n_chunks - 1]], dim=1)
         return Retrieval(index, weight, made_index, made_weight)
 
-    def _fetch(self, retrieval: Retrieval, carried: CarriedRetrieval, memory: ChunkMemory) -> FetchedChunks | None:
+    def _fetch(
+        self, retrieval: Retrieval, carried: CarriedRetrieval, memory: ChunkMemory, pad: torch.Tensor | None
+    ) -> FetchedChunks | None:
         """The retrieved chunks' K/V from the memory tier (None when nothing is retrieved). A span
         inside one chunk reads the carried retrieval: its chunks are fetched once and kept."""
         if retrieval.index.shape[1] == 1 and carried.fetched is not None:
@@ -374,7 +415,7 @@ class DRTForCausalLM(PretrainedLM):
         if not bool((retrieval.index >= 0).any()):
             return None
         k, v, index = memory.fetch(retrieval.index)
-        chunks = FetchedChunks(k, v, index, retrieval.weight)
+        chunks = FetchedChunks(k, v, index, retrieval.weight, self._retrieved_key_mask(retrieval.index, pad))
         if retrieval.index.shape[1] == 1:
             carried.fetched = chunks
         return chunks
@@ -383,7 +424,7 @@ class DRTForCausalLM(PretrainedLM):
         per_group = self.config.upper_layers // self.config.groups
         for j in range(group * per_group, (group + 1) * per_group):
             cache = state.caches[self.config.lower_layers + j] if state.streaming else None
-            h = self.upper[j](h, cache, span, chunks)
+            h = self.upper[j](h, cache, span, chunks, state.pad)
         return h
 
     def _carry(
@@ -395,7 +436,10 @@ class DRTForCausalLM(PretrainedLM):
             return CarriedRetrieval(retrieval.made_index[:, -1], retrieval.made_weight[:, -1])
         if span.n_chunks == 1:
             return carried
-        last = None if chunks is None else FetchedChunks(chunks.k, chunks.v, chunks.index[:, -1:], chunks.weight[:, -1:])
+        last = None
+        if chunks is not None:
+            key_mask = None if chunks.key_mask is None else chunks.key_mask[:, -1:]
+            last = FetchedChunks(chunks.k, chunks.v, chunks.index[:, -1:], chunks.weight[:, -1:], key_mask)
         return CarriedRetrieval(retrieval.index[:, -1], retrieval.weight[:, -1], last)
 
     def run_span(self, slot_ids: torch.Tensor, state: DRTState) -> torch.Tensor:
@@ -413,8 +457,8 @@ class DRTForCausalLM(PretrainedLM):
             carried = state.retrieval or [self._empty_retrieval(h) for _ in range(self.config.groups)]
             next_carried = []
             for g in range(self.config.groups):
-                retrieval = self._retrieve(g, h, span, carried[g], state.memory)
-                chunks = self._fetch(retrieval, carried[g], state.memory)
+                retrieval = self._retrieve(g, h, span, carried[g], state.memory, state.pad)
+                chunks = self._fetch(retrieval, carried[g], state.memory, state.pad)
                 h = self._upper_group(g, h, state, span, chunks)
                 next_carried.append(self._carry(retrieval, carried[g], chunks, span, state.slots + span.length))
                 if state.record is not None and retrieval.made_index is not None:
@@ -431,17 +475,24 @@ class DRTForCausalLM(PretrainedLM):
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
         return_retrieval: bool = False,
+        attention_mask: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
 
         Landmarks are inserted here and the last chunk is right-padded; neither appears in the
-        logits or the loss. With return_retrieval, `retrieval` is a RetrievalInfo (row t of each
-        group: the chunks retrieved by chunk t's landmark, used by chunk t+1).
+        logits or the loss. attention_mask [B, L] (0 = left padding, then 1s; HF convention)
+        masks the padding out of every attention and of retrieval; the chunk grid starts at the
+        first column either way, and the logits at padding positions are meaningless. With
+        return_retrieval, `retrieval` is a RetrievalInfo (row t of each group: the chunks
+        retrieved by chunk t's landmark, used by chunk t+1).
         """
         input_ids = self.check_input_ids(input_ids)
         length = input_ids.shape[1]
+        pad = None
+        if attention_mask is not None:
+            pad = self.pad_slots((~check_left_padding(attention_mask, input_ids).to(input_ids.device)).sum(1))
         record = RetrievalInfo([], []) if return_retrieval else None
-        state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record)
+        state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record, pad=pad)
         h = self.run_span(self.to_slots(input_ids), state)
         logits = self.lm_head(self.norm(self.real_rows(h, length)))
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)

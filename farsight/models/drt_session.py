@@ -35,6 +35,12 @@ class DRTSession(Session):
 
     A call that fails (e.g. the disk tier's ENOSPC) leaves the caches, the carried state, the
     chunk memory and the records as they were before it, so the same tokens can be fed again.
+
+    The prompt (the first prefill) is left-padded with `prompt_offset` pad slots so that it ends
+    on a chunk boundary (SPEC 2.1): its last landmark sees the whole prompt and the first answer
+    token starts a chunk that reads that landmark's retrieval, wherever the question falls. Pads
+    (and the rows' own left padding given by an attention_mask) are masked out of the sliding
+    window, the chunk encoder and GCA, and chunks of nothing but padding are never retrieved.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class DRTSession(Session):
         self.config = model.config
         self.segment_slots = segment_chunks * model.slots_per_chunk
         self.memory = ChunkMemory(memory, self.device, path, kv_dtype, overwrite)
+        self._pads_due = 0  # alignment pads still to be fed in front of the prompt's first block
         self.state = DRTState(
             memory=self.memory,
             caches=[SlidingKVCache(self.config.window) for _ in model.layers()],
@@ -62,6 +69,13 @@ class DRTSession(Session):
 
     def _release(self) -> None:
         self.memory.close()
+
+    def _begin(self, length: int | None, attention_mask: torch.Tensor | None) -> None:
+        self.prompt_offset = self._pads_due = 0 if length is None else -length % self.config.chunk_size
+        lead = torch.full((self.batch_size,), self.prompt_offset, device=self.device)
+        if attention_mask is not None:
+            lead += (~attention_mask).sum(1)
+        self.state.pad = self.model.pad_slots(lead)
 
     def _mark(self) -> dict[str, Any]:
         # shallow copies are snapshots: a span replaces the caches' tensors, the pending rows and
@@ -74,12 +88,14 @@ class DRTSession(Session):
             "retrieval": None if state.retrieval is None else [copy.copy(carried) for carried in state.retrieval],
             "chunks": self.memory.n_chunks,
             "records": None if state.record is None else len(state.record.indices),
+            "pads_due": self._pads_due,
         }
 
     def _undo(self, mark: dict[str, Any]) -> None:
         state = self.state
         state.slots, state.pending, state.caches, state.retrieval = mark["slots"], mark["pending"], mark["caches"], mark["retrieval"]
         self.memory.truncate(mark["chunks"])
+        self._pads_due = mark["pads_due"]
         if state.record is not None:
             del state.record.indices[mark["records"] :], state.record.weights[mark["records"] :]
 
@@ -95,18 +111,24 @@ class DRTSession(Session):
         return [{c for c in row if c >= 0} for row in rows]
 
     def _slots(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids [B, T] -> slot ids [B, P] with the landmarks due, and the slot offsets of the tokens."""
+        """Token ids [B, T] -> slot ids [B, P] with the pads and landmarks due, and the slot
+        offsets of the T tokens."""
         s = self.config.chunk_size
-        done = self.tokens_seen % s
+        pads = self._pads_due
+        if pads:
+            pad_id = self.config.pad_id if self.config.pad_id is not None else 0
+            ids = torch.cat([ids.new_full((ids.shape[0], pads), pad_id), ids], dim=1)
+        done = (self.tokens_seen + self.prompt_offset - pads) % s
         t = ids.shape[1]
         positions = torch.arange(t, device=ids.device)
         offsets = positions + (done + positions) // s
         slots = ids.new_full((ids.shape[0], t + (done + t) // s), self.config.landmark_id)
         slots[:, offsets] = ids
-        return slots, offsets
+        return slots, offsets[pads:]
 
     def _run(self, ids: torch.Tensor, every_position: bool) -> torch.Tensor:
         slots, offsets = self._slots(ids)
+        self._pads_due = 0
         start = self.state.slots
         s1 = self.model.slots_per_chunk
         last = int(offsets[-1])

@@ -26,12 +26,14 @@ class RetrievalInfo:
 @dataclass
 class FetchedChunks:
     """The chunks a retrieval reads, as the GCA op takes them: k, v [B, m, S, H, d] and, per
-    query chunk, index [B, n, K] into those m chunks (-1 empty) with softmax weights [B, n, K]."""
+    query chunk, index [B, n, K] into those m chunks (-1 empty) with softmax weights [B, n, K];
+    key_mask [B, n, K, S] (True = real key) when a retrieved chunk holds left padding, else None."""
 
     k: torch.Tensor
     v: torch.Tensor
     index: torch.Tensor
     weight: torch.Tensor
+    key_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,7 +54,9 @@ class DRTState:
     caches: one rolling KV cache per decoder layer, or None in the training forward (one span
     from slot 0, everything in the autograd graph); slots: slots processed so far; pending:
     lower-layer outputs of the incomplete chunk [B, r, D]; retrieval: per group, the retrieval
-    the current chunk reads (None before the first span); record: every retrieval made, if kept.
+    the current chunk reads (None before the first span); record: every retrieval made, if kept;
+    pad: [B] long, the slots before pad[b] are left padding (masked out of every attention and of
+    retrieval), or None without padding.
     """
 
     memory: ChunkMemory
@@ -61,6 +65,7 @@ class DRTState:
     pending: torch.Tensor | None = None
     retrieval: list[CarriedRetrieval] | None = None
     record: RetrievalInfo | None = None
+    pad: torch.Tensor | None = None
 
     @property
     def streaming(self) -> bool:

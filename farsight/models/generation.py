@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,26 +54,34 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    attention_mask: torch.Tensor | None = None,
+    pad_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Prefill input_ids [B, T] into `session`, then sample up to max_new_tokens with `step`.
+    """Prefill input_ids [B, T] into `session` (attention_mask [B, T]: 0 for left padding, see
+    Session.prefill), then sample up to max_new_tokens with `step`.
 
-    Returns [B, T + new] ids; rows that produced eos continue with eos, and the loop stops
-    early once every row has.
+    Returns [B, T + new] ids. A row ends at its first token among eos_token_id (one id or
+    several) and continues with pad_token_id (default: the first eos id); the loop stops early
+    once every row has ended.
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    if pad_token_id is None and eos_ids:
+        pad_token_id = eos_ids[0]
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
-    logits = session.prefill(input_ids)
+    logits = session.prefill(input_ids, attention_mask)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=logits.device)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=logits.device)
     new_tokens = []
     for i in range(max_new_tokens):
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
+        if eos_ids:
+            token = token.masked_fill(finished, pad_token_id)
+            finished |= torch.isin(token, eos)
         new_tokens.append(token)
         if i + 1 == max_new_tokens or bool(finished.all()):
             break

@@ -116,15 +116,17 @@ class PretrainedLM(nn.Module):
         top_p: float | None = None,
         eos_token_id: int | None = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
         **session_options: Any,
     ) -> torch.Tensor:
         """Sample continuations of input_ids [B, T] through a fresh session (session_options go
-        to `new_session`, e.g. DRT's memory tier); temperature=0 decodes greedily. Returns [B, T + new]."""
+        to `new_session`, e.g. DRT's memory tier); temperature=0 decodes greedily;
+        attention_mask [B, T] marks left padding with 0 (models that mask it). Returns [B, T + new]."""
         input_ids = self.check_input_ids(input_ids)
         with self.new_session(input_ids.shape[0], **session_options) as session:
             return session.generate(
                 input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                eos_token_id=eos_token_id, generator=generator,
+                eos_token_id=eos_token_id, generator=generator, attention_mask=attention_mask,
             )
 
     def save_pretrained(

@@ -3,7 +3,8 @@
 A session owns a model's decoding state (KV caches, UQ-KV caches, DRT's streaming state and
 chunk memory) and is fed tokens in order:
 
-    prefill(ids [B, T] or an iterable of blocks) -> next-token logits [B, V]
+    prefill(ids [B, T] or an iterable of blocks, attention_mask=None, length=None)
+                                                 -> next-token logits [B, V]
     step(token [B] or [B, 1])                    -> next-token logits [B, V]
     feed(ids [B, T])                             -> logits [B, T, V] after each token
     score(ids [B, T])                            -> log-probs [B, T] of ids as the continuation
@@ -11,7 +12,10 @@ chunk memory) and is fed tokens in order:
     close() / `with`                             -> frees files and buffers, restores train mode
 
 A model implements `_run(ids, every_position)`; batch size, id checks, closing and the
-inference-mode switch live here once.
+inference-mode switch live here once. The first prefill of a session is the prompt: a model may
+lay it out first (`_begin`; DRT left-pads it so that it ends on a chunk boundary, SPEC 2.1), and
+a left-padded batch (HF's attention_mask: zeros, then ones) is accepted by models that mask
+padding (DRT).
 
 A call that fails midway (a full disk, out of memory, an interrupt) must not leave half-advanced
 state behind: a session that implements `_mark`/`_undo` is put back as it was before the call
@@ -31,8 +35,35 @@ from farsight.errors import InputError, StateError
 from farsight.models.generation import generate
 
 
+def check_left_padding(attention_mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """attention_mask like ids ([B, T] or [T]) of 0/1 (HF convention) with only leading zeros ->
+    bool [B, T], True for tokens; anything else is refused with the fix."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise InputError("attention_mask must be a torch.Tensor of 0 (padding) and 1 (token)")
+    mask = attention_mask if attention_mask.dim() == 2 else attention_mask[None]
+    shape = list(ids.shape) if ids.dim() == 2 else [1, ids.shape[-1]]
+    if list(mask.shape) != shape:
+        raise InputError(f"attention_mask has shape {list(attention_mask.shape)} but the ids {list(ids.shape)}; give one 0/1 per token")
+    if mask.dtype != torch.bool:
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
+        mask = mask != 0
+    if mask.shape[1] and (not bool(mask[:, -1].all()) or bool((mask[:, 1:].int() < mask[:, :-1].int()).any())):
+        raise InputError(
+            "attention_mask must be left padding (zeros, then ones, every row ending on a token); "
+            "pad on the left (tokenizer.padding_side = 'left')"
+        )
+    return mask
+
+
 class Session:
-    """Base of the per-model sessions; see the module docstring for the protocol."""
+    """Base of the per-model sessions; see the module docstring for the protocol.
+
+    prompt_offset: tokens the session put in front of the prompt (DRT's alignment padding), so
+    that token i of the prompt sits at stream position prompt_offset + i.
+    """
+
+    prompt_offset: int = 0
 
     def __init__(self, model: nn.Module, batch_size: int) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -60,6 +91,16 @@ class Session:
 
     def _undo(self, mark: Any) -> None:
         """Put the state back as it was when `mark` was taken."""
+
+    def _begin(self, length: int | None, attention_mask: torch.Tensor | None) -> None:
+        """Lay out a prompt of `length` tokens (None: unknown) before it is fed; attention_mask
+        [B, T] bool (True = token, left padding False) or None. Models that mask no padding
+        refuse padded rows."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise InputError(
+                f"{type(self).__name__} does not take left-padded prompts (attention_mask with zeros); "
+                "feed each row in a session of its own"
+            )
 
     def _release(self) -> None:
         """Free what the session holds beyond Python objects (files, pinned pages)."""
@@ -101,17 +142,41 @@ class Session:
         self._next_logits = logits[:, -1]
         return logits
 
-    def prefill(self, ids: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
+    def prefill(
+        self,
+        ids: torch.Tensor | Iterable[torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        length: int | None = None,
+    ) -> torch.Tensor:
         """Feed a prompt (a [B, T] / [T] tensor, or an iterable of such blocks, e.g. a 16M-token
-        file read in pieces); returns the next-token logits [B, V] after its last token."""
-        blocks = [ids] if isinstance(ids, torch.Tensor) else ids
-        fed = False
+        file read in pieces); returns the next-token logits [B, V] after its last token.
+
+        On a fresh session the model may align the prompt (DRT: left padding to a chunk
+        boundary, masked out; a question at any offset is answered like an aligned one). For an
+        iterable, pass the prompt's total `length` in tokens, or it is fed unaligned.
+        attention_mask [B, T] (a tensor prompt only): 1 for tokens, 0 for left padding, so rows
+        of different lengths share a batch (models that mask padding: DRT).
+        """
+        if isinstance(ids, torch.Tensor):
+            blocks, length = [ids], ids.shape[-1] or None
+            mask = None if attention_mask is None else check_left_padding(attention_mask, ids).to(self.device)
+        else:
+            if attention_mask is not None:
+                raise InputError("attention_mask goes with a tensor prompt; for an iterable of blocks, drop the padding instead")
+            if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+                raise InputError(f"length must be the prompt's number of tokens (an integer >= 1), got {length!r}")
+            blocks, mask = ids, None
+        if self.tokens_seen == 0:
+            self._begin(length, mask)
+        fed = 0
         for block in blocks:
             if block.shape[-1]:
                 self._feed(block, every_position=False)
-                fed = True
+                fed += block.shape[-1]
         if not fed:
             raise InputError("prefill got no tokens; pass at least one token per row")
+        if length is not None and fed != length:
+            raise InputError(f"prefill was told length={length} but the blocks held {fed} tokens; pass the prompt's true length")
         return self._next_logits
 
     def step(self, token: torch.Tensor) -> torch.Tensor:

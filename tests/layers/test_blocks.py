@@ -105,3 +105,13 @@ def test_sliding_with_window_covering_everything_is_causal_attention():
     causal.load_state_dict(sliding.state_dict())
     x = torch.randn(1, 20, 24, dtype=torch.float64)
     torch.testing.assert_close(sliding(x), causal(x))
+
+
+def test_rotary_frequencies_survive_a_cast_to_bf16():
+    # a cast model keeps fp64 angles: a bf16-rounded frequency would be off by radians at 64K
+    from farsight.layers import RotaryEmbedding, rotary_reference
+
+    rope = RotaryEmbedding(16).to(torch.bfloat16)
+    x = torch.randn(1, 3, 2, 16, dtype=torch.float64)
+    got = rope(x, offset=65533)
+    torch.testing.assert_close(got, rotary_reference(x, torch.arange(65533, 65536)), atol=1e-10, rtol=0)

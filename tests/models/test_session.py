@@ -29,11 +29,22 @@ def ids(b, n, seed=1):
     return torch.randint(0, V - 4, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
+def streamed_forward(model, x, prompt):
+    """The parallel forward over what a session streams after prefill(x[:, :prompt]): DRT puts
+    -prompt % S masked pads in front so that the prompt ends on a chunk boundary."""
+    if not isinstance(model, DRTForCausalLM):
+        return model(x).logits
+    pads = -prompt % model.config.chunk_size
+    mask = torch.ones(x.shape[0], pads + x.shape[1], dtype=torch.long)
+    mask[:, :pads] = 0
+    return model(torch.cat([x.new_zeros(x.shape[0], pads), x], 1), attention_mask=mask).logits[:, pads:]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_feed_and_steps_equal_the_parallel_forward(kind):
     model = make(kind)
     x = ids(2, 29)
-    full = model(x).logits
+    full = streamed_forward(model, x, 7)
     with model.new_session(batch_size=2) as session:
         assert isinstance(session, Session)
         first = session.prefill(x[:, :7])
@@ -49,7 +60,7 @@ def test_prefill_feed_and_steps_equal_the_parallel_forward(kind):
 def test_score_is_the_log_probability_of_the_continuation(kind):
     model = make(kind)
     x = ids(2, 23)
-    want = model(x).logits.log_softmax(-1)[:, 8:-1].gather(-1, x[:, 9:, None]).squeeze(-1)
+    want = streamed_forward(model, x, 9).log_softmax(-1)[:, 8:-1].gather(-1, x[:, 9:, None]).squeeze(-1)
     with model.new_session(batch_size=2) as session:
         with pytest.raises(InputError, match="prefill at least one token"):
             session.score(x[:, :3])
@@ -74,7 +85,7 @@ def test_generate_is_one_code_path_for_every_model(kind, monkeypatch):
     out = model.generate(prompt, 6, temperature=0)
     assert len(calls) == 1 and out.shape == (1, 18)
     # greedy: every new token is the argmax of the parallel forward over what came before
-    assert torch.equal(model(out).logits[:, 11:-1].argmax(-1), out[:, 12:])
+    assert torch.equal(streamed_forward(model, out, 12)[:, 11:-1].argmax(-1), out[:, 12:])
 
 
 @pytest.mark.parametrize("kind", ["causal", "drt"])
@@ -106,7 +117,7 @@ def test_drt_decode_fetches_retrieved_chunks_once_per_chunk(memory):
     model = make("drt")
     s, groups = model.config.chunk_size, model.config.groups
     x = ids(1, 61)
-    full = model(x).logits
+    full = streamed_forward(model, x, 13)
     with model.new_session(memory=memory) as session:
         store = session.memory.store
         gathers = []
@@ -125,6 +136,39 @@ def test_drt_decode_fetches_retrieved_chunks_once_per_chunk(memory):
             logits.append(session.step(x[:, i]))
     torch.testing.assert_close(torch.stack(logits, 1), full[:, 13:])
     steps = gathers[1:]
-    # token i is the first of its chunk when i % s == 0: the retrieval changed, each group reads once
+    # token i is the first of its chunk when (i + pads) % s == 0: the retrieval changed, each group reads once
+    pads = session.prompt_offset
+    assert pads == -13 % s
     for i, count in zip(range(13, 61), steps):
-        assert count == (groups if i % s == 0 else 0), (i, steps)
+        assert count == (groups if (i + pads) % s == 0 else 0), (i, steps)
+
+
+class ScriptedSession:
+    """Stands in for a session: its logits put all mass on the next token of a script per row."""
+
+    def __init__(self, script):
+        self.script, self.t = torch.tensor(script), 0
+
+    def _logits(self):
+        return torch.nn.functional.one_hot(self.script[:, self.t], V).double() * 50
+
+    def prefill(self, ids, attention_mask=None):
+        return self._logits()
+
+    def step(self, token):
+        self.t += 1
+        return self._logits()
+
+
+def test_generate_stops_rows_at_any_of_several_eos_ids_and_pads_after():
+    from farsight.models.generation import generate
+
+    script = [[5, 9, 7, 7, 7], [5, 6, 8, 3, 3], [1, 2, 3, 4, 5]]
+    prompt = torch.zeros(3, 2, dtype=torch.long)
+    out = generate(ScriptedSession(script), prompt, 4, temperature=0, eos_token_id=[9, 8], pad_token_id=0)
+    assert out[:, 2:].tolist() == [[5, 9, 0, 0], [5, 6, 8, 0], [1, 2, 3, 4]]
+    # one eos id, no pad id: finished rows repeat eos, and the loop stops once every row ended
+    out = generate(ScriptedSession(script[:2]), prompt[:2], 5, temperature=0, eos_token_id=8)
+    assert out[:, 2:].tolist() == [[5, 9, 7, 7, 7], [5, 6, 8, 8, 8]]
+    out = generate(ScriptedSession([[9, 1, 1], [8, 1, 1]]), prompt[:2], 3, temperature=0, eos_token_id=[8, 9])
+    assert out.shape == (2, 3)

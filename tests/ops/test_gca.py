@@ -254,3 +254,60 @@ def test_inference_path_without_grad_matches_reference(softmax_one):
     want = gca_reference(q, k, v, index, weight, softmax_one=softmax_one)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     assert torch.count_nonzero(got[:, 2]) == 0
+
+
+def _key_mask(index: torch.Tensor, s: int, seed: int = 5) -> torch.Tensor:
+    """A random [B, n, K, S] key mask with some slots fully masked."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(*index.shape, s, generator=g) > 0.4
+    mask[0, 0, 0] = False  # a slot with no real key
+    mask[-1, -1, -1] = True
+    return mask
+
+
+@pytest.mark.parametrize("softmax_one", [True, False])
+def test_key_mask_recompute_matches_reference(softmax_one: bool) -> None:
+    inputs = make_inputs(s=7, n_slots=3, index=[[[0, 1, 2], [2, -1, 3], [3, 3, 0]]] * 2)
+    got = assert_match(inputs, softmax_one=softmax_one, key_mask=_key_mask(inputs[3], 7))
+    assert all(torch.isfinite(x).all() for x in got)
+
+
+@pytest.mark.parametrize("softmax_one", [True, False])
+def test_key_mask_equals_dropping_the_masked_keys(softmax_one: bool) -> None:
+    # independent definition: a chunk whose first p keys are masked attends like the chunk cut
+    # to its last S - p keys (the left padding of DRT's first prompt chunk)
+    torch.manual_seed(0)
+    q, k, v, _, _ = make_inputs(batch=1, n=1, m=1, s=6)
+    index, weight = torch.zeros(1, 1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.float64)
+    mask = torch.zeros(1, 1, 1, 6, dtype=torch.bool)
+    mask[..., 2:] = True
+    for backend in ("torch", "reference"):
+        got = gca(q, k, v, index, weight, softmax_one=softmax_one, key_mask=mask, backend=backend)
+        want = gca_reference(q, k[:, :, 2:], v[:, :, 2:], index, weight, softmax_one=softmax_one)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("softmax_one", [True, False])
+def test_key_mask_inference_path_and_fully_masked_slot(softmax_one: bool) -> None:
+    q, k, v, index, weight = make_inputs(s=5, n_slots=3, index=[[[0, 1, -1], [2, 2, 3], [1, 0, 3]]] * 2)
+    mask = _key_mask(index, 5)
+    with torch.no_grad():
+        got = gca(q, k, v, index, weight, softmax_one=softmax_one, key_mask=mask)
+    want = gca_reference(q, k, v, index, weight, softmax_one=softmax_one, key_mask=mask)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    # the fully masked slot adds exactly what an empty slot adds: nothing
+    emptied = torch.where(mask.any(-1), index, -1)
+    without = gca_reference(q, k, v, emptied, weight, softmax_one=softmax_one, key_mask=mask)
+    torch.testing.assert_close(want, without, atol=1e-12, rtol=0)
+    full = gca_reference(q, k, v, index, weight, softmax_one=softmax_one, key_mask=torch.ones_like(mask))
+    torch.testing.assert_close(full, gca_reference(q, k, v, index, weight, softmax_one=softmax_one), atol=0, rtol=0)
+
+
+def test_key_mask_bad_inputs() -> None:
+    q, k, v, index, weight = make_inputs()
+    with pytest.raises(ValueError, match=r"key_mask must have shape \[2, 3, 2, 5\]"):
+        gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
+        gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5))
+    with pytest.raises(ValueError, match='triton GCA backend takes no key_mask; use backend="torch"'):
+        gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5, dtype=torch.bool), backend="triton")

@@ -46,10 +46,14 @@ class CorpusFiller(Filler):
 
 
 class RepeatedFiller(Filler):
-    """The repeated-sentence haystack of the original passkey test (Mohtashami & Jaggi, 2023)."""
+    """The repeated-sentence haystack of the original passkey test (Mohtashami & Jaggi, 2023),
+    RULER's "noise" haystack. Each sentence is encoded on its own with a leading space, so any
+    run of them decodes to text that a BPE tokenizer encodes back to the same ids (lengths stay
+    exact through lm-eval, which tokenizes text)."""
 
     def __init__(self, tokenizer: Any, text: str = REPEATED_TEXT) -> None:
-        self.unit = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        sentences = [" " + s.strip() + "." for s in text.split(".") if s.strip()]
+        self.unit = np.concatenate([np.asarray(tokenizer.encode(s), dtype=np.int64) for s in sentences])
 
     def take(self, n: int, rng: np.random.Generator) -> np.ndarray:
         reps = -(-n // len(self.unit))

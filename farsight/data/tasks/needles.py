@@ -57,9 +57,11 @@ class NeedleSample:
     def answer(self) -> np.ndarray:
         return self.input_ids[self.answer_start : self.answer_start + self.answer_length]
 
-    def evidence_chunks(self, chunk_size: int) -> set[int]:
-        """Chunks (of `chunk_size` tokens) holding part of the evidence: what a retriever must fetch."""
-        return {c for start, n in self.evidence for c in range(start // chunk_size, (start + n - 1) // chunk_size + 1)}
+    def evidence_chunks(self, chunk_size: int, offset: int = 0) -> set[int]:
+        """Chunks (of `chunk_size` tokens) holding part of the evidence: what a retriever must
+        fetch; `offset` tokens precede the prompt in the stream (a session's alignment padding)."""
+        spans = [(offset + start, n) for start, n in self.evidence]
+        return {c for start, n in spans for c in range(start // chunk_size, (start + n - 1) // chunk_size + 1)}
 
     def loss_weights(self, answer_weight: float) -> np.ndarray:
         """1 for every token, `answer_weight` for the answer tokens (float32 [length])."""
@@ -143,7 +145,7 @@ class NeedleTask:
         )
 
 
-def _whole(task: str, option: str, value: Any, minimum: int) -> int:
+def whole_option(task: str, option: str, value: Any, minimum: int) -> int:
     """A task option that must be a whole number of at least `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InputError(f"the {task} task's option {option} must be a whole number >= {minimum}, got {value!r}")
@@ -164,7 +166,7 @@ class PasskeyTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, digits: int = 5) -> None:
         super().__init__(tokenizer, filler, align)
-        self.digits = _whole(self.name, "digits", digits, 1)
+        self.digits = whole_option(self.name, "digits", digits, 1)
 
     def draw(self, rng: np.random.Generator):
         key = _digits(rng, self.digits)
@@ -182,8 +184,8 @@ class MultiKeyTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, keys: int = 4, digits: int = 5) -> None:
         super().__init__(tokenizer, filler, align)
-        self.keys = _whole(self.name, "keys", keys, 1)
-        self.digits = _whole(self.name, "digits", digits, 1)
+        self.keys = whole_option(self.name, "keys", keys, 1)
+        self.digits = whole_option(self.name, "digits", digits, 1)
         if self.keys > 26**4:
             raise InputError(f"the {self.name} task's option keys={keys} exceeds the {26**4} distinct 4-letter key names")
 
@@ -214,8 +216,8 @@ class TwoHopTask(NeedleTask):
 
     def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, distractors: int = 2, symbol: int = 4) -> None:
         super().__init__(tokenizer, filler, align)
-        self.distractors = _whole(self.name, "distractors", distractors, 0)
-        self.symbol = _whole(self.name, "symbol", symbol, 1)
+        self.distractors = whole_option(self.name, "distractors", distractors, 0)
+        self.symbol = whole_option(self.name, "symbol", symbol, 1)
         if 26**symbol < 3 * (distractors + 1):
             raise InputError(f"the {self.name} task needs {3 * (distractors + 1)} distinct symbols but symbol={symbol} letters give {26**symbol}; raise symbol")
 

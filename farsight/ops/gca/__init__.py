@@ -34,7 +34,12 @@ def gca_triton(*args, **kwargs) -> torch.Tensor:
 
 
 def check_gca_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, weight: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
 ) -> None:
     """Raise a ValueError/TypeError naming the bad argument and the fix; see `gca` for shapes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -61,6 +66,13 @@ def check_gca_inputs(
         )
     if index.shape[2] < 1:
         raise ValueError("index must hold K >= 1 slots per query chunk; use -1 for slots with no chunk")
+    if key_mask is not None:
+        check_tensor("key_mask", key_mask, ndim=4)
+        if key_mask.dtype != torch.bool:
+            raise TypeError(f"key_mask must be a bool tensor (True marks real keys), got {key_mask.dtype}")
+        if key_mask.device != q.device:
+            raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}; move them to one device")
+        check_shape("key_mask", key_mask, (*index.shape, k.shape[2]), "[B, n, K, S]: per retrieval slot, which of the chunk's S keys are real")
     m = k.shape[1]
     if index.numel() and bool(((index < -1) | (index >= m)).any()):
         lo, hi = int(index.min()), int(index.max())
@@ -78,6 +90,7 @@ def gca(
     weight: torch.Tensor,
     softmax_one: bool = True,
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Grouped cross-attention.
@@ -93,6 +106,11 @@ def gca(
     1/sqrt(d). Differentiable in q, k, v and weight; empty slots add exactly zero and get a zero
     weight gradient.
 
+    key_mask [B, n, K, S] bool (True = real key), optional: the keys of retrieval slot k that
+    query chunk t may attend to (DRT's left padding makes the first chunk of a prompt part
+    padding). Masked keys leave every softmax; a slot with no real key adds zero. Served by the
+    "torch" and "reference" backends ("auto" picks "torch" when a mask is given).
+
     q, k, v have one dtype; weight has q's dtype or fp32 and is used in fp32 (fp64 for fp64
     q). Under autocast for q's device type, q, k and v are cast to the autocast dtype first
     and the output has that dtype. Gradients come back in each input's own dtype. Scores,
@@ -103,12 +121,16 @@ def gca(
     "reference" (`gca_reference`).
     """
     with autocast_inputs(q, k, v) as (q, k, v):
-        check_gca_inputs(q, k, v, index, weight)
+        check_gca_inputs(q, k, v, index, weight, key_mask)
         if scale is not None and not isinstance(scale, (int, float)):
             raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
+        if key_mask is not None and backend == "auto":
+            backend = "torch"
         backend = resolve_backend(backend, q, BACKENDS)
         if backend == "torch":
-            return gca_recompute(q, k, v, index, weight, softmax_one, scale)
+            return gca_recompute(q, k, v, index, weight, softmax_one, scale, key_mask)
         if backend == "reference":
-            return gca_reference(q, k, v, index, weight, softmax_one, scale)
+            return gca_reference(q, k, v, index, weight, softmax_one, scale, key_mask)
+        if key_mask is not None:
+            raise ValueError('the triton GCA backend takes no key_mask; use backend="torch" (or "auto")')
         return gca_triton(q, k, v, index, weight, softmax_one, scale)

@@ -29,17 +29,29 @@ def _gather(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
     return x[rows, chunk]
 
 
-def _probs(q: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None, softmax_one: bool):
-    """q [B, n, H, Lq, d], keys [B, n, H, S, d] -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq].
+def _logsumexp(scores: torch.Tensor, softmax_one: bool) -> torch.Tensor:
+    """Softmax normaliser over the last dim, kept finite when every score is -inf (all keys
+    masked) so that exp(score - lse) is exactly zero there instead of NaN.
 
     The logsumexp of softmax_1 includes the implicit zero logit (logaddexp with 0), so that
     exp(score - lse) is softmax_1 directly and the backward can rebuild it from the saved value.
     """
+    lse = torch.logsumexp(scores, dim=-1)
+    if softmax_one:
+        return torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+    return lse.clamp_min(torch.finfo(lse.dtype).min)
+
+
+def _probs(
+    q: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None
+):
+    """q [B, n, H, Lq, d], keys [B, n, H, S, d], mask [B, n, S] (True = real key) or None
+    -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq]."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask[:, :, None, None, :], float("-inf"))
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)
-        if softmax_one:
-            lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+        lse = _logsumexp(scores, softmax_one)
     return scores.sub_(lse[..., None]).exp_(), lse
 
 
@@ -54,6 +66,7 @@ class _GCARecompute(torch.autograd.Function):
         weight: torch.Tensor,
         softmax_one: bool,
         scale: float,
+        key_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, n, lq, heads, dim = q.shape
         n_slots = index.shape[2]
@@ -68,16 +81,17 @@ class _GCARecompute(torch.autograd.Function):
         # With no memory at all every slot is empty (checked by `gca`): the output is zero.
         for j in range(n_slots if k.shape[1] > 0 else 0):
             # Empty slots read chunk 0 and are multiplied by a zero weight: exact zeros, no branch.
-            probs, lse[j] = _probs(qh, _gather(kh, chunk[:, :, j]), scale, None, softmax_one)
+            mask = None if key_mask is None else key_mask[:, :, j]
+            probs, lse[j] = _probs(qh, _gather(kh, chunk[:, :, j]), scale, None, softmax_one, mask)
             per_chunk = torch.matmul(probs, _gather(vh, chunk[:, :, j]))
             out.add_(per_chunk.mul_(w[:, :, j, None, None, None]))
-        ctx.save_for_backward(q, k, v, index, weight, lse)
+        ctx.save_for_backward(q, k, v, index, weight, lse, key_mask)
         ctx.softmax_one, ctx.scale = softmax_one, scale
         return out.permute(0, 1, 3, 2, 4).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, index, weight, lse = ctx.saved_tensors
+        q, k, v, index, weight, lse, key_mask = ctx.saved_tensors
         need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
         batch, n, _, heads, dim = q.shape
         m, s = k.shape[1], k.shape[2]
@@ -95,7 +109,8 @@ class _GCARecompute(torch.autograd.Function):
         flat = chunk + torch.arange(batch, device=q.device)[:, None, None] * m
         for j in range(index.shape[2] if m > 0 else 0):
             keys, values = _gather(kh, chunk[:, :, j]), _gather(vh, chunk[:, :, j])
-            probs, _ = _probs(qh, keys, ctx.scale, lse[j], ctx.softmax_one)
+            mask = None if key_mask is None else key_mask[:, :, j]
+            probs, _ = _probs(qh, keys, ctx.scale, lse[j], ctx.softmax_one, mask)
             per_chunk = torch.matmul(probs, values)  # [B, n, H, Lq, d]
             # dL/dw_j = <dO, o_j>; the slot's own output gradient is w_j dO.
             dw[:, :, j] = (gh * per_chunk).sum(dim=(2, 3, 4))
@@ -123,11 +138,19 @@ class _GCARecompute(torch.autograd.Function):
             dw.to(weight.dtype) if need_w else None,
             None,
             None,
+            None,
         )
 
 
 def _gca_no_grad(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, softmax_one: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    softmax_one: bool,
+    scale: float,
+    key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
     """Inference form: all K slots in one gather and two batched matmuls.
 
@@ -148,9 +171,9 @@ def _gca_no_grad(
     values = v.to(work)[rows, chunk].permute(0, 1, 4, 2, 3, 5).reshape(batch, n, heads, n_slots * s, dim)
     scores = torch.matmul(_heads_first(q.to(work)), keys.transpose(-1, -2)).mul_(scale)
     scores = scores.view(batch, n, heads, lq, n_slots, s)
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    if softmax_one:
-        lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+    if key_mask is not None:
+        scores.masked_fill_(~key_mask[:, :, None, None], float("-inf"))
+    lse = _logsumexp(scores, softmax_one)[..., None]
     probs = scores.sub_(lse).exp_().mul_(w[:, :, None, None, :, None])
     out = torch.matmul(probs.view(batch, n, heads, lq, n_slots * s), values)
     return out.permute(0, 1, 3, 2, 4).to(q.dtype)
@@ -164,8 +187,10 @@ def gca_recompute(
     weight: torch.Tensor,
     softmax_one: bool = True,
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K] -> o [B, n, Lq, H, d].
+    """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K], key_mask [B, n, K, S] or
+    None -> o [B, n, Lq, H, d].
 
     Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
     pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
@@ -176,5 +201,5 @@ def gca_recompute(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if k.shape[1] > 0 and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, weight))):
-        return _gca_no_grad(q, k, v, index, weight, softmax_one, scale)
-    return amp_function(_GCARecompute, q.device.type).apply(q, k, v, index, weight, softmax_one, scale)
+        return _gca_no_grad(q, k, v, index, weight, softmax_one, scale, key_mask)
+    return amp_function(_GCARecompute, q.device.type).apply(q, k, v, index, weight, softmax_one, scale, key_mask)

@@ -1,0 +1,643 @@
+"""RULER-style long-context tasks (Hsieh et al. 2024), generated offline.
+
+The families that RULER builds without downloading anything, as `NeedleTask`s (the same
+`sample(length, depth, rng)` protocol as passkey), so the needle evaluation, its tables and
+heatmaps run them unchanged:
+
+- NIAH (`NIAHTask`): needles "The special magic {kind} for {key} is: {value}." in a haystack;
+  one key asked (single), one of several keys asked (multikey), one key with several values
+  (multivalue), or several keys asked (multiquery). Keys and values are words, numbers or uuids.
+  The haystack is filler text (RULER's repeated "noise" sentences or real text from a prepared
+  corpus) or, as in RULER's multikey 2 and 3, nothing but distractor needles.
+- variable tracking (`VariableTrackingTask`): chains "VAR A = 12345." "VAR B = A." ...; answer:
+  every variable of the chain holding the asked value.
+- common words (`CommonWordsTask`): a list of words where a few appear far more often than the
+  rest; answer: those words.
+- frequent words (`FrequentWordsTask`): coded words with Zipf-distributed counts; answer: the
+  most frequent ones, most frequent first.
+
+Layout of a sample of exactly `length` tokens:
+
+    [instruction] [context: `budget` tokens] [question ... answer lead-in]
+    | chunk boundary | [link " is"/" are"] [answer] ["."] [trailing filler]
+
+The question ends on a multiple of `align` (the DRT chunk size), as in the passkey tasks;
+`prompt` is everything before the answer. The context fills its budget exactly: filler text with
+the needles inserted at the requested depth (snapped to the nearest sentence or word boundary
+within a few tokens, so the text reads cleanly and re-tokenizes to the same ids), or a list
+(distractor needles, words) completed by filler tokens when the next item would not fit. A
+multi-answer task lists its answers joined by `ANSWER_SEPARATOR` (no reference contains it);
+`info["references"]` holds them for RULER's string-match score.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from farsight.data.tasks.filler import Filler, RepeatedFiller, make_filler
+from farsight.data.tasks.needles import NeedleSample, NeedleTask, whole_option
+from farsight.errors import InputError
+
+ANSWER_SEPARATOR = ", "
+VALUE_KINDS = ("words", "numbers", "uuids")
+HAYSTACKS = ("noise", "corpus")  # the filler texts a task can read; see make_ruler_tasks
+SNAP_RADIUS = 64  # tokens searched on each side of a needle's position for a clean boundary
+
+ADJECTIVES = """
+able ancient angry bitter black bold brave bright broad calm careful cheap clean clever cold
+cool crisp curious damp dark dear deep dense dizzy dry dull eager early easy empty exact fair
+famous fancy fast fierce flat fond fragile free fresh friendly full funny gentle giant glad
+golden grand great green happy hard harsh heavy hidden high hollow honest huge humble hungry
+icy idle jolly keen kind large late lazy light little lively lonely long loud lucky mellow
+merry mighty mild modern narrow neat nervous noble odd old orange plain polite poor proud
+purple quick quiet rapid rare raw ready red rich rough round royal rusty sad safe salty
+secret sharp shiny short silent silver simple slow small smooth soft solid sour spicy steady
+steep sticky stiff strange strong sunny sweet swift tall tame tender thick thin tidy tiny
+tough true ugly vast violet warm weak wet white wide wild wise witty young zealous
+""".split()
+
+NOUNS = """
+acorn anchor apple arrow badge bakery balloon banana barrel basket beacon beetle bell bicycle
+blanket bottle bracelet bridge bucket butter cabin camel candle canoe canyon carpet castle
+cellar chair cherry chimney circus clock cloud coconut compass cookie copper cottage crayon
+crystal cup curtain dagger desert diamond dolphin donkey dragon drum eagle engine falcon
+feather fiddle forest fountain fox garden garlic glacier goblet grape guitar hammer harbor
+hat helmet honey horizon island jacket jungle kettle kitten ladder lantern lemon library
+lighthouse lion lobster magnet mango maple marble meadow mirror monkey mountain muffin needle
+nest ocean olive orchard otter owl paddle palace panda parrot pebble pencil pepper piano
+pillow pirate planet pocket pony potato puzzle quilt rabbit raven ribbon rocket saddle
+sailor scarf shell shovel skate sled snail spider spoon squirrel stable statue storm
+sunflower sword teapot temple tiger tomato tower tractor trumpet tulip turtle umbrella
+valley vase violin wagon walnut whale whistle window wizard wolf yarn zebra
+""".split()
+
+@dataclass
+class RulerDraw:
+    """One random instance before it is laid out: the instruction, the needles (the asked one
+    first), the question, the link and answer after the chunk boundary, the references, the
+    evidence as (needle index, offset in that needle, length), and the names and values in use
+    per kind (distractors take others)."""
+
+    intro: np.ndarray
+    needles: list[np.ndarray]
+    question: np.ndarray
+    link: np.ndarray
+    answer: np.ndarray
+    references: list[str]
+    evidence: list[tuple[int, int, int]] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    used: dict[str, set[str]] = field(default_factory=dict)
+
+
+class RulerTask(NeedleTask):
+    """Base of the RULER families: `draw` gives the pieces, `context` fills the budget.
+
+    `uses_depth` is False for the families whose answer is spread over the whole context (common
+    and frequent words): their samples ignore `depth`.
+    """
+
+    name = "ruler"
+    uses_depth = True
+    haystack_text = "noise"  # the filler text, "noise" or "corpus" (make_ruler_tasks sets it)
+
+    def _ids(self, text: str) -> np.ndarray:
+        """Token ids of text that changes from draw to draw (not cached, unlike `encode`)."""
+        return np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+
+    def draw(self, rng: np.random.Generator) -> RulerDraw:
+        raise NotImplementedError
+
+    def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
+        """A sample of exactly `length` tokens; the (first) asked needle at `depth` in [0, 1] of the context."""
+        if not 0.0 <= depth <= 1.0:
+            raise InputError(f"depth must be in [0, 1], got {depth}")
+        draw = self.draw(rng)
+        end = self.encode(".")
+        tail = len(draw.link) + len(draw.answer) + len(end)
+        prefix = length - tail
+        prefix -= prefix % self.align  # the question ends on a chunk boundary
+        budget = prefix - len(draw.intro) - len(draw.question)
+        shortest = self.shortest_context(draw)
+        if budget < shortest:
+            needed = shortest + len(draw.intro) + len(draw.question) + tail + self.align - 1
+            raise InputError(
+                f"length {length} is too short for the {self.name} task: it needs at least {needed} tokens here; "
+                "raise --lengths or lower the task's counts (--task-option)"
+            )
+        context, placed = self.context(draw, budget, depth, rng)
+        assert len(context) == budget
+        start = len(draw.intro)
+        pieces = [draw.intro, context, draw.question, draw.link, draw.answer, end]
+        trailing = length - prefix - tail
+        if trailing:
+            pieces.append(self.filler.take(trailing, rng))
+        ids = np.concatenate(pieces).astype(np.int64)
+        assert len(ids) == length
+        positions = [start + p for p in placed]
+        evidence = [(positions[i] + offset, n) for i, offset, n in draw.evidence]
+        lead = next((i for i, t in enumerate(draw.answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
+        info = {**draw.info, "references": draw.references, "prompt_tokens": prefix + len(draw.link)}
+        return NeedleSample(
+            ids, prefix + len(draw.link), len(draw.answer), positions, [len(n) for n in draw.needles], depth, evidence, info, lead
+        )
+
+    def shortest_context(self, draw: RulerDraw) -> int:
+        """The fewest context tokens that hold this draw."""
+        return sum(len(n) for n in draw.needles)
+
+    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+        """`budget` tokens of haystack with the needles inserted, and where each needle starts."""
+        haystack = self.haystack(budget - self.shortest_context(draw), draw, rng)
+        positions = [self._snap(haystack, p) for p in self.positions(len(draw.needles), len(haystack), depth, rng)]
+        order = sorted(range(len(draw.needles)), key=lambda i: (positions[i], i))
+        pieces, placed, cursor, size = [], [0] * len(draw.needles), 0, 0
+        for i in order:
+            pieces.append(haystack[cursor : positions[i]])
+            size += positions[i] - cursor
+            placed[i] = size
+            pieces.append(draw.needles[i])
+            size += len(draw.needles[i])
+            cursor = positions[i]
+        pieces.append(haystack[cursor:])
+        return np.concatenate(pieces), placed
+
+    def haystack(self, n: int, draw: RulerDraw, rng: np.random.Generator) -> np.ndarray:
+        """n tokens the needles go into: the task's filler text."""
+        return self.filler.take(n, rng)
+
+    def positions(self, count: int, n: int, depth: float, rng: np.random.Generator) -> list[int]:
+        """Where each needle goes in a haystack of n tokens: the first at `depth`, the others anywhere."""
+        return [int(round(depth * n))] + [int(x) for x in rng.integers(0, n + 1, size=count - 1)]
+
+    def _snap(self, haystack: np.ndarray, p: int) -> int:
+        """The boundary nearest p (within SNAP_RADIUS) after a sentence end, else before a word, else p.
+
+        A needle starts with a space and ends with ".", so at such a boundary the text reads
+        cleanly and re-tokenizes to the same ids."""
+        text = self._token_text
+        n = len(haystack)
+
+        def sentence(q: int) -> bool:
+            return q in (0, n) or (text(haystack[q - 1]).endswith((".", "!", "?")) and text(haystack[q]).startswith(" "))
+
+        def word(q: int) -> bool:
+            return q in (0, n) or (not text(haystack[q - 1])[-1:].isspace() and text(haystack[q]).startswith(" "))
+
+        for accept in (sentence, word):
+            for d in range(SNAP_RADIUS + 1):
+                for q in (p - d, p + d):
+                    if 0 <= q <= n and accept(q):
+                        return q
+        return p
+
+    def _token_text(self, token: Any) -> str:
+        return self.tokenizer.decode([int(token)])
+
+    def list_context(self, items: list[np.ndarray], budget: int, rng: np.random.Generator) -> np.ndarray:
+        """The items in order, completed to `budget` tokens by filler (less than one item's worth)."""
+        used = sum(len(item) for item in items)
+        return np.concatenate([*items, self.filler.take(budget - used, rng)]).astype(np.int64)
+
+
+# -- random names and values ------------------------------------------------------------------
+
+
+def _distinct(rng: np.random.Generator, n: int, make: Callable[[np.random.Generator], str], taken: set[str], space: int, what: str) -> list[str]:
+    """n new distinct strings from `make`, none in `taken` (which grows); `space` is how many
+    different strings `make` can give, so an impossible request is an error, not an endless loop."""
+    if len(taken) + n > space // 2:
+        raise InputError(
+            f"the task needs {len(taken) + n} distinct {what} but only {space} exist; use a shorter length (or uuids, for a NIAH task's key_kind/value_kind)"
+        )
+    out = []
+    while len(out) < n:
+        s = make(rng)
+        if s not in taken:
+            taken.add(s)
+            out.append(s)
+    return out
+
+
+def _word_pair(rng: np.random.Generator) -> str:
+    return f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{NOUNS[int(rng.integers(len(NOUNS)))]}"
+
+
+def _number(rng: np.random.Generator) -> str:
+    return str(int(rng.integers(1_000_000, 10_000_000)))
+
+
+def _uuid(rng: np.random.Generator) -> str:
+    return str(uuid.UUID(bytes=rng.bytes(16), version=4))
+
+
+MAKERS: dict[str, tuple[Callable[[np.random.Generator], str], int]] = {
+    "words": (_word_pair, len(ADJECTIVES) * len(NOUNS)),
+    "numbers": (_number, 9_000_000),
+    "uuids": (_uuid, 1 << 122),
+}
+NOUN = {"words": "word", "numbers": "number", "uuids": "uuid"}
+
+
+def _choice(task: str, option: str, value: Any, choices: Iterable[str]) -> str:
+    choices = tuple(choices)
+    if value not in choices:
+        raise InputError(f"the {task} task's option {option} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _listing(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+# -- the families -------------------------------------------------------------------------------
+
+
+class NIAHTask(RulerTask):
+    """Needles "The special magic {kind} for {key} is: {value}." in a haystack.
+
+    keys: how many keys have needles (RULER's num_needle_k); values: needles per key, all asked
+    for an asked key (num_needle_v); queries: how many of the keys are asked (num_needle_q, at
+    most keys); key_kind / value_kind: "words" (adjective-noun pairs), "numbers" (7 digits) or
+    "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
+    distractor needles with other keys, RULER's needle haystack). The first value of the first
+    asked key sits at `depth`; the other needles anywhere.
+    """
+
+    name = "niah"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        filler: Filler,
+        align: int = 1,
+        keys: int = 1,
+        values: int = 1,
+        queries: int = 1,
+        key_kind: str = "words",
+        value_kind: str = "numbers",
+        haystack: str = "filler",
+    ) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.keys = whole_option(self.name, "keys", keys, 1)
+        self.values = whole_option(self.name, "values", values, 1)
+        self.queries = whole_option(self.name, "queries", queries, 1)
+        if queries > keys:
+            raise InputError(f"the {self.name} task asks queries={queries} keys but has only keys={keys}; lower queries or raise keys")
+        self.key_kind = _choice(self.name, "key_kind", key_kind, VALUE_KINDS)
+        self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
+        self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
+
+    def _needle(self, key: str, value: str) -> tuple[np.ndarray, int, int]:
+        """A needle's ids, and the offset and length of its value."""
+        head = self._ids(f" The special magic {NOUN[self.value_kind]} for {key} is:")
+        value_ids = self._ids(" " + value)
+        return np.concatenate([head, value_ids, self.encode(".")]), len(head), len(value_ids)
+
+    def draw(self, rng: np.random.Generator) -> RulerDraw:
+        make_key, key_space = MAKERS[self.key_kind]
+        make_value, value_space = MAKERS[self.value_kind]
+        used: dict[str, set[str]] = {self.key_kind: set(), self.value_kind: set()}  # keys and values of a kind all differ
+        keys = _distinct(rng, self.keys, make_key, used[self.key_kind], key_space, "keys")
+        values = [_distinct(rng, self.values, make_value, used[self.value_kind], value_space, "values") for _ in keys]
+        asked = list(range(self.queries))  # keys are random, so the first ones are a random choice
+        needles, evidence, references = [], [], []
+        order = [(k, v) for k in asked for v in range(self.values)]
+        order += [(k, v) for k in range(self.queries, self.keys) for v in range(self.values)]
+        for k, v in order:
+            ids, offset, n = self._needle(keys[k], values[k][v])
+            if k < self.queries:
+                evidence.append((len(needles), offset, n))
+                references.append(values[k][v])
+            needles.append(ids)
+        kind = NOUN[self.value_kind]
+        plural = kind + "s" if self.values > 1 or self.queries > 1 else kind
+        asked_keys = _listing([keys[k] for k in asked])
+        intro = self.encode(f"Special magic {kind}s are hidden in the text below. Memorize them: you will be asked about them.\n")
+        if plural == kind:
+            question = f"\nQuestion: What is the special magic {kind} for {asked_keys} in the text? Answer: The special magic {kind} for {asked_keys}"
+        else:
+            question = f"\nQuestion: What are all the special magic {plural} for {asked_keys} in the text? Answer: The special magic {plural} for {asked_keys}"
+        link = self.encode(" is" if plural == kind else " are")
+        answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
+        info = {"keys": [keys[k] for k in asked], "values": references}
+        return RulerDraw(intro, needles, self._ids(question), link, answer, references, evidence, info, used)
+
+    def haystack(self, n: int, draw: RulerDraw, rng: np.random.Generator) -> np.ndarray:
+        if self.haystack_kind == "filler":
+            return super().haystack(n, draw, rng)
+        make_key, key_space = MAKERS[self.key_kind]
+        make_value, value_space = MAKERS[self.value_kind]
+        lines: list[np.ndarray] = []
+        used = 0
+        while True:
+            # a batch of distractors at a time: about as many as the rest of the budget holds
+            count = max(1, (n - used) // (len(draw.needles[0]) + 4))
+            keys = _distinct(rng, count, make_key, draw.used[self.key_kind], key_space, "keys")
+            values = _distinct(rng, count, make_value, draw.used[self.value_kind], value_space, "values")
+            for key, value in zip(keys, values):
+                line = self._needle(key, value)[0]
+                if used + len(line) > n:
+                    return self.list_context(lines, n, rng)
+                lines.append(line)
+                used += len(line)
+
+
+class VariableTrackingTask(RulerTask):
+    """Chains of assignments "VAR A = 12345." "VAR B = A." ...; answer: every variable of the asked chain.
+
+    chains: how many chains (one asked, the others distract with other values); hops: the
+    assignments after the first, so a chain names hops + 1 variables; digits: length of the
+    values. The asked chain's first assignment sits at `depth`, its others later in order.
+    """
+
+    name = "vt"
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, chains: int = 1, hops: int = 4, digits: int = 5) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.chains = whole_option(self.name, "chains", chains, 1)
+        self.hops = whole_option(self.name, "hops", hops, 0)
+        self.digits = whole_option(self.name, "digits", digits, 1)
+        if 10 ** (digits - 1) * 9 < 2 * chains:
+            raise InputError(f"the {self.name} task needs {chains} distinct values but digits={digits} gives too few; raise digits")
+
+    def draw(self, rng: np.random.Generator) -> RulerDraw:
+        letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+        def name(r: np.random.Generator) -> str:
+            return "".join(letters[int(i)] for i in r.integers(0, 26, size=5))
+
+        low = 10 ** (self.digits - 1)
+        names = _distinct(rng, self.chains * (self.hops + 1), name, set(), 26**5, "variable names")
+        values = _distinct(rng, self.chains, lambda r: str(int(r.integers(low, 10 * low))), set(), 9 * low, "values")
+        needles, evidence = [], []
+        for c in range(self.chains):
+            chain = names[c * (self.hops + 1) : (c + 1) * (self.hops + 1)]
+            for i, var in enumerate(chain):
+                needle = self._ids(f" VAR {var} = {values[c] if i == 0 else chain[i - 1]}.")
+                if c == 0:
+                    evidence.append((len(needles), 0, len(needle)))
+                needles.append(needle)
+        references = names[: self.hops + 1]
+        value = values[0]
+        intro = self.encode("Track the chains of variable assignments hidden in the text below.\n")
+        question = self._ids(
+            f"\nQuestion: Which variables are assigned the value {value} in the text above? Answer: The variables assigned the value {value}"
+        )
+        answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
+        return RulerDraw(intro, needles, question, self.encode(" are"), answer, references, evidence, {"value": value, "variables": references})
+
+    def positions(self, count: int, n: int, depth: float, rng: np.random.Generator) -> list[int]:
+        per_chain = self.hops + 1
+        start = int(round(depth * n))
+        positions = [start, *sorted(int(x) for x in rng.integers(start, n + 1, size=per_chain - 1))]
+        for _ in range(self.chains - 1):
+            positions += sorted(int(x) for x in rng.integers(0, n + 1, size=per_chain))
+        return positions
+
+
+def _word_triple(rng: np.random.Generator) -> str:
+    return f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{_word_pair(rng)}"
+
+
+def _english_words(rng: np.random.Generator, exclude: set[str]) -> Iterator[str]:
+    """Distinct English words not in `exclude`: the single words in random order, then
+    adjective-noun pairs (half of them at most), then adjective-adjective-noun triples."""
+    singles = ADJECTIVES + NOUNS
+    for i in rng.permutation(len(singles)):
+        if singles[int(i)] not in exclude:
+            yield singles[int(i)]
+    pairs = len(ADJECTIVES) * len(NOUNS)
+    taken = set(exclude)
+    for _ in range(pairs // 2 - len(taken)):
+        yield _distinct(rng, 1, _word_pair, taken, pairs, "words")[0]
+    taken = set(exclude)
+    while True:
+        yield _distinct(rng, 1, _word_triple, taken, pairs * len(ADJECTIVES), "words")[0]
+
+
+class CommonWordsTask(RulerTask):
+    """A list of words: `common` words appear `common_freq` times each, every other word
+    `rare_freq` times; answer: the common words (in alphabetical order).
+
+    When the context is short the common words appear fewer times (at most half the context is
+    theirs), but always at least rare_freq + 2 times, so they stay the most common. Depth does
+    not apply: the answer is spread over the whole list.
+    """
+
+    name = "cwe"
+    uses_depth = False
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, common: int = 10, common_freq: int = 30, rare_freq: int = 3) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.common = whole_option(self.name, "common", common, 1)
+        self.rare_freq = whole_option(self.name, "rare_freq", rare_freq, 1)
+        self.common_freq = whole_option(self.name, "common_freq", common_freq, rare_freq + 2)
+
+    def draw(self, rng: np.random.Generator) -> RulerDraw:
+        words = sorted(itertools.islice(_english_words(rng, set()), self.common))
+        intro = self.encode("Below is a list of words. Some of them appear more often than the others.\n")
+        question = self._ids(
+            f"\nQuestion: What are the {self.common} most common words in the list above? Answer: The {self.common} most common words"
+        )
+        answer = self._ids(" " + ANSWER_SEPARATOR.join(words))
+        return RulerDraw(intro, [], question, self.encode(" are"), answer, words, info={"words": words})
+
+    def shortest_context(self, draw: RulerDraw) -> int:
+        return (self.rare_freq + 2) * sum(len(self._ids(" " + w)) for w in draw.references)
+
+    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+        pieces = [self._ids(" " + w) for w in draw.references]
+        per_round = sum(len(p) for p in pieces)
+        freq = max(self.rare_freq + 2, min(self.common_freq, budget // 2 // per_round))
+        items = [i for i in range(len(pieces)) for _ in range(freq)]
+        left = budget - freq * per_round
+        for word in _english_words(rng, set(draw.references)):
+            ids = self._ids(" " + word)
+            if self.rare_freq * len(ids) > left:
+                break
+            items += [len(pieces)] * self.rare_freq
+            pieces.append(ids)
+            left -= self.rare_freq * len(ids)
+        draw.info.update(common_freq=freq, rare_words=len(pieces) - self.common)
+        order = rng.permutation(len(items))
+        return self.list_context([pieces[items[int(i)]] for i in order], budget, rng), []
+
+
+class FrequentWordsTask(RulerTask):
+    """Coded words with Zipf counts (the word of rank k appears int(C / k**alpha) times, C as
+    large as the context allows); answer: the `top` most frequent, most frequent first.
+
+    letters: length of a coded word. The rest of the context holds words that appear once. The
+    counts of the top words and of the next one all differ, so the answer is unique. Depth does
+    not apply.
+    """
+
+    name = "fwe"
+    uses_depth = False
+
+    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, top: int = 3, alpha: float = 2.0, letters: int = 5) -> None:
+        super().__init__(tokenizer, filler, align)
+        self.top = whole_option(self.name, "top", top, 1)
+        self.letters = whole_option(self.name, "letters", letters, 3)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha >= 1:
+            raise InputError(f"the {self.name} task's option alpha must be a number >= 1 (RULER uses 2), got {alpha!r}")
+        self.alpha = float(alpha)
+        self._space = 26**letters
+
+    def _coded(self, rng: np.random.Generator) -> str:
+        return "".join(chr(97 + int(i)) for i in rng.integers(0, 26, size=self.letters))
+
+    def _counts(self, scale: int) -> list[int]:
+        """The count of each rank at this scale, down to the last rank counted at least once."""
+        counts, k = [], 1
+        while (c := int(scale / k**self.alpha)) >= 1:
+            counts.append(c)
+            k += 1
+        return counts
+
+    def _valid(self, counts: list[int]) -> bool:
+        """The top counts strictly fall, and stay above the next rank's and the single words'."""
+        head = counts[: self.top] + [max(counts[self.top] if len(counts) > self.top else 0, 1)]
+        return len(counts) >= self.top and all(a > b for a, b in zip(head, head[1:]))
+
+    def draw(self, rng: np.random.Generator) -> RulerDraw:
+        top = _distinct(rng, self.top, self._coded, set(), self._space, "coded words")
+        intro = self.encode("Below is a text of coded words. Find the words that appear most often.\n")
+        question = self._ids(
+            f"\nQuestion: What are the {self.top} most frequent coded words in the text above? Answer: The {self.top} most frequent coded words"
+        )
+        answer = self._ids(" " + ANSWER_SEPARATOR.join(top))
+        return RulerDraw(intro, [], question, self.encode(" are"), answer, top, info={"words": top})
+
+    def shortest_context(self, draw: RulerDraw) -> int:
+        scale = 1
+        while not self._valid(self._counts(scale)):
+            scale += 1
+        return sum(c * len(self._ids(" " + w)) for c, w in zip(self._counts(scale), draw.references))
+
+    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+        taken = set(draw.references)
+        ranks = int(budget ** (1 / self.alpha)) + 1  # no scale that fits counts more ranks than this
+        words = draw.references + _distinct(rng, max(0, min(ranks, budget) - self.top), self._coded, taken, self._space, "coded words")
+        costs = [len(ids) for ids in self.tokenizer.encode_batch([" " + w for w in words])]
+
+        def total(scale: int) -> int:
+            return sum(c * cost for c, cost in zip(self._counts(scale), costs))
+
+        low, high = 1, budget  # the largest scale whose words fit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if total(mid) <= budget else (low, mid - 1)
+        counts = self._counts(low)
+        if not self._valid(counts) or total(low) > budget:
+            raise InputError(f"the {budget}-token context of the {self.name} task is too short for its word counts; raise --lengths")
+        pieces = [self._ids(" " + w) for w in words[: len(counts)]]
+        items = [k for k, c in enumerate(counts) for _ in range(c)]
+        left = budget - total(low)
+        while True:  # words that appear once fill the rest
+            ids = self._ids(" " + _distinct(rng, 1, self._coded, taken, self._space, "coded words")[0])
+            if len(ids) > left:
+                break
+            items.append(len(pieces))
+            pieces.append(ids)
+            left -= len(ids)
+        draw.info.update(counts=counts[: self.top + 1])
+        order = rng.permutation(len(items))
+        return self.list_context([pieces[items[int(i)]] for i in order], budget, rng), []
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RulerSpec:
+    """A named RULER task: its family, RULER's haystack text for it ("noise" or "corpus": real
+    text, RULER's essays), the family options that make it, and what it tests."""
+
+    family: Callable[..., RulerTask]
+    text: str
+    options: dict[str, Any]
+    description: str
+
+
+RULER_TASKS: dict[str, RulerSpec] = {
+    "niah_single_1": RulerSpec(NIAHTask, "noise", {}, "one needle (word key, number value) in noise sentences"),
+    "niah_single_2": RulerSpec(NIAHTask, "corpus", {}, "one needle (word key, number value) in real text"),
+    "niah_single_3": RulerSpec(NIAHTask, "corpus", {"value_kind": "uuids"}, "one needle (word key, uuid value) in real text"),
+    "niah_multikey_1": RulerSpec(NIAHTask, "corpus", {"keys": 4}, "four needles with different keys, one asked"),
+    "niah_multikey_2": RulerSpec(NIAHTask, "noise", {"haystack": "needles"}, "one key asked; the whole context is distractor needles"),
+    "niah_multikey_3": RulerSpec(
+        NIAHTask, "noise", {"haystack": "needles", "key_kind": "uuids", "value_kind": "uuids"}, "as niah_multikey_2 with uuid keys and values"
+    ),
+    "niah_multivalue": RulerSpec(NIAHTask, "corpus", {"values": 4}, "one key with four values, all asked"),
+    "niah_multiquery": RulerSpec(NIAHTask, "corpus", {"keys": 4, "queries": 4}, "four keys, all asked"),
+    "vt": RulerSpec(VariableTrackingTask, "noise", {}, "variable tracking: a chain of 4 hops, all its variables asked"),
+    "cwe": RulerSpec(CommonWordsTask, "noise", {}, "common words extraction: the 10 words that repeat most in a list"),
+    "fwe": RulerSpec(FrequentWordsTask, "noise", {}, "frequent words extraction: the 3 most frequent coded words (Zipf counts)"),
+}
+
+
+def ruler_task_names(text: str) -> list[str]:
+    """The task names in a comma-separated list, or every task for "all"."""
+    if text.strip() == "all":
+        return list(RULER_TASKS)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in RULER_TASKS]
+    if unknown or not names:
+        given = ", ".join(repr(name) for name in unknown) or repr(text)
+        raise InputError(f"unknown RULER task {given}; choose from {', '.join(RULER_TASKS)}, or all")
+    return list(dict.fromkeys(names))
+
+
+def make_ruler_tasks(
+    names: list[str],
+    tokenizer: Any,
+    align: int = 1,
+    haystack: str | None = None,
+    corpus: str | None = None,
+    split: str = "val",
+    options: dict[str, Any] | None = None,
+) -> list[RulerTask]:
+    """The tasks `names` of RULER_TASKS, each named after its entry.
+
+    haystack: the filler text of every task, "noise" or "corpus"; None takes RULER's choice per
+    task (real text for most NIAH tasks), which needs `corpus` (a prepared dataset whose `split`
+    is read) for those. `options` go to every task on top of its entry's (e.g. {"keys": 8}); each
+    task must take them.
+    """
+    if haystack is not None and haystack not in HAYSTACKS:
+        raise InputError(f"unknown haystack {haystack!r}; choose one of {list(HAYSTACKS)}")
+    fillers: dict[str, Filler] = {}
+    tasks = []
+    for name in names:
+        if name not in RULER_TASKS:
+            raise InputError(f"unknown RULER task {name!r}; choose from {', '.join(RULER_TASKS)}")
+        spec = RULER_TASKS[name]
+        text = haystack or spec.text
+        if text == "corpus" and not corpus:
+            raise InputError(
+                f"{name} reads a real-text haystack (RULER's essays): pass --corpus DIR (a dataset from `farsight data prepare`), or --haystack noise"
+            )
+        if text not in fillers:
+            fillers[text] = RepeatedFiller(tokenizer) if text == "noise" else make_filler("corpus", tokenizer, corpus, split)
+        valid = list(inspect.signature(spec.family).parameters)[3:]  # after (tokenizer, filler, align)
+        unknown = sorted(set(options or {}) - set(valid))
+        if unknown:
+            raise InputError(f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}")
+        task = spec.family(tokenizer, fillers[text], align, **{**spec.options, **(options or {})})
+        task.name = name
+        task.haystack_text = text
+        tasks.append(task)
+    return tasks
+
+
+def split_answer(text: str) -> list[str]:
+    """The references in an answer's text (the inverse of joining them with ANSWER_SEPARATOR)."""
+    return [part.strip() for part in text.split(ANSWER_SEPARATOR.strip()) if part.strip()]

@@ -1,0 +1,256 @@
+"""The lm-evaluation-harness model "farsight": loglikelihood, rolling loglikelihood and
+generate_until on farsight's streaming Session, so a DRT scores contexts of any length.
+
+    lm_eval.simple_evaluate(model="farsight", model_args="pretrained=DIR,memory=disk,dtype=bf16,batch_size=4", tasks=[...])
+
+Requests whose contexts and continuations have the same token lengths are decoded together, up
+to `batch_size` rows per session; every other request runs alone, so no row is ever padded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from lm_eval.api.model import TemplateLM
+from tqdm import tqdm
+
+from farsight.data.tokenizers import load_tokenizer
+from farsight.errors import InputError
+from farsight.hf.configuration import resolve_dtype
+from farsight.models import KV_DTYPES, MEMORY_TIERS, load_model, resolve_model_dir, sample_next_token
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+class FarsightLM(TemplateLM):
+    """A farsight model directory as an lm-eval LM.
+
+    pretrained: model or training-run directory; memory/kv_dtype: DRT's chunk-memory tier and
+    stored K/V dtype; dtype: "fp32" (default), "bf16", "fp16"; batch_size: rows per session;
+    device: where the model runs (default: cuda if available, else cpu).
+    """
+
+    def __init__(
+        self,
+        pretrained: str,
+        memory: str = "device",
+        kv_dtype: str | None = None,
+        dtype: str = "fp32",
+        batch_size: int | str = 1,
+        device: str | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if memory not in MEMORY_TIERS:
+            raise InputError(f"memory={memory!r} is not a chunk-memory tier; choose one of {list(MEMORY_TIERS)}")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise InputError(f"kv_dtype={kv_dtype!r} is unknown; choose one of {list(KV_DTYPES)}")
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise InputError(f"batch_size={batch_size!r} must be an integer >= 1 (farsight has no automatic batch size)")
+        directory = resolve_model_dir(pretrained)
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_model(directory, map_location=self._device).eval()
+        torch_dtype = resolve_dtype(dtype)
+        if torch_dtype is not None and torch_dtype != next(self.model.parameters()).dtype:
+            self.model.to(torch_dtype)
+        self.tokenizer = load_tokenizer(directory)
+        self.pretrained = str(directory)
+        self.session_options = {"memory": memory, "kv_dtype": kv_dtype}
+        self.batch_size = int(batch_size)
+
+    # ---- what TemplateLM asks ------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"farsight-{self.tokenizer.kind}"
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of `string`; farsight's tokenizers never add special tokens."""
+        return self.tokenizer.encode(string)
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """Per (context ids, continuation ids): the summed log-probability of the continuation and
+        whether greedy decoding would have produced it."""
+        pairs = [(context, continuation) for _, context, continuation in requests]
+        results = self._score_pairs(pairs, disable_tqdm, "loglikelihood")
+        for (texts, _, _), result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", texts, result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """The log-probability of each whole document, its first token conditioned on eos (the
+        separator farsight's corpora put between documents)."""
+        pairs = []
+        for request in requests:
+            ids = self.tok_encode(request.args[0])
+            pairs.append(([self.eot_token_id], ids) if ids else None)
+        scored = iter(self._score_pairs([p for p in pairs if p is not None], disable_tqdm, "loglikelihood_rolling"))
+        results = [next(scored)[0] if pair is not None else 0.0 for pair in pairs]
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood_rolling", (request.args[0],), result)
+        return results
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Continue each context (greedy unless gen_kwargs ask to sample) until one of the `until`
+        strings, eos, or max_gen_toks tokens; the text is cut before the stop string."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        prepared = []
+        for index, request in enumerate(requests):
+            context, gen_kwargs = request.args
+            ids = self.tok_encode(context) or [self.eot_token_id]
+            options = generation_options(gen_kwargs)
+            prepared.append((ids, options))
+            groups[(len(ids), repr(sorted(options.items())))].append(index)
+        results: list[str] = [""] * len(requests)
+        progress = tqdm(total=len(requests), desc="farsight generate_until", disable=disable_tqdm)
+        for indices in groups.values():
+            for batch in _batches(indices, self.batch_size):
+                options = prepared[batch[0]][1]
+                ids = torch.tensor([prepared[i][0] for i in batch], dtype=torch.long, device=self._device)
+                for index, text in zip(batch, self._generate(ids, options)):
+                    results[index] = text
+                    self.cache_hook.add_partial("generate_until", requests[index].args, text)
+                progress.update(len(batch))
+        progress.close()
+        return results
+
+    # ---- on the Session --------------------------------------------------------------------------
+    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
+        """(log p(continuation | context) summed, greedy match) per (context, continuation) ids,
+        sessions batching the pairs of equal lengths."""
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for index, (context, continuation) in enumerate(pairs):
+            groups[(len(context), len(continuation))].append(index)
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        progress = tqdm(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
+        for indices in groups.values():
+            for batch in _batches(indices, self.batch_size):
+                context = torch.tensor([pairs[i][0] for i in batch], dtype=torch.long, device=self._device)  # [b, Tc]
+                continuation = torch.tensor([pairs[i][1] for i in batch], dtype=torch.long, device=self._device)  # [b, Tn]
+                for index, result in zip(batch, self._score(context, continuation)):
+                    results[index] = result
+                progress.update(len(batch))
+        progress.close()
+        return results
+
+    def _score(self, context: torch.Tensor, continuation: torch.Tensor) -> list[tuple[float, bool]]:
+        """context [b, Tc], continuation [b, Tn] -> per row (summed log-prob, greedy match)."""
+        with self.model.new_session(context.shape[0], **self.session_options) as session:
+            first = session.prefill(context)  # [b, V]
+            if continuation.shape[1] == 0:
+                return [(0.0, True)] * context.shape[0]
+            logits = session.feed(continuation)  # [b, Tn, V]
+        predicted = torch.cat([first[:, None], logits[:, :-1]], dim=1)  # [b, Tn, V]: the logits each token is drawn from
+        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
+        logprobs = predicted.log_softmax(-1).gather(-1, continuation[..., None]).squeeze(-1)  # [b, Tn]
+        greedy = (predicted.argmax(-1) == continuation).all(dim=1)  # [b]
+        return [(float(total), bool(match)) for total, match in zip(logprobs.sum(dim=1).tolist(), greedy.tolist())]
+
+    def _generate(self, ids: torch.Tensor, options: dict[str, Any]) -> list[str]:
+        """Continue ids [b, T] in one session; per row, the text up to its first stop."""
+        until, max_new = options["until"], options["max_gen_toks"]
+        rows = ids.shape[0]
+        new: list[list[int]] = [[] for _ in range(rows)]
+        done = [max_new == 0] * rows
+        with self.model.new_session(rows, **self.session_options) as session:
+            logits = session.prefill(ids)  # [b, V]
+            for step in range(max_new):
+                token = sample_next_token(logits, options["temperature"], options["top_k"], options["top_p"])  # [b]
+                for row, value in enumerate(token.tolist()):
+                    if done[row]:
+                        continue
+                    if value == self.eot_token_id:
+                        done[row] = True
+                        continue
+                    new[row].append(value)
+                    done[row] = len(new[row]) == max_new or _stops(self.tok_decode(new[row]), until)
+                if all(done) or step + 1 == max_new:
+                    break
+                logits = session.step(token)
+        return [cut_at_stop(self.tok_decode(tokens), until) for tokens in new]
+
+
+def generation_options(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A task's generation_kwargs as farsight's sampling options (greedy unless do_sample or a
+    temperature > 0 ask to sample); unknown keys are refused."""
+    options = dict(gen_kwargs)
+    until = options.pop("until", None) or []
+    until = [until] if isinstance(until, str) else list(until)
+    max_gen_toks = int(options.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+    temperature = float(options.pop("temperature", 0.0))
+    do_sample = bool(options.pop("do_sample", temperature > 0))
+    top_k, top_p = options.pop("top_k", None), options.pop("top_p", None)
+    if options:
+        raise InputError(f"generation_kwargs {sorted(options)} are not supported by farsight; use until, max_gen_toks, do_sample, temperature, top_k, top_p")
+    return {
+        "until": until,
+        "max_gen_toks": max_gen_toks,
+        "temperature": (temperature or 1.0) if do_sample else 0.0,
+        "top_k": int(top_k) if do_sample and top_k else None,
+        "top_p": float(top_p) if do_sample and top_p is not None and float(top_p) < 1 else None,
+    }
+
+
+def _stops(text: str, until: list[str]) -> bool:
+    return any(stop in text for stop in until)
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """`text` up to the earliest occurrence of any stop string."""
+    cut = min((text.find(stop) for stop in until if stop in text), default=len(text))
+    return text[:cut]
+
+
+def _batches(indices: list[int], size: int) -> Iterator[list[int]]:
+    return (indices[start : start + size] for start in range(0, len(indices), size))
+
+
+def task_manager(tasks: Sequence[str], include_path: str | None = None) -> Any:
+    """An lm-eval TaskManager that knows `tasks`: the tasks of `include_path` alone when they are
+    all there (lm-eval's index of its ~15k built-in tasks takes seconds to build), else those and
+    the built-in ones."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(task in local.all_tasks for task in tasks):
+            return local
+    return TaskManager(include_path=include_path)
+
+
+def evaluate(
+    pretrained: str,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    limit: float | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    memory: str = "device",
+    kv_dtype: str | None = None,
+    dtype: str = "fp32",
+    device: str | None = None,
+    log_samples: bool = False,
+) -> dict[str, Any]:
+    """`lm_eval.simple_evaluate` of the farsight model directory `pretrained` on `tasks`; returns
+    lm-eval's results dict (print it with lm_eval.utils.make_table)."""
+    import lm_eval
+
+    manager = task_manager(tasks, include_path)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        where = f"in {include_path} or " if include_path else ""
+        raise InputError(f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML")
+    model = FarsightLM(pretrained, memory=memory, kv_dtype=kv_dtype, dtype=dtype, batch_size=batch_size, device=device)
+    return lm_eval.simple_evaluate(
+        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples
+    )

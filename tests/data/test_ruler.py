@@ -1,0 +1,176 @@
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from farsight.data.tasks import CorpusFiller, RepeatedFiller
+from farsight.data.tasks.ruler import (
+    RULER_TASKS,
+    CommonWordsTask,
+    FrequentWordsTask,
+    NIAHTask,
+    make_ruler_tasks,
+    ruler_task_names,
+    split_answer,
+)
+from farsight.data.tokenizers import load_tokenizer
+from farsight.errors import InputError
+
+BYTE = load_tokenizer("byte")
+GPT2 = load_tokenizer("gpt2")
+FIXTURES = Path(__file__).parent / "fixtures" / "corpus"
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def text(tokenizer, ids):
+    return tokenizer.decode(np.asarray(ids).tolist())
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+@pytest.mark.parametrize("length", [1024, 2000 + 7])
+@pytest.mark.parametrize("align", [1, 32])
+def test_every_task_has_the_exact_length_an_aligned_question_and_stable_text(tokenizer, length, align):
+    for task in make_ruler_tasks(list(RULER_TASKS), tokenizer, align, haystack="noise"):
+        s = task.sample(length, 0.5, rng())
+        assert len(s.input_ids) == length, task.name
+        link = len(tokenizer.encode(" is" if text(tokenizer, s.prompt).endswith(" is") else " are"))
+        assert (s.answer_start - link) % align == 0, task.name  # the answer's chunk starts at the link
+        # the prompt's text re-tokenizes to the same ids, so lm-eval sees the same length
+        assert tokenizer.encode(text(tokenizer, s.prompt)) == s.prompt.tolist(), task.name
+        assert s.info["prompt_tokens"] == len(s.prompt)
+        answer = text(tokenizer, s.answer)
+        assert split_answer(answer) == s.info["references"], task.name
+        context = text(tokenizer, s.prompt)
+        assert all(r in context for r in s.info["references"]) or task.name == "cwe" or task.name == "fwe"
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_the_needle_sits_at_the_requested_depth(depth):
+    task = make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise")[0]
+    s = task.sample(4096, depth, rng(1))
+    intro = len(task.encode("Special magic numbers are hidden in the text below. Memorize them: you will be asked about them.\n"))
+    question_start = text(BYTE, s.prompt).index("\nQuestion:")
+    position = s.needle_positions[0]
+    assert abs((position - intro) / (question_start - s.needle_lengths[0] - intro) - depth) < 0.02
+    needle = text(BYTE, s.input_ids[position : position + s.needle_lengths[0]])
+    value = s.info["references"][0]
+    assert needle == f" The special magic number for {s.info['keys'][0]} is: {value}."
+    (start, n), = s.evidence
+    assert text(BYTE, s.input_ids[start : start + n]) == " " + value
+    assert text(BYTE, s.prompt).endswith(f"Answer: The special magic number for {s.info['keys'][0]} is")
+
+
+def test_samples_are_deterministic_given_the_rng():
+    for task in make_ruler_tasks(list(RULER_TASKS), GPT2, 16, haystack="noise"):
+        a, b, c = (task.sample(1500, 0.4, rng(seed)) for seed in (5, 5, 6))
+        assert np.array_equal(a.input_ids, b.input_ids) and a.info == b.info, task.name
+        assert not np.array_equal(a.input_ids, c.input_ids), task.name
+
+
+def test_multi_key_value_and_query_needles():
+    multikey, multivalue, multiquery, needles = make_ruler_tasks(
+        ["niah_multikey_1", "niah_multivalue", "niah_multiquery", "niah_multikey_3"], BYTE, 1, haystack="noise"
+    )
+    s = multikey.sample(2048, 0.5, rng())
+    context = text(BYTE, s.prompt)
+    assert len(s.needle_positions) == 4 and len(re.findall(r"The special magic number for [a-z-]+ is: \d{7}\.", context)) == 4
+    assert len(s.info["references"]) == 1 and context.count(s.info["references"][0]) == 1
+
+    s = multivalue.sample(2048, 0.5, rng())
+    key = s.info["keys"][0]
+    found = re.findall(rf"The special magic number for {key} is: (\d{{7}})\.", text(BYTE, s.prompt))
+    assert sorted(found) == sorted(s.info["references"]) and len(found) == 4
+    assert text(BYTE, s.prompt).endswith(f"The special magic numbers for {key} are")
+
+    s = multiquery.sample(2048, 0.5, rng())
+    assert len(s.info["keys"]) == 4 and len(s.info["references"]) == 4 and len(s.evidence) == 4
+    for key, value in zip(s.info["keys"], s.info["references"]):
+        assert f"The special magic number for {key} is: {value}." in text(BYTE, s.prompt)
+
+    # a needle haystack: the context is distractor needles, every key and value different
+    s = needles.sample(4096, 0.5, rng())
+    lines = re.findall(r"The special magic uuid for ([0-9a-f-]{36}) is: ([0-9a-f-]{36})\.", text(BYTE, s.prompt))
+    assert len(lines) > 20
+    keys, values = zip(*lines)
+    assert len(set(keys)) == len(keys) and len(set(values)) == len(values)
+    assert (s.info["keys"][0], s.info["references"][0]) in lines
+
+
+def test_variable_tracking_chain_resolves_to_the_answer():
+    task = make_ruler_tasks(["vt"], GPT2, 1, haystack="noise", options={"chains": 3, "hops": 3})[0]
+    s = task.sample(3000, 0.2, rng(2))
+    assignments = re.findall(r"VAR ([A-Z]{5}) = ([A-Z]{5}|\d+)\.", text(GPT2, s.prompt))
+    assert len(assignments) == 12
+    value = s.info["value"]
+    holding = {value}
+    for var, source in assignments:  # in text order: each chain's assignments come in order
+        if source in holding:
+            holding.add(var)
+    assert sorted(holding - {value}) == sorted(s.info["references"]) and len(s.info["references"]) == 4
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+def test_common_words_are_the_most_common(tokenizer):
+    task = make_ruler_tasks(["cwe"], tokenizer, 1, haystack="noise")[0]
+    s = task.sample(8192, 0.5, rng())
+    context = text(tokenizer, s.prompt).split("\n")[1]
+    counts = Counter(context.split())
+    common = s.info["references"]
+    assert sorted(common) == common and len(common) == 10
+    assert min(counts[w] for w in common) > max(c for w, c in counts.items() if w not in common)
+    assert s.info["common_freq"] == min(counts[w] for w in common)
+
+
+def test_frequent_words_follow_zipf_and_the_top_is_unique():
+    task = make_ruler_tasks(["fwe"], GPT2, 1, haystack="noise")[0]
+    s = task.sample(4096, 0.5, rng())
+    counts = Counter(text(GPT2, s.prompt).split("\n")[1].split())
+    ranked = [w for w, _ in counts.most_common()]
+    assert ranked[:3] == s.info["references"]
+    values = sorted(counts.values(), reverse=True)
+    assert values[0] > values[1] > values[2] > values[3] and values[0] > 20
+
+
+@pytest.mark.parametrize("name", list(RULER_TASKS))
+def test_every_family_runs_at_tiny_lengths(name):
+    options = {"common": 2, "common_freq": 6} if name == "cwe" else {}
+    task = make_ruler_tasks([name], BYTE, 1, haystack="noise", options=options)[0]
+    length = 768 if name == "niah_multiquery" else 512
+    for depth in (0.0, 1.0):
+        assert len(task.sample(length, depth, rng()).input_ids) == length
+
+
+def test_corpus_haystack_puts_needles_between_words():
+    corpus = "\n".join(p.read_text() for p in sorted(FIXTURES.rglob("*")) if p.is_file())
+    task = NIAHTask(BYTE, CorpusFiller(np.asarray(BYTE.encode(corpus))), 1, keys=3)
+    s = task.sample(3000, 0.5, rng())
+    for position, n in zip(s.needle_positions, s.needle_lengths):
+        assert text(BYTE, s.input_ids[position : position + n]).startswith(" The special magic number")
+        assert text(BYTE, s.input_ids[position + n : position + n + 1]).startswith(" ")  # a word boundary
+
+
+def test_bad_input_gets_one_line_errors_naming_the_fix():
+    with pytest.raises(InputError, match="unknown RULER task 'niah'.*or all"):
+        ruler_task_names("niah_single_1,niah")
+    assert ruler_task_names("all") == list(RULER_TASKS)
+    with pytest.raises(InputError, match="too short for the niah_multiquery task: it needs at least \\d+ tokens.*raise --lengths"):
+        make_ruler_tasks(["niah_multiquery"], BYTE, haystack="noise")[0].sample(300, 0.5, rng())
+    with pytest.raises(InputError, match="too short for the cwe task"):
+        make_ruler_tasks(["cwe"], BYTE, haystack="noise")[0].sample(512, 0.5, rng())
+    with pytest.raises(InputError, match="real-text haystack.*--corpus DIR.*--haystack noise"):
+        make_ruler_tasks(["niah_single_2"], BYTE)
+    with pytest.raises(InputError, match="option\\(s\\) hops not valid for the niah_single_1 task"):
+        make_ruler_tasks(["niah_single_1"], BYTE, haystack="noise", options={"hops": 2})
+    with pytest.raises(InputError, match="queries=3 keys but has only keys=2"):
+        make_ruler_tasks(["niah_single_1"], BYTE, haystack="noise", options={"keys": 2, "queries": 3})
+    with pytest.raises(InputError, match="value_kind must be one of"):
+        NIAHTask(BYTE, RepeatedFiller(BYTE), value_kind="letters")
+    with pytest.raises(InputError, match="alpha must be a number >= 1"):
+        FrequentWordsTask(BYTE, RepeatedFiller(BYTE), alpha=0.5)
+    with pytest.raises(InputError, match="common_freq must be a whole number >= 5"):
+        CommonWordsTask(BYTE, RepeatedFiller(BYTE), common_freq=4)

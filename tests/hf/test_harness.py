@@ -1,0 +1,92 @@
+"""The lm-eval model "farsight": simple_evaluate on small local tasks equals the same numbers
+computed by hand on farsight's sessions, from Python and from `farsight eval harness`."""
+
+import json
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+import farsight.hf  # noqa: E402,F401  (registers "farsight" with lm-eval)
+from farsight.cli import main  # noqa: E402
+from farsight.data.tokenizers import load_tokenizer  # noqa: E402
+from farsight.hf.harness import task_manager  # noqa: E402
+from farsight.models import load_model  # noqa: E402
+
+DOCS = [
+    {"context": "The passkey is 4821. Hay hay hay.", "choices": [" 4821", " 1234", " 9090", " 5555"], "answer": 0, "passkey": "4821"},
+    {"context": "Grass is green. The passkey is 7070.", "choices": [" 1111", " 7070", " 3141", " 2718"], "answer": 1, "passkey": "7070"},
+    {"context": "The passkey is 12. Sky is blue.", "choices": [" 12", " 99", " 123", " 7"], "answer": 0, "passkey": "12"},
+]
+PROMPT = "{{context}}\nWhat is the passkey? The passkey is"
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tasks")
+    data = folder / "passkey.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: \"\"\ndoc_to_text: \"{PROMPT}\"\n"
+    (folder / "mc.yaml").write_text(
+        "task: farsight_passkey_mc\noutput_type: multiple_choice\n" + common
+        + "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+    )
+    (folder / "gen.yaml").write_text(
+        "task: farsight_passkey_gen\noutput_type: generate_until\n" + common
+        + "doc_to_target: \" {{passkey}}\"\ngeneration_kwargs:\n  until: [\".\", \"\\n\"]\n  max_gen_toks: 6\n"
+        + "metric_list:\n  - metric: exact_match\n"
+    )
+    return folder
+
+
+def loglikelihood_by_hand(model, tokenizer, context, continuation):
+    """log p(continuation | context): prefill the context, score the continuation."""
+    with model.new_session(1) as session:
+        session.prefill(torch.tensor([tokenizer.encode(context)]))
+        return float(session.score(torch.tensor([tokenizer.encode(continuation)])).sum())
+
+
+def greedy_text_by_hand(model, tokenizer, context, max_new_tokens=6, until=(".", "\n")):
+    """farsight's greedy generate, decoded and cut before the first stop string."""
+    ids = torch.tensor([tokenizer.encode(context)])
+    text = tokenizer.decode(model.generate(ids, max_new_tokens, temperature=0, eos_token_id=tokenizer.eos_id)[0, ids.shape[1] :].tolist())
+    return min((text[: text.index(stop)] for stop in until if stop in text), key=len, default=text)
+
+
+def test_simple_evaluate_equals_the_sessions_by_hand(tiny_drt_dir, tasks):
+    names = ["farsight_passkey_mc", "farsight_passkey_gen"]
+    results = lm_eval.simple_evaluate(
+        model="farsight",
+        model_args=f"pretrained={tiny_drt_dir},memory=disk,batch_size=4",
+        tasks=names,
+        task_manager=task_manager(names, str(tasks)),
+        log_samples=True,
+    )
+    model, tokenizer = load_model(tiny_drt_dir).eval(), load_tokenizer(tiny_drt_dir)
+    correct = 0
+    for sample in results["samples"]["farsight_passkey_mc"]:
+        expected = [loglikelihood_by_hand(model, tokenizer, *pair) for pair in sample["arguments"]]
+        assert [resp[0][0] for resp in sample["resps"]] == pytest.approx(expected, abs=1e-4)
+        correct += expected.index(max(expected)) == DOCS[sample["doc_id"]]["answer"]
+    assert results["results"]["farsight_passkey_mc"]["acc,none"] == pytest.approx(correct / len(DOCS))
+    for sample in results["samples"]["farsight_passkey_gen"]:
+        assert sample["resps"][0][0] == greedy_text_by_hand(model, tokenizer, sample["arguments"][0][0])
+
+
+def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, tasks, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    code = main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "farsight_passkey_mc",
+                 "--include-path", str(tasks), "--limit", "2", "--batch-size", "4", "--out", str(out)])
+    assert code == 0
+    assert "farsight_passkey_mc" in capsys.readouterr().out
+    python = lm_eval.simple_evaluate(
+        model="farsight", model_args=f"pretrained={tiny_drt_dir}", tasks=["farsight_passkey_mc"], limit=2,
+        task_manager=task_manager(["farsight_passkey_mc"], str(tasks)),
+    )
+    assert json.loads(out.read_text())["results"]["farsight_passkey_mc"] == pytest.approx(python["results"]["farsight_passkey_mc"])
+
+
+def test_farsight_eval_harness_refuses_unknown_tasks(tiny_drt_dir, tasks, capsys):
+    assert main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
+    assert "no_such_task" in capsys.readouterr().err
