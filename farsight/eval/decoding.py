@@ -16,9 +16,11 @@ def greedy_continuation(
     steps: int,
     on_tokens: Callable[[int], None] | None = None,
     block: int = 1 << 16,
+    lead_in: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Feed prompt [B, T] (in blocks, reporting each to `on_tokens`), then decode `steps` tokens
-    greedily; returns them [B, steps]."""
+    """Prefill prompt [B, T] (in blocks, reporting each to `on_tokens`), feed lead_in [B, t] if
+    given (tokens that follow the aligned prompt, e.g. the needle tasks' " is"), then decode
+    `steps` tokens greedily; returns them [B, steps]."""
 
     def blocks():
         for start in range(0, prompt.shape[1], block):
@@ -27,6 +29,8 @@ def greedy_continuation(
                 on_tokens(min(block, prompt.shape[1] - start))
 
     logits = session.prefill(blocks(), length=prompt.shape[1])
+    if lead_in is not None and lead_in.shape[1]:
+        logits = session.feed(lead_in)[:, -1]
     out = []
     for i in range(steps):
         token = logits.argmax(-1)

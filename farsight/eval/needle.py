@@ -110,16 +110,24 @@ def evaluate_needle_task(
             samples = [task.sample(length, depth, trial_rng(seed, length, di, t)) for t in range(per_length[length])]
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)
             for i, s in enumerate(samples):
-                groups[(len(s.prompt), s.answer_length)].append(i)
-            for (_, answer_len), members in groups.items():
+                groups[(len(s.question), len(s.prompt), s.answer_length)].append(i)
+            for (_, _, answer_len), members in groups.items():
                 for start in range(0, len(members), batch_size):
                     batch = members[start : start + batch_size]
                     prompt = torch.from_numpy(np.stack([samples[i].prompt for i in batch])).to(device)
                     if int(prompt.max()) >= decode_tokens:
                         raise InputError("the task's tokenizer does not match the model's vocabulary")
+                    # the question is what gets aligned (landmark before " is", as in the paper)
+                    question = len(samples[batch[0]].question)
                     t0 = time.perf_counter()
                     with model.new_session(batch_size=len(batch), memory=memory, kv_dtype=kv_dtype) as session:
-                        predicted = greedy_continuation(session, prompt, answer_len, on_tokens=lambda n: bar.update(n * len(batch)))
+                        predicted = greedy_continuation(
+                            session,
+                            prompt[:, :question],
+                            answer_len,
+                            on_tokens=lambda n: bar.update(n * len(batch)),
+                            lead_in=prompt[:, question:],
+                        )
                         predicted = predicted.cpu().numpy()
                         retrieved = session.retrieved_chunks()
                     seconds[length] += time.perf_counter() - t0
@@ -140,7 +148,7 @@ def evaluate_needle_task(
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
                             )
                         )
-                    bar.update((length - prompt.shape[1]) * len(batch))  # the answer and tail
+                    bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
     bar.close()
     return summarize(results, task.name, seconds)
 

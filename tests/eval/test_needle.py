@@ -46,16 +46,19 @@ def test_an_oracle_scores_perfectly_and_a_wrong_model_does_not(monkeypatch):
             for t in range(2):
                 s = task.sample(length, depth, needle.trial_rng(0, length, di, t))
                 truth[tuple(s.prompt.tolist())] = s.answer
+                assert s.prompt[len(s.question) :].tolist() == list(b" is")
 
-    def oracle(decoder, prompt, steps, on_tokens=None, block=0):
-        return torch.tensor(np.stack([truth[tuple(p.tolist())] for p in prompt]))
+    def oracle(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None):
+        # the evaluation prefills the question and feeds its " is" as the lead-in
+        full = torch.cat([prompt, lead_in], dim=1)
+        return torch.tensor(np.stack([truth[tuple(p.tolist())] for p in full]))
 
     monkeypatch.setattr(needle, "greedy_continuation", oracle)
     summary = evaluate_needle_task(model, task, lengths, depths, trials=2, batch_size=2, progress=False)
     assert all(v["exact_match"] == 1.0 and v["trials"] == 4 for v in summary["by_length"].values())
 
-    def off_by_one(decoder, prompt, steps, on_tokens=None, block=0):
-        out = oracle(decoder, prompt, steps)
+    def off_by_one(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None):
+        out = oracle(decoder, prompt, steps, lead_in=lead_in)
         out[:, -1] = (out[:, -1] + 1) % 256
         return out
 

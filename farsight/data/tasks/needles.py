@@ -8,7 +8,8 @@ haystack costs only its token array. Layout of a sample of exactly `length` toke
 
 The question head ends on a multiple of `align` (the DRT chunk size), so the model's landmark
 falls right before " is" and the chunk that holds the answer retrieves with the whole question
-(the paper pads the same way). `prompt` is everything before the answer; exact match compares
+(the paper pads the same way). With align=1 the question falls anywhere; the needle evaluation
+then prefills `question` (a DRT session left-pads it to a chunk boundary) and feeds `lead_in`. `prompt` is everything before the answer; exact match compares
 the greedily decoded continuation with `answer`.
 
 Tasks:
@@ -48,10 +49,22 @@ class NeedleSample:
     evidence: list[tuple[int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     answer_lead: int = 0
+    question_end: int | None = None
 
     @property
     def prompt(self) -> np.ndarray:
         return self.input_ids[: self.answer_start]
+
+    @property
+    def question(self) -> np.ndarray:
+        """The prompt up to the end of the question head: what a DRT session aligns to a chunk
+        boundary, so the landmark falls before " is" as in the paper (Appendix D)."""
+        return self.input_ids[: self.answer_start if self.question_end is None else self.question_end]
+
+    @property
+    def lead_in(self) -> np.ndarray:
+        """The prompt's tokens after the question head (" is"), fed before decoding the answer."""
+        return self.input_ids[len(self.question) : self.answer_start]
 
     @property
     def answer(self) -> np.ndarray:
@@ -141,7 +154,7 @@ class NeedleTask:
         evidence = [(placed[i] + offset, n) for i, offset, n in draw.evidence]
         lead = next((i for i, t in enumerate(answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
         return NeedleSample(
-            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead
+            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix
         )
 
 
