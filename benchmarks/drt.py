@@ -10,6 +10,11 @@ and decode latency vs context length.
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens, the mean latency of 128 single-token steps (four chunk
     boundaries, so four retrievals), ratio to t = 4K.
+(d) split: where a long streaming prefill spends its time (demo-sized DRT, disk tier, fp32 or
+    --split-dtype bf16): lower layers, chunk encoder, chunk-memory writes, landmark scoring and
+    top-k, chunk reads, GCA, the upper layers' window attention + MLP, and the rest, at
+    --split-lengths (default 1M and 4M; 64K and 256K with --quick). Timed by wrapping the
+    model's steps in this script; the library is not instrumented.
 Every case runs in a fresh process (farsight.eval.efficiency.run_isolated).
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections import defaultdict
 
 import torch
 
@@ -29,7 +35,7 @@ from farsight.eval.efficiency import (
     time_fn,
     write_json,
 )
-from farsight.eval.needle import format_length
+from farsight.eval.needle import format_length, parse_length
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes
 
@@ -102,15 +108,59 @@ def _decode_case(case: dict) -> dict:
     return {"ms_per_token": 1000 * seconds}
 
 
+SPLIT_SECTIONS = ("lower layers", "encoder", "memory write", "scoring + top-k", "memory read", "GCA", "upper SWA + MLP")
+
+
+def _timed(totals: dict[str, float], section: str, fn):
+    """fn, adding its wall time to totals[section] (CPU ops are synchronous)."""
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[section] += time.perf_counter() - start
+
+    return wrapper
+
+
+def _split_case(case: dict) -> dict:
+    model = _stream_model().to(getattr(torch, case["dtype"]))
+    totals: dict[str, float] = defaultdict(float)
+    for block in model.lower:
+        block.forward = _timed(totals, "lower layers", block.forward)
+    for block in model.upper:
+        for part in (block.attn, block.mlp):
+            part.forward = _timed(totals, "upper SWA + MLP", part.forward)
+        block.cross.forward = _timed(totals, "GCA", block.cross.forward)
+    model.encode_chunks = _timed(totals, "encoder", model.encode_chunks)
+    model._retrieve = _timed(totals, "scoring + top-k", model._retrieve)
+    model._fetch = _timed(totals, "memory read", model._fetch)
+    with tempfile.TemporaryDirectory() as tmp, model.new_session(memory="disk", path=f"{tmp}/chunks.kv") as session:
+        session.memory.append = _timed(totals, "memory write", session.memory.append)
+        start = time.perf_counter()
+        session.prefill(_blocks(case["length"]))
+        seconds = time.perf_counter() - start
+    row = {"tokens_per_s": case["length"] / seconds, "seconds": seconds, "peak_rss_mb": peak_rss_bytes() / 2**20}
+    for section in SPLIT_SECTIONS:
+        row[f"{section} %"] = 100 * totals[section] / seconds
+    row["rest %"] = 100 - sum(row[f"{section} %"] for section in SPLIT_SECTIONS)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short lengths only")
     parser.add_argument("--json", help="write the figures as JSON")
-    parser.add_argument("--parts", default="train,prefill,decode", help="comma-separated subset of train,prefill,decode")
+    parser.add_argument("--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split")
+    parser.add_argument("--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)")
+    parser.add_argument("--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    if not parts or not parts <= {"train", "prefill", "decode"}:
-        parser.error(f"--parts takes a comma-separated subset of train,prefill,decode, not {args.parts!r}")
+    if not parts or not parts <= {"train", "prefill", "decode", "split"}:
+        parser.error(f"--parts takes a comma-separated subset of train,prefill,decode,split, not {args.parts!r}")
+    default_split = "64k,256k" if args.quick else "1m,4m"
+    split_lengths = [parse_length(text) for text in (args.split_lengths or default_split).split(",")]
     train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
     prefill_lengths = [16384, 65536] if args.quick else [16384, 65536, 262144, 1 << 20]
     decode_contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
@@ -157,6 +207,12 @@ def main() -> None:
         if base_ms and "ms_per_token" in r:
             r["ratio to 4K"] = r["ms_per_token"] / base_ms
 
+    split_rows = []
+    for length in split_lengths if "split" in parts else []:
+        r = run_isolated(_split_case, {"length": length, "dtype": args.split_dtype})
+        split_rows.append({"T": format_length(length), **r})
+        note(f"split T={format_length(length)}")
+
     if train_rows:
         print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
         print(format_table(train_rows, ["T", "baselm step s", "drt step s", "time DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]))
@@ -166,6 +222,9 @@ def main() -> None:
     if decode_rows:
         print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
         print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
+    if split_rows:
+        print(f"\n(d) where a streaming prefill spends its time, % of wall time (demo-sized DRT, disk tier, {args.split_dtype})")
+        print(format_table(split_rows, ["T", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]))
     checks = []
     four_k = next((r for r in train_rows if r["T"] == "4K"), None)
     if four_k and "time DRT/BaseLM" in four_k:
@@ -191,6 +250,7 @@ def main() -> None:
             "training": train_rows,
             "prefill": prefill_rows,
             "decode": decode_rows,
+            "split": split_rows,
             "targets": [{"target": w, "value": v, "met": ok} for w, v, ok in checks],
         },
     )

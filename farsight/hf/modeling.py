@@ -172,8 +172,8 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
 
         Reads `generation_config` (default: the model's) updated by kwargs: max_new_tokens (or
         max_length), do_sample, temperature, top_k, top_p, eos_token_id (an id or a list),
-        pad_token_id. A left-padding attention_mask runs each row's real tokens in its own session;
-        the output keeps the prompt's pads, and rows that ended early are padded with pad_token_id
+        pad_token_id. A left-padding attention_mask is masked by a DRT session (one session for
+        the batch); other models run each row's real tokens in a session of its own. The output keeps the prompt's pads, and rows that ended early are padded with pad_token_id
         after their eos. memory/kv_dtype override the model's DRT session options for this call;
         `generator` seeds sampling.
         """
@@ -186,15 +186,19 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         sampling = {key: options[key] for key in ("temperature", "top_k", "top_p")}
         eos, pad = options["eos_token_ids"], options["pad_token_id"]
 
-        def run(ids: torch.Tensor) -> torch.Tensor:  # ids [b, t] -> new tokens [b, n]
+        def run(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # ids [b, t] -> new tokens [b, n]
             with self.model.new_session(ids.shape[0], **session_options) as session:
                 out = generate(
-                    session, ids, options["max_new_tokens"], eos_token_id=eos, pad_token_id=pad, generator=generator, **sampling
+                    session, ids, options["max_new_tokens"], eos_token_id=eos, pad_token_id=pad, generator=generator,
+                    attention_mask=mask, **sampling,
                 )
             return out[:, ids.shape[1] :]
 
         if attention_mask is None or bool(attention_mask.all()):
             new = run(input_ids)
+        elif self.model.model_type == "drt":
+            # a DRT session masks left padding itself: the rows share one session
+            new = run(input_ids, check_left_padding(attention_mask, input_ids))
         else:
             lengths = left_padded_lengths(attention_mask, input_ids)
             rows = [run(input_ids[row : row + 1, input_ids.shape[1] - length :])[0] for row, length in enumerate(lengths)]

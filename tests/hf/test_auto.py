@@ -69,9 +69,12 @@ def test_greedy_generate_equals_farsights_generate(model_dir):
     assert torch.equal(model.generate(ids, max_length=ids.shape[1] + 3), expected[:, : ids.shape[1] + 3])
 
 
-def test_left_padded_batch_generate_equals_each_row_alone(tiny_drt_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, memory="disk")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_drt_dir, padding_side="left")
+@pytest.mark.parametrize("kind", ["drt", "castle"])
+def test_left_padded_batch_generate_equals_each_row_alone(kind, tiny_drt_dir, castle_dir):
+    # DRT: one session masks the padding; CASTLE: a session per row
+    directory = tiny_drt_dir if kind == "drt" else castle_dir
+    model = AutoModelForCausalLM.from_pretrained(directory, **({"memory": "disk"} if kind == "drt" else {}))
+    tokenizer = AutoTokenizer.from_pretrained(directory, padding_side="left")
     batch = tokenizer([TEXT, TEXT * 2 + "And the"], return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=5)
     assert out.shape == (2, batch["input_ids"].shape[1] + 5)
