@@ -4,7 +4,10 @@ generate_until on farsight's streaming Session, so a DRT scores contexts of any 
     lm_eval.simple_evaluate(model="farsight", model_args="pretrained=DIR,memory=disk,dtype=bf16,batch_size=4", tasks=[...])
 
 Requests whose contexts and continuations have the same token lengths are decoded together, up
-to `batch_size` rows per session; every other request runs alone, so no row is ever padded.
+to `batch_size` rows per session; every other request runs alone, so no row is ever padded. A
+DRT scores log-likelihood requests per distinct context instead: the context is fed once and
+each continuation is scored from it (the session rewinds), which a multiple-choice item with a
+long context needs most.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from tqdm import tqdm
 from farsight.data.tokenizers import load_tokenizer
 from farsight.errors import InputError
 from farsight.hf.configuration import resolve_dtype
-from farsight.models import KV_DTYPES, MEMORY_TIERS, load_model, resolve_model_dir, sample_next_token
+from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -126,7 +129,9 @@ class FarsightLM(TemplateLM):
     # ---- on the Session --------------------------------------------------------------------------
     def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
         """(log p(continuation | context) summed, greedy match) per (context, continuation) ids,
-        sessions batching the pairs of equal lengths."""
+        sessions batching the pairs of equal lengths (DRT: one prefill per distinct context)."""
+        if self.model.model_type == "drt":
+            return self._score_by_context(pairs, disable_tqdm, what)
         groups: dict[tuple[int, int], list[int]] = defaultdict(list)
         for index, (context, continuation) in enumerate(pairs):
             groups[(len(context), len(continuation))].append(index)
@@ -144,16 +149,31 @@ class FarsightLM(TemplateLM):
 
     def _score(self, context: torch.Tensor, continuation: torch.Tensor) -> list[tuple[float, bool]]:
         """context [b, Tc], continuation [b, Tn] -> per row (summed log-prob, greedy match)."""
+        if continuation.shape[1] == 0:
+            return [(0.0, True)] * context.shape[0]
         with self.model.new_session(context.shape[0], **self.session_options) as session:
-            first = session.prefill(context)  # [b, V]
-            if continuation.shape[1] == 0:
-                return [(0.0, True)] * context.shape[0]
-            logits = session.feed(continuation)  # [b, Tn, V]
-        predicted = torch.cat([first[:, None], logits[:, :-1]], dim=1)  # [b, Tn, V]: the logits each token is drawn from
-        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
-        logprobs = predicted.log_softmax(-1).gather(-1, continuation[..., None]).squeeze(-1)  # [b, Tn]
-        greedy = (predicted.argmax(-1) == continuation).all(dim=1)  # [b]
-        return [(float(total), bool(match)) for total, match in zip(logprobs.sum(dim=1).tolist(), greedy.tolist())]
+            session.prefill(context)
+            score = session.score_continuation(continuation)  # [b, Tn]
+        return _totals(score)
+
+    def _score_by_context(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
+        """DRT: every distinct context is fed once and its continuations are scored from it in
+        turn (the session rewinds between them), so a multiple-choice item costs one prefill."""
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for index, (context, _) in enumerate(pairs):
+            groups[tuple(context)].append(index)
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        progress = tqdm(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
+        for context, indices in groups.items():
+            scored = [i for i in indices if pairs[i][1]]
+            with self.model.new_session(1, **self.session_options) as session:
+                session.prefill(torch.tensor([context], dtype=torch.long, device=self._device))
+                scores = session.score_each([torch.tensor([pairs[i][1]], dtype=torch.long, device=self._device) for i in scored])
+            for index, score in zip(scored, scores):
+                results[index] = _totals(score)[0]
+            progress.update(len(indices))
+        progress.close()
+        return results
 
     def _generate(self, ids: torch.Tensor, options: dict[str, Any]) -> list[str]:
         """Continue ids [b, T] in one session; per row, the text up to its first stop."""
@@ -177,6 +197,11 @@ class FarsightLM(TemplateLM):
                     break
                 logits = session.step(token)
         return [cut_at_stop(self.tok_decode(tokens), until) for tokens in new]
+
+
+def _totals(score: ContinuationScore) -> list[tuple[float, bool]]:
+    """Per row: the continuation's summed log-probability and whether greedy decoding gives all of it."""
+    return [(float(total), bool(match)) for total, match in zip(score.logprobs.sum(dim=1).tolist(), score.greedy.all(dim=1).tolist())]
 
 
 def generation_options(gen_kwargs: dict[str, Any]) -> dict[str, Any]:

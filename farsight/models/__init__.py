@@ -8,7 +8,7 @@ from farsight.models.generation import generate, sample_next_token
 from farsight.models.io import CONFIG_FILE, WEIGHTS_FILE, load_weights, read_model_meta, resolve_model_dir
 from farsight.models.lm import MODEL_DTYPES, CausalLMOutput, PretrainedLM, causal_lm_loss
 from farsight.models.registry import MODEL_TYPES, build_model, load_model
-from farsight.models.session import Session
+from farsight.models.session import ContinuationScore, Session
 from farsight.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerSession
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "CausalLMOutput",
     "DRTConfig",
     "DRTForCausalLM",
+    "ContinuationScore",
     "DRTSession",
     "PretrainedLM",
     "RetrievalInfo",

@@ -8,6 +8,8 @@ chunk memory) and is fed tokens in order:
     step(token [B] or [B, 1])                    -> next-token logits [B, V]
     feed(ids [B, T])                             -> logits [B, T, V] after each token
     score(ids [B, T])                            -> log-probs [B, T] of ids as the continuation
+    score_continuation(ids [B, T])               -> log-probs and greedy flags [B, T]
+    score_each([ids_1, ids_2, ...])              -> each alternative scored from the same point
     generate(ids, max_new_tokens, ...)           -> [B, T + new] (farsight.models.generation)
     close() / `with`                             -> frees files and buffers, restores train mode
 
@@ -25,7 +27,8 @@ any other refuses every later call with a StateError.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +36,15 @@ from torch import nn
 
 from farsight.errors import InputError, StateError
 from farsight.models.generation import generate
+
+
+@dataclass
+class ContinuationScore:
+    """A continuation's log-probabilities [B, T] (fp32, or fp64 for an fp64 model) and, per
+    token, whether greedy decoding picks it [B, T]."""
+
+    logprobs: torch.Tensor
+    greedy: torch.Tensor
 
 
 def check_left_padding(attention_mask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -192,14 +204,37 @@ class Session:
     def score(self, ids: torch.Tensor) -> torch.Tensor:
         """Log-probabilities [B, T] (fp32, or fp64 for an fp64 model) of ids [B, T] as the
         continuation of what was fed before (at least one token), and feeds them."""
+        return self.score_continuation(ids).logprobs
+
+    def score_continuation(self, ids: torch.Tensor) -> ContinuationScore:
+        """`score`, with whether greedy decoding picks each token."""
         if self._next_logits is None:
             raise InputError("score needs a context to continue: prefill at least one token first")
         before = self._next_logits
         logits = self.feed(ids)
         ids = self.check_ids(ids)
-        predicted = torch.cat([before[:, None], logits[:, :-1]], dim=1)
-        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32))
-        return predicted.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+        predicted = torch.cat([before[:, None], logits[:, :-1]], dim=1)  # [B, T, V]: what each id is drawn from
+        predicted = predicted.to(torch.promote_types(predicted.dtype, torch.float32)).log_softmax(-1)
+        logprobs = predicted.gather(-1, ids[..., None]).squeeze(-1)
+        return ContinuationScore(logprobs, predicted.argmax(-1) == ids)
+
+    def score_each(self, continuations: Sequence[torch.Tensor]) -> list[ContinuationScore]:
+        """Score several alternative continuations [B, t_i] of what was fed, each from the same
+        point: the session is rewound after each, so a long context is fed once for all of them
+        (a multiple-choice question). Sessions that cannot rewind (only DRT's can) refuse."""
+        scores = []
+        for ids in continuations:
+            mark = self._mark()
+            if mark is None:
+                raise StateError(f"{type(self).__name__} cannot rewind; score each continuation in a session of its own")
+            saved = (self.tokens_seen, self._next_logits)
+            try:
+                scores.append(self.score_continuation(ids))
+            finally:
+                with torch.inference_mode():
+                    self._undo(mark)
+                self.tokens_seen, self._next_logits = saved
+        return scores
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
         """Prefill input_ids [B, T] and sample up to max_new_tokens (temperature, top_k, top_p,

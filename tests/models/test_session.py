@@ -172,3 +172,30 @@ def test_generate_stops_rows_at_any_of_several_eos_ids_and_pads_after():
     assert out[:, 2:].tolist() == [[5, 9, 7, 7, 7], [5, 6, 8, 8, 8]]
     out = generate(ScriptedSession([[9, 1, 1], [8, 1, 1]]), prompt[:2], 3, temperature=0, eos_token_id=[8, 9])
     assert out.shape == (2, 3)
+
+
+def test_score_each_rewinds_between_alternatives():
+    model = make("drt")
+    context, alternatives = ids(2, 23), [ids(2, 4, seed=s) for s in (5, 6, 7)] + [ids(2, 11, seed=8)]
+    with model.new_session(batch_size=2) as session:
+        session.prefill(context)
+        got = session.score_each(alternatives)
+        after = session.step(alternatives[0][:, 0])  # the session is where it was before score_each
+    for ids_, score in zip(alternatives, got):
+        with model.new_session(batch_size=2) as alone:
+            first = alone.prefill(context)
+            logits = alone.feed(ids_)
+        predicted = torch.cat([first[:, None], logits[:, :-1]], 1)
+        want = predicted.log_softmax(-1).gather(-1, ids_[..., None]).squeeze(-1)
+        torch.testing.assert_close(score.logprobs, want, atol=1e-12, rtol=0)
+        assert torch.equal(score.greedy, predicted.argmax(-1) == ids_)
+    with model.new_session(batch_size=2) as alone:
+        alone.prefill(context)
+        torch.testing.assert_close(after, alone.step(alternatives[0][:, 0]), atol=1e-12, rtol=0)
+
+
+def test_score_each_needs_a_session_that_rewinds():
+    model = make("causal")
+    with model.new_session() as session, pytest.raises(StateError, match="cannot rewind"):
+        session.prefill(ids(1, 5))
+        session.score_each([ids(1, 2)])
