@@ -49,6 +49,7 @@ def _harness(args: argparse.Namespace) -> int:
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError as exc:
         raise MissingDependencyError(f"farsight eval harness needs lm-eval ({exc}); run: pip install farsight[eval]") from None
+    from farsight.eval.efficiency import write_json
     from farsight.hf.harness import evaluate  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
@@ -59,10 +60,5 @@ def _harness(args: argparse.Namespace) -> int:
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    if args.out:
-        import json
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
-        print(f"wrote {args.out}")
+    write_json(args.out, results, default=handle_non_serializable)
     return 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from farsight.files import atomic_write
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss
 
 
@@ -119,11 +120,15 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str | os.PathLike | None, payload: dict) -> None:
-    """Write payload as indented JSON (parent folders made as needed); nothing when path is None."""
+def write_json(path: str | os.PathLike | None, payload: dict, default: Callable[[Any], Any] | None = None) -> None:
+    """Write payload as indented JSON (parent folders made as needed; atomically, so a failed
+    write leaves an earlier file as it was); nothing when path is None. `default` serialises
+    what json cannot (json.dumps's argument)."""
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2))
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(payload, indent=2, default=default) + "\n"
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         print(f"wrote {path}")
 
 
