@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from farsight.errors import InputError, MissingFileError
+from farsight.eval.efficiency import write_json
 
 BENCHMARKS = ("train_throughput", "castle", "drt", "kernels")
 
@@ -38,10 +39,7 @@ def run_benchmarks(names: list[str] | None = None, quick: bool = False, json_pat
                 failed.append(name)
             if out.is_file():
                 collected[name] = json.loads(out.read_text())
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(collected, indent=2))
-        print(f"wrote {json_path}")
+    write_json(json_path, collected)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
