@@ -156,6 +156,14 @@ def model_tokenizer(path: str) -> Any:
     return load_tokenizer(resolve_model_dir(path))
 
 
+def model_chunk_size(path: str) -> int:
+    """The DRT chunk size of the model or run directory `path` (1 for models without chunks),
+    read from its config without loading the weights: the default question alignment."""
+    from farsight.models import read_model_meta, resolve_model_dir
+
+    return int(read_model_meta(resolve_model_dir(path))["config"].get("chunk_size", 1))
+
+
 def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
     """`split` of the prepared dataset `corpus`, insisting it was prepared with every model's tokenizer."""
     from farsight.data.token_files import load_token_dataset

@@ -15,6 +15,7 @@ from farsight.cli.arguments import (
     check_output_file,
     check_output_folder,
     load_model_and_tokenizer,
+    model_chunk_size,
     model_tokenizer,
     needle_grid,
     open_corpus,
@@ -148,12 +149,10 @@ def _needle(args: argparse.Namespace) -> int:
 def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[float], trials: dict[int, int], options: dict) -> int:
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.choice import export_choice_tasks
-    from farsight.models import read_model_meta, resolve_model_dir
-
     check_output_folder(args.export_choice, "--export-choice")
     check_at_least(args, {"--choices": 2})
     tokenizer = model_tokenizer(args.model)
-    align = args.align or read_model_meta(resolve_model_dir(args.model))["config"].get("chunk_size", 1)
+    align = args.align or model_chunk_size(args.model)
     task = make_task(args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options)
     names = export_choice_tasks(task, lengths, depths, trials, args.export_choice, args.choices, args.seed)
     print(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")

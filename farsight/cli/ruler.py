@@ -16,6 +16,7 @@ from farsight.cli.arguments import (
     check_output_file,
     check_output_folder,
     load_model_and_tokenizer,
+    model_chunk_size,
     model_tokenizer,
     needle_grid,
     parse_task_options,
@@ -68,10 +69,8 @@ def _ruler(args: argparse.Namespace) -> int:
     if args.tokenizer:
         raise InputError("--tokenizer only applies with --export; an evaluation uses the model's tokenizer")
     tokenizer = model_tokenizer(args.model)
-    from farsight.models import read_model_meta, resolve_model_dir
-
     # the tasks are checked before the model loads, so a bad option or length fails at once
-    align = args.align or read_model_meta(resolve_model_dir(args.model))["config"].get("chunk_size", 1)
+    align = args.align or model_chunk_size(args.model)
     tasks = make_ruler_tasks(names, tokenizer, align, args.haystack, args.corpus, args.split, options)
     _check_lengths(tasks, lengths)
     from farsight.eval.efficiency import write_json

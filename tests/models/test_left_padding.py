@@ -181,3 +181,17 @@ def test_demo_model_answers_unaligned_passkeys():
     row = summary["by_length"]["1024"]
     assert row["needle_retrieved"] == 1.0  # the needle's chunk is retrieved wherever the question falls
     assert row["exact_match"] >= 0.8
+
+
+def test_left_padding_under_autocast_bf16():
+    model = tiny(dtype=torch.float32)
+    prompt = ids(1, 13)
+    batch, mask = left_padded(prompt, 7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with model.new_session(batch_size=2) as session:
+            logits = session.prefill(batch, attention_mask=mask)
+        with model.new_session() as session:
+            alone = session.prefill(prompt)
+        full = model(batch, attention_mask=mask).logits
+    assert torch.isfinite(logits).all() and torch.isfinite(full).all()
+    torch.testing.assert_close(logits.float(), alone.float().expand(2, -1), atol=0.05, rtol=0.05)

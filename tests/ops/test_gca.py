@@ -311,3 +311,13 @@ def test_key_mask_bad_inputs() -> None:
         gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5))
     with pytest.raises(ValueError, match='triton GCA backend takes no key_mask; use backend="torch"'):
         gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5, dtype=torch.bool), backend="triton")
+
+
+def test_key_mask_under_autocast_bf16():
+    q, k, v, index, weight = make_inputs(dtype=torch.float32, index=[[[0, 1], [2, -1], [3, 3]]] * 2)
+    mask = _key_mask(index, 5)
+    want = gca_reference(q, k, v, index, weight, key_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gca(q, k, v, index, weight, key_mask=mask)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
