@@ -149,6 +149,7 @@ def _needle(args: argparse.Namespace) -> int:
 def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[float], trials: dict[int, int], options: dict) -> int:
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.choice import export_choice_tasks
+
     check_output_folder(args.export_choice, "--export-choice")
     check_at_least(args, {"--choices": 2})
     tokenizer = model_tokenizer(args.model)
