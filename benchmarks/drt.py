@@ -10,23 +10,30 @@ and decode latency vs context length.
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens, the mean latency of 128 single-token steps (four chunk
     boundaries, so four retrievals), ratio to t = 4K.
-(d) split: where a long streaming prefill spends its time (demo-sized DRT, disk tier, fp32 or
-    --split-dtype bf16): lower layers, chunk encoder, chunk-memory writes, landmark scoring and
-    top-k, chunk reads, GCA, the upper layers' window attention + MLP, and the rest, at
-    --split-lengths (default 1M and 4M; 64K and 256K with --quick). Timed by wrapping the
-    model's steps in this script; the library is not instrumented.
+(d) split: where a long streaming prefill spends its time (demo-sized DRT with random weights,
+    or --split-model DIR such as models/demo-drt; disk tier; fp32 or --split-dtype bfloat16):
+    lower layers, chunk encoder, chunk-memory writes, landmark scoring and top-k, chunk reads,
+    GCA, the upper layers' window attention + MLP, and the rest, at --split-lengths (default 1M
+    and 4M; 64K and 256K with --quick). Tokens are random, or --split-corpus DIR's training split.
+    With --split-baseline each length also runs with every landmark key scored in fp32 (the
+    retrieval before the bf16 screen of farsight.ops.retrieval) and the speedup is printed.
+    Timed by wrapping the model's steps in this script; the library is not instrumented.
 Every case runs in a fresh process (farsight.eval.efficiency.run_isolated).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+import farsight.ops.retrieval
+from farsight.data.token_files import load_token_dataset
 from farsight.eval.efficiency import (
     format_table,
     machine_description,
@@ -36,7 +43,7 @@ from farsight.eval.efficiency import (
     write_json,
 )
 from farsight.eval.needle import format_length, parse_length
-from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM
+from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM, load_model
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes
 
 TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2)
@@ -124,8 +131,19 @@ def _timed(totals: dict[str, float], section: str, fn):
     return wrapper
 
 
+def _corpus_blocks(corpus: str, total: int):
+    tokens = load_token_dataset(corpus, "train")
+    if len(tokens) < total:
+        raise SystemExit(f"{corpus} holds {len(tokens)} training tokens, fewer than the {total} asked; pick a shorter length")
+    for start in range(0, total, BLOCK):
+        yield torch.from_numpy(np.asarray(tokens[start : min(total, start + BLOCK)], dtype=np.int64))[None]
+
+
 def _split_case(case: dict) -> dict:
-    model = _stream_model().to(getattr(torch, case["dtype"]))
+    if case["baseline"]:  # every landmark key scored in fp32: the retrieval before the bf16 screen
+        farsight.ops.retrieval.SCREEN_MIN_KEYS = sys.maxsize
+    model = load_model(case["model"]).eval() if case["model"] else _stream_model()
+    model = model.to(getattr(torch, case["dtype"]))
     totals: dict[str, float] = defaultdict(float)
     for block in model.lower:
         block.forward = _timed(totals, "lower layers", block.forward)
@@ -138,8 +156,10 @@ def _split_case(case: dict) -> dict:
     model._fetch = _timed(totals, "memory read", model._fetch)
     with tempfile.TemporaryDirectory() as tmp, model.new_session(memory="disk", path=f"{tmp}/chunks.kv") as session:
         session.memory.append = _timed(totals, "memory write", session.memory.append)
+        blocks = _corpus_blocks(case["corpus"], case["length"]) if case["corpus"] else _blocks(case["length"])
         start = time.perf_counter()
-        session.prefill(_blocks(case["length"]))
+        with torch.inference_mode():
+            session.prefill(blocks)
         seconds = time.perf_counter() - start
     row = {"tokens_per_s": case["length"] / seconds, "seconds": seconds, "peak_rss_mb": peak_rss_bytes() / 2**20}
     for section in SPLIT_SECTIONS:
@@ -155,6 +175,9 @@ def main() -> None:
     parser.add_argument("--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split")
     parser.add_argument("--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)")
     parser.add_argument("--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)")
+    parser.add_argument("--split-model", help="model directory for part (d) (default: demo-sized, random weights)")
+    parser.add_argument("--split-corpus", help="prepared dataset whose training tokens part (d) streams (default: random tokens)")
+    parser.add_argument("--split-baseline", action="store_true", help="part (d) also with every landmark key scored in fp32")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or not parts <= {"train", "prefill", "decode", "split"}:
@@ -209,9 +232,13 @@ def main() -> None:
 
     split_rows = []
     for length in split_lengths if "split" in parts else []:
-        r = run_isolated(_split_case, {"length": length, "dtype": args.split_dtype})
-        split_rows.append({"T": format_length(length), **r})
-        note(f"split T={format_length(length)}")
+        for baseline in (True, False) if args.split_baseline else (False,):
+            case = {"length": length, "dtype": args.split_dtype, "model": args.split_model, "corpus": args.split_corpus, "baseline": baseline}
+            r = run_isolated(_split_case, case)
+            split_rows.append({"T": format_length(length), "retrieval": "fp32 scan" if baseline else "screened", **r})
+            note(f"split T={format_length(length)}{' (fp32 scan)' if baseline else ''}")
+        if args.split_baseline and "tokens_per_s" in split_rows[-1] and "tokens_per_s" in split_rows[-2]:
+            split_rows[-1]["speedup"] = split_rows[-1]["tokens_per_s"] / split_rows[-2]["tokens_per_s"]
 
     if train_rows:
         print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
@@ -223,8 +250,12 @@ def main() -> None:
         print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
         print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
     if split_rows:
-        print(f"\n(d) where a streaming prefill spends its time, % of wall time (demo-sized DRT, disk tier, {args.split_dtype})")
-        print(format_table(split_rows, ["T", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]))
+        what = args.split_model or "demo-sized DRT, random weights"
+        tokens = f"{args.split_corpus} tokens" if args.split_corpus else "random tokens"
+        print(f"\n(d) where a streaming prefill spends its time, % of wall time ({what}, {tokens}, disk tier, {args.split_dtype})")
+        columns = ["T", "retrieval", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]
+        columns += ["speedup"] if args.split_baseline else []
+        print(format_table(split_rows, columns + (["error"] if any("error" in r for r in split_rows) else [])))
     checks = []
     four_k = next((r for r in train_rows if r["T"] == "4K"), None)
     if four_k and "time DRT/BaseLM" in four_k:

@@ -432,6 +432,11 @@ class ChunkMemory:
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
+        # the inference tiers also keep the landmark keys in bf16 and a bound on their norms,
+        # for the screened top-k (farsight.ops.retrieval); after a truncate the bound stays an
+        # upper bound
+        self._screen_keys = GrowingBuffer(dim=1)
+        self._max_key_norm: torch.Tensor | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -442,6 +447,13 @@ class ChunkMemory:
         if self.tier == "graph":
             return self._graph_keys[0] if len(self._graph_keys) == 1 else torch.cat(self._graph_keys, dim=1)
         return self._keys.view()
+
+    def screen_keys(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(landmark keys in bf16 [B, n_chunks, D], a scalar >= every key's L2 norm), or
+        (None, None) in the graph tier, where the screen computes them from the keys."""
+        if self.tier == "graph":
+            return None, None
+        return self._screen_keys.view(), self._max_key_norm
 
     def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """landmark_keys [B, m, D]; k, v [B, m, S, H, d] for m newly completed chunks. The store
@@ -454,20 +466,25 @@ class ChunkMemory:
         else:
             dtype = self.kv_dtype or k.dtype
             self.store.append(k.detach().to(dtype), v.detach().to(dtype))
-            self._keys.append(landmark_keys.detach().to(self.device))
+            keys = self._keys.append(landmark_keys.detach().to(self.device))
+            new = keys[:, keys.shape[1] - landmark_keys.shape[1] :]
+            self._screen_keys.append(new.to(torch.bfloat16))
+            norm = new.to(torch.promote_types(new.dtype, torch.float32)).norm(dim=-1).max()
+            self._max_key_norm = norm if self._max_key_norm is None else torch.maximum(self._max_key_norm, norm)
 
     def truncate(self, n_chunks: int) -> None:
         """Keep the first n_chunks chunks (an inference tier): undoes the appends of a failed session call."""
         self.store.truncate(n_chunks)
         self._keys.length = min(self._keys.length, n_chunks)
+        self._screen_keys.length = min(self._screen_keys.length, n_chunks)
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [B, n, K] of chunk ids (-1 empty) -> (k [B, m, S, H, d], v, index into them)."""
         return self.store.gather(index)
 
     def nbytes(self) -> int:
-        """Bytes of K/V stored (in whatever tier) plus landmark keys."""
-        keys = sum(k.numel() * k.element_size() for k in self._graph_keys) + self._keys.nbytes()
+        """Bytes of K/V stored (in whatever tier) plus landmark keys (and their bf16 copy)."""
+        keys = sum(k.numel() * k.element_size() for k in self._graph_keys) + self._keys.nbytes() + self._screen_keys.nbytes()
         return self.store.nbytes() + keys
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, che
 from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
 from farsight.ops.gca import gca
+from farsight.ops.retrieval import retrieval_scores, retrieval_topk
 
 RETRIEVERS = ("learned", "random", "none")
 
@@ -327,10 +328,9 @@ class DRTForCausalLM(PretrainedLM):
         return self.landmark_key(x[:, :, -1]), kv[:, :, :, 0], kv[:, :, :, 1]
 
     def _select(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """scores [B, m, n] (-inf = not a candidate) -> (index [B, m, K] with -1 for empty, weight [B, m, K])."""
-        k_max = self.config.top_k
-        n = scores.shape[-1]
-        take = min(k_max, n)
+        """scores [B, m, n] (-inf = not a candidate) -> (index [B, m, K] with -1 for empty, weight [B, m, K]):
+        the top K of the scores, with Gumbel noise in training, or K random candidates."""
+        take = min(self.config.top_k, scores.shape[-1])
         if self.config.retriever == "random":
             noise = torch.rand(scores.shape, device=scores.device)
             key = noise.masked_fill(~torch.isfinite(scores), float("-inf"))
@@ -339,15 +339,20 @@ class DRTForCausalLM(PretrainedLM):
             key = scores.detach() / self.config.gumbel_temperature - torch.log(-torch.log(uniform))
         else:
             key = scores.detach()
-        top = key.topk(take, dim=-1).indices if take else key.new_zeros((*key.shape[:2], 0), dtype=torch.long)
-        chosen = scores.gather(-1, top)
+        top = key.topk(take, dim=-1).indices
+        return self._weigh(top, scores.gather(-1, top))
+
+    def _weigh(self, top: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """top [B, m, k <= K] chosen chunk ids and their scores (-inf = empty) -> (index [B, m, K]
+        with -1 for empty, softmax weight [B, m, K] over the chosen scores)."""
         valid = torch.isfinite(chosen)
         # finite stand-in for empty slots keeps softmax (and its backward) free of NaN
         weight = torch.softmax(torch.where(valid, chosen, torch.full_like(chosen, -1e9)), dim=-1) * valid
         index = torch.where(valid, top, torch.full_like(top, -1))
-        if take < k_max:
-            index = F.pad(index, (0, k_max - take), value=-1)
-            weight = F.pad(weight, (0, k_max - take))
+        missing = self.config.top_k - top.shape[-1]
+        if missing:
+            index = F.pad(index, (0, missing), value=-1)
+            weight = F.pad(weight, (0, missing))
         return index, weight
 
     # ---- the span forward, step by step -----------------------------------------------------
@@ -384,21 +389,19 @@ class DRTForCausalLM(PretrainedLM):
         made_index = made_weight = None
         if len(offsets):
             query = self.query_proj[group](self.query_norms[group](h[:, offsets.to(h.device)]))  # [B, m, D]
-            keys = memory.landmark_keys()  # [B, n_mem, D]
-            # scores in fp32 (fp64 for fp64 models) whatever the compute dtype: bf16 scores tie
-            # often enough to change the top-k, and fp16 cannot hold the masks' finite stand-ins
-            dtype = torch.promote_types(query.dtype, torch.float32)
-            with torch.autocast(h.device.type, enabled=False):
-                scores = torch.einsum("bmd,bnd->bmn", query.to(dtype) / math.sqrt(self.config.d_model), keys.to(dtype))
-            # chunk first_chunk + i may only retrieve chunks < first_chunk + i: only the columns of
-            # this span's own chunks need a mask (an upper triangle); earlier chunks all qualify
-            own = scores[:, :, first_chunk:]
-            own.masked_fill_(torch.ones(own.shape[1:], dtype=torch.bool, device=h.device).triu(), float("-inf"))
-            if pad is not None:
-                # chunks of nothing but left padding are no candidates
-                padded = torch.arange(scores.shape[-1], device=h.device) < (pad // self.slots_per_chunk)[:, None]
-                scores.masked_fill_(padded[:, None], float("-inf"))
-            made_index, made_weight = self._select(scores)
+            # chunk first_chunk + i retrieves among chunks [start, first_chunk + i): those before
+            # start[b] hold nothing but left padding
+            stop = first_chunk + torch.arange(len(offsets), device=h.device)
+            start = torch.zeros(h.shape[0], dtype=torch.long, device=h.device) if pad is None else pad // self.slots_per_chunk
+            scale = 1 / math.sqrt(self.config.d_model)
+            if self.training or self.config.retriever == "random":
+                # Gumbel noise and random keys need every score
+                made_index, made_weight = self._select(retrieval_scores(query, memory.landmark_keys(), start, stop, scale))
+            else:
+                top, chosen = retrieval_topk(
+                    query, memory.landmark_keys(), self.config.top_k, start, stop, scale, *memory.screen_keys()
+                )
+                made_index, made_weight = self._weigh(top, chosen)
         index, weight = carried.index[:, None], carried.weight[:, None]
         if span.n_chunks > 1:
             index = torch.cat([index, made_index[:, : span.n_chunks - 1]], dim=1)

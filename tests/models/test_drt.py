@@ -288,3 +288,46 @@ def test_paged_buffer_grows_without_copying_and_gathers_across_pages():
     ids = torch.tensor([0, 15, 16, 47, 48, 99])
     torch.testing.assert_close(buffer.gather(ids), rows[:, ids], rtol=0, atol=0)
     assert buffer.nbytes() == rows.numel() * rows.element_size()
+
+
+@pytest.mark.parametrize("memory", ["graph", "device", "disk"])
+def test_screened_retrieval_equals_scoring_every_key(memory, monkeypatch):
+    """The bf16 screen (farsight.ops.retrieval) used for every retrieval, in fp64 and with left
+    padding, retrieves what scoring every key does and gives the same logits."""
+    import farsight.ops.retrieval as retrieval
+
+    model = tiny(groups=2, top_k=3).double()
+    x = ids(2, 203)
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0
+    results = []
+    for min_keys in (10**9, 1):
+        monkeypatch.setattr(retrieval, "SCREEN_MIN_KEYS", min_keys)
+        if memory == "graph":
+            out = model(x, attention_mask=mask, return_retrieval=True)
+            results.append((out.logits[mask.bool()], out.retrieval))
+            continue
+        with model.new_session(batch_size=2, memory=memory, segment_chunks=4, record_retrieval=True) as session:
+            logits = torch.cat([session.prefill(x[:, :150], attention_mask=mask[:, :150])[:, None]]
+                               + [session.step(x[:, i])[:, None] for i in range(150, 203)], 1)
+            results.append((logits, session.retrievals))
+    (ref_logits, ref_info), (logits, info) = results
+    for ref_index, index in zip(ref_info.indices, info.indices):
+        assert torch.equal(ref_index.sort(-1).values, index.sort(-1).values)
+    for ref_weight, weight in zip(ref_info.weights, info.weights):
+        torch.testing.assert_close(weight.sort(-1).values, ref_weight.sort(-1).values, atol=1e-12, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)
+
+
+def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound():
+    memory = ChunkMemory("host", torch.device("cpu"))
+    keys = torch.randn(1, 5, 8)
+    memory.append(keys[:, :3], torch.zeros(1, 3, 2, 1, 4), torch.zeros(1, 3, 2, 1, 4))
+    memory.append(keys[:, 3:], torch.zeros(1, 2, 2, 1, 4), torch.zeros(1, 2, 2, 1, 4))
+    low, bound = memory.screen_keys()
+    assert torch.equal(low, keys.bfloat16())
+    torch.testing.assert_close(bound, keys.norm(dim=-1).max())
+    memory.truncate(2)
+    low, bound = memory.screen_keys()
+    assert low.shape[1] == 2 and bound >= keys[:, :2].norm(dim=-1).max()
+    assert ChunkMemory("graph", torch.device("cpu")).screen_keys() == (None, None)

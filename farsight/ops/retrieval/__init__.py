@@ -1,0 +1,66 @@
+"""Retrieval scoring for DRT (SPEC 2.3): each query (a chunk's landmark state, projected) scores
+the landmark keys of the chunks it may read and keeps the top k.
+
+`retrieval_scores` gives every score (the training path: Gumbel noise and the random retriever
+need them all), `retrieval_topk_reference` its top-k, and `retrieval_topk_screened` the same
+top-k from a bf16 screen plus an exact rescoring of the few keys the screen cannot rule out
+(inference over long memories). `retrieval_topk` checks the inputs and picks one.
+
+Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
+start[b] are left padding, keys from stop[i] on are its own chunk or later).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from farsight.ops.checks import check_float, check_positive_int, check_tensor
+from farsight.ops.retrieval.reference import retrieval_scores, retrieval_topk_reference, score_dtype
+from farsight.ops.retrieval.screened import retrieval_topk_screened
+
+__all__ = [
+    "BACKENDS",
+    "retrieval_scores",
+    "retrieval_topk",
+    "retrieval_topk_reference",
+    "retrieval_topk_screened",
+    "score_dtype",
+]
+
+BACKENDS = ("auto", "screened", "reference")
+# Below this many keys the full fp32 scan is as cheap as the screen and its rescoring.
+SCREEN_MIN_KEYS = 1024
+
+
+def retrieval_topk(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    k: int,
+    start: torch.Tensor,
+    stop: torch.Tensor,
+    scale: float,
+    keys_low: torch.Tensor | None = None,
+    max_key_norm: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [B, m, D], keys [B, n, D], start [B], stop [m] (long) -> (index [B, m, min(k, n)],
+    scores [B, m, min(k, n)]) in score_dtype, differentiable in query and keys; a score is -inf
+    where query i has fewer than k candidates. keys_low / max_key_norm: see the screened path."""
+    check_tensor("query", query, 3)
+    check_tensor("keys", keys, 3)
+    check_float("query", query)
+    check_float("keys", keys)
+    check_positive_int("k", k)
+    if keys.shape[0] != query.shape[0] or keys.shape[2] != query.shape[2]:
+        raise ValueError(f"keys {tuple(keys.shape)} must be [B, n, D] for query {tuple(query.shape)}; match B and D")
+    if tuple(start.shape) != (query.shape[0],) or tuple(stop.shape) != (query.shape[1],):
+        raise ValueError(f"start must be [B] and stop [m] for query {tuple(query.shape)}, got {tuple(start.shape)} and {tuple(stop.shape)}")
+    if keys_low is not None and (keys_low.shape != keys.shape or keys_low.dtype != torch.bfloat16):
+        raise ValueError(f"keys_low must be keys {tuple(keys.shape)} in bfloat16, got {tuple(keys_low.shape)} {keys_low.dtype}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+    if backend == "auto":
+        backend = "screened" if keys.shape[1] >= SCREEN_MIN_KEYS else "reference"
+    if backend == "reference":
+        return retrieval_topk_reference(query, keys, k, start, stop, scale)
+    return retrieval_topk_screened(query, keys, k, start, stop, scale, keys_low, max_key_norm)
