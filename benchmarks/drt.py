@@ -9,8 +9,9 @@ and decode latency vs context length.
     and the ratio of the matrix-product FLOPs the two steps execute (torch's FlopCounterMode).
 (b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
-(c) decode: after a prefill of t tokens, the mean latency of 128 single-token steps (four chunk
-    boundaries, so four retrievals), ratio to t = 4K.
+(c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M), the mean latency
+    of 128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
+    length; --decode-memory picks the tier (disk for 16M) and --decode-dtype the model dtype.
 (d) split: where a long streaming prefill spends its time (demo-sized DRT with random weights,
     or --split-model DIR such as models/demo-drt; disk tier; fp32 or --split-dtype bfloat16):
     lower layers, chunk encoder, chunk-memory writes, landmark scoring and top-k, chunk reads,
@@ -105,9 +106,13 @@ def _prefill_case(case: dict) -> dict:
 
 
 def _decode_case(case: dict) -> dict:
-    model = _stream_model()
-    with model.new_session(memory=case["memory"]) as session:
+    model = _stream_model().to(getattr(torch, case["dtype"]))
+    with tempfile.TemporaryDirectory() as tmp, model.new_session(
+        memory=case["memory"], path=f"{tmp}/chunks.kv" if case["memory"] == "disk" else None
+    ) as session:
+        start = time.perf_counter()
         session.prefill(_blocks(case["length"]))
+        prefill_s = time.perf_counter() - start
         token = torch.zeros(1, dtype=torch.long)
         for _ in range(8):
             session.step(token)
@@ -115,7 +120,7 @@ def _decode_case(case: dict) -> dict:
         for _ in range(DECODE_STEPS):
             session.step(token)
         seconds = (time.perf_counter() - start) / DECODE_STEPS
-    return {"ms_per_token": 1000 * seconds}
+    return {"ms_per_token": 1000 * seconds, "prefill_s": prefill_s, "peak_rss_mb": peak_rss_bytes() / 2**20}
 
 
 SPLIT_SECTIONS = ("lower layers", "encoder", "memory write", "scoring + top-k", "memory read", "GCA", "upper SWA + MLP")
@@ -176,6 +181,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short lengths only")
     parser.add_argument("--json", help="write the figures as JSON")
     parser.add_argument("--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split")
+    parser.add_argument("--decode-lengths", help="contexts of part (c), e.g. 4k,16m (default 4k,64k,1m; 4k,64k with --quick)")
+    parser.add_argument("--decode-memory", default="device", choices=["device", "host", "disk"], help="chunk memory tier of part (c)")
+    parser.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (c)")
     parser.add_argument("--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)")
     parser.add_argument("--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)")
     parser.add_argument("--split-model", help="model directory for part (d) (default: demo-sized, random weights)")
@@ -189,7 +197,8 @@ def main() -> None:
     split_lengths = [parse_length(text) for text in (args.split_lengths or default_split).split(",")]
     train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
     prefill_lengths = [16384, 65536] if args.quick else [16384, 65536, 262144, 1 << 20]
-    decode_contexts = [4096, 65536] if args.quick else [4096, 65536, 1 << 20]
+    default_decode = "4k,64k" if args.quick else "4k,64k,1m"
+    decode_contexts = [parse_length(text) for text in (args.decode_lengths or default_decode).split(",")]
     tiers = ["device", "host", "disk"]
     started = time.perf_counter()
 
@@ -227,13 +236,13 @@ def main() -> None:
 
     decode_rows = []
     for length in decode_contexts if "decode" in parts else []:
-        r = run_isolated(_decode_case, {"memory": "device", "length": length})
+        r = run_isolated(_decode_case, {"memory": args.decode_memory, "dtype": args.decode_dtype, "length": length})
         decode_rows.append({"context": format_length(length), **r})
         note(f"decode t={format_length(length)}")
     base_ms = decode_rows[0].get("ms_per_token") if decode_rows else None
     for r in decode_rows:
         if base_ms and "ms_per_token" in r:
-            r["ratio to 4K"] = r["ms_per_token"] / base_ms
+            r[f"ratio to {decode_rows[0]['context']}"] = r["ms_per_token"] / base_ms
 
     split_rows = []
     for length in split_lengths if "split" in parts else []:
@@ -253,8 +262,11 @@ def main() -> None:
         print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
         print(format_table(prefill_rows, ["tier", "T", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]))
     if decode_rows:
-        print(f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens (device tier)")
-        print(format_table(decode_rows, ["context", "ms_per_token", "ratio to 4K"]))
+        print(
+            f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens "
+            f"({args.decode_memory} tier, {args.decode_dtype})"
+        )
+        print(format_table(decode_rows, ["context", "ms_per_token", f"ratio to {decode_rows[0]['context']}", "prefill_s", "peak_rss_mb"]))
     if split_rows:
         what = args.split_model or "demo-sized DRT, random weights"
         tokens = f"{args.split_corpus} tokens" if args.split_corpus else "random tokens"
@@ -267,7 +279,8 @@ def main() -> None:
     if four_k and "time DRT/BaseLM" in four_k:
         checks.append(("training step DRT/BaseLM at 4K <= 1.25", four_k["time DRT/BaseLM"], four_k["time DRT/BaseLM"] <= 1.25))
     last = decode_rows[-1] if decode_rows else {}
-    if "ratio to 4K" in last:
+    first = decode_rows[0]["context"] if decode_rows else ""
+    if first == "4K" and "ratio to 4K" in last and last is not decode_rows[0]:
         checks.append((f"decode at {last['context']} / decode at 4K <= 1.2", last["ratio to 4K"], last["ratio to 4K"] <= 1.2))
     disk_1m = by_tier.get(("disk", "1M"))
     if disk_1m and "RSS / RSS(64K)" in disk_1m:

@@ -47,7 +47,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ppl.add_argument("--corpus", required=True, help="prepared dataset")
     ppl.add_argument("--split", default="val")
     add_lengths_argument(ppl, "1k,2k,4k,8k")
-    ppl.add_argument("--windows", type=int, default=8, help="windows per length")
+    ppl.add_argument("--windows", type=int, default=8, help="disjoint windows, each scored from its start to the longest length")
+    ppl.add_argument(
+        "--window-length",
+        help="draw windows this long (default: the longest length) and score their first tokens: compares a model that "
+        "cannot run as far on the same text as a longer run (e.g. 128k)",
+    )
     ppl.add_argument("--batch-size", type=int, default=4)
     add_memory_argument(ppl)
     add_dtype_argument(ppl)
@@ -163,30 +168,75 @@ def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[fl
 
 def _perplexity(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import format_table, write_json
-    from farsight.eval.needle import format_length
+    from farsight.eval.needle import format_length, parse_length
     from farsight.eval.perplexity import MIN_LENGTH, evaluate_perplexity
 
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
     check_at_least(args, {"--windows": 1, "--batch-size": 1})
     lengths = parse_lengths(args, minimum=MIN_LENGTH)
+    if args.window_length is not None:
+        try:
+            args.window_length = parse_length(args.window_length)
+        except ValueError as exc:
+            raise InputError(f"--window-length {args.window_length!r} is not a length such as 128k: {exc}") from exc
     split = open_corpus(args.corpus, args.split, args.model)
     results, series = {}, {}
     for path in args.model:
         model, _ = load_model_and_tokenizer(path, args.dtype)
         out = evaluate_perplexity(
-            model, split, lengths, args.windows, args.batch_size, args.seed, memory=args.memory, kv_dtype=args.kv_dtype
+            model,
+            split,
+            lengths,
+            args.windows,
+            args.batch_size,
+            args.seed,
+            memory=args.memory,
+            kv_dtype=args.kv_dtype,
+            window_length=args.window_length,
         )
         results[path] = out
         series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
-    rows = [{"length": format_length(n), **{p: series[p][n] for p in args.model}} for n in lengths]
+    rows = [
+        {"length": format_length(n), **{p: _ppl_cell(results[p]["by_length"][str(n)]) for p in args.model}}
+        for n in lengths
+    ]
     print(format_table(rows, ["length", *args.model]))
+    first = next(iter(results.values()))
+    print(
+        f"perplexity (mean NLL nats ± its standard error) over the first L tokens of the same {args.windows} disjoint "
+        f"{format_length(first['window_length'])}-token windows (from {first['source']})"
+    )
+    if len(args.model) > 1:
+        print(f"\nNLL minus {args.model[0]}'s on the same windows (paired mean ± standard error, nats):")
+        print(format_table(_paired_rows(results, args.model, lengths), ["length", "tokens", *args.model[1:]]))
     write_json(args.out, {"corpus": args.corpus, "split": args.split, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "results": results})
     if args.plot:
         from farsight.eval.plots import curves
 
         print(f"wrote {curves(series, args.plot, 'perplexity', f'perplexity vs length ({args.corpus})')}")
     return 0
+
+
+def _paired_rows(results: dict, models: list[str], lengths: list[int]) -> list[dict]:
+    """Per length, two rows: the first L tokens and the tokens since the next shorter length."""
+    from farsight.eval.needle import format_length
+    from farsight.eval.perplexity import paired_difference
+
+    rows = []
+    for n in lengths:
+        base = results[models[0]]["by_length"][str(n)]
+        for key, tokens in (("window_nll", "first L"), ("window_bucket_nll", f"{format_length(base['bucket_start'])}-L")):
+            cells = {}
+            for path in models[1:]:
+                mean, sem = paired_difference(results[path]["by_length"][str(n)][key], base[key])
+                cells[path] = f"{mean:+.4f} ± {sem:.4f}"
+            rows.append({"length": format_length(n), "tokens": tokens, **cells})
+    return rows
+
+
+def _ppl_cell(row: dict) -> str:
+    return f"{row['ppl']:.4g} ({row['nll']:.4f} ± {row['nll_sem']:.4f})"
 
 
 def _retrieval(args: argparse.Namespace) -> int:

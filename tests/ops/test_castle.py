@@ -194,6 +194,27 @@ def test_decode_leaves_rows_outside_the_window_alone():
     assert not torch.equal(cache.u[:, :, 25:29], before[:, :, 25:29])
 
 
+@pytest.mark.parametrize("window", [None, 2, 21])
+def test_long_decode_is_exact_while_the_cache_grows(window):
+    """fp64, 75 decode steps from a 3-token prompt: the buffers grow several times, and the
+    cache's U equals a prefill's at every check."""
+    steps, prompt = 78, 3
+    inputs = make_inputs(2, steps, 3, 5, seed=11)
+    want = castle_parallel_reference(*inputs, window=window)
+    out, cache = castle_prefill(*(x[:, :prompt] for x in inputs), window=window, block_size=8)
+    outs = [out]
+    for t in range(prompt, steps):
+        step_out, cache = castle_decode(*(x[:, t : t + 1] for x in inputs), cache)
+        outs.append(step_out)
+        if t in (20, 60):
+            _, whole = castle_prefill(*(x[:, : t + 1] for x in inputs), window=window, block_size=8)
+            assert max_diff(cache.u, whole.u) < 1e-12
+    assert max_diff(torch.cat(outs, dim=1), want) < 1e-12
+    _, whole = castle_prefill(*inputs, window=window, block_size=8)
+    for got, expected in zip(cache.tensors(), whole.tensors()):
+        assert max_diff(got, expected) < 1e-12
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_causality(window):
     steps, cut = 50, 20

@@ -78,6 +78,9 @@ CASES = [
     ("passkey --align -1", lambda p: passkey(p, "--align", "-1", "--out", out(p, "r.json")), "--align must be at least 1"),
     ("ppl --batch-size 0", lambda p: ppl(p, "--batch-size", "0", "--out", out(p, "r.json")), "--batch-size must be at least 1"),
     ("ppl --windows 0", lambda p: ppl(p, "--windows", "0", "--out", out(p, "r.json")), "--windows must be at least 1"),
+    ("ppl --windows 10000", lambda p: ppl(p, "--windows", "10000", "--out", out(p, "r.json")), "disjoint windows of 64 tokens, fewer than the 10000"),
+    ("ppl --window-length abc", lambda p: ppl(p, "--window-length", "abc", "--out", out(p, "r.json")), "--window-length 'abc' is not a length"),
+    ("ppl --window-length < lengths", lambda p: ppl(p, "--window-length", "32", "--out", out(p, "r.json")), "shorter than the longest evaluation length 64"),
     ("demo --batch-size 0", lambda p: demo(p, "--batch-size", "0", "--out", out(p, "demo")), "--batch-size must be at least 1"),
     ("unknown --task-option", lambda p: passkey(p, "--task-option", "colour=red", "--out", out(p, "r.json")), "colour not valid for the passkey task"),
     ("--task-option without =", lambda p: passkey(p, "--task-option", "digits", "--out", out(p, "r.json")), "expects KEY=VALUE"),
@@ -138,3 +141,14 @@ def test_prepare_reads_regular_files_inside_the_tree_only(tmp_path, capsys, setu
     assert notes == ([] if note is None else [line for line in notes if note in line]) and len(notes) == (note is not None)
     assert main(["data", "info", str(tmp_path / "out")]) == 0
     assert f'"documents": {documents}' in capsys.readouterr().out
+
+
+def test_ppl_of_two_models_prints_paired_differences_and_writes_json(paths, capsys, tmp_path):
+    import json
+
+    argv = ["eval", "ppl", "--model", paths["drt"], "--model", paths["tf"], "--corpus", paths["byte"], "--lengths", "32,64"]
+    assert main([*argv, "--windows", "2", "--window-length", "96", "--out", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "NLL minus" in out and "first L" in out and "32-L" in out and "96-token windows" in out
+    saved = json.loads((tmp_path / "r.json").read_text())["results"][paths["tf"]]
+    assert saved["window_length"] == 96 and len(saved["by_length"]["64"]["window_nll"]) == 2
