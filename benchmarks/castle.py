@@ -1,8 +1,9 @@
 """CASTLE op benchmark: blockwise training path vs the O(T^3) reference vs SDPA, and decoding.
 
-    python benchmarks/castle.py [--quick] [--json PATH]
+    python benchmarks/castle.py [--quick] [--json PATH] [--parts training,targets,decoding]
 
-Every measured case runs in a fresh process (farsight.eval.efficiency.run_isolated), which
+Every measured case runs in a fresh process (farsight.eval.efficiency.run_isolated, with
+farsight's malloc settings as the command line has them), which
 reports wall times (median of a few runs; one run from T=8192 on) and the peak-memory growth
 of one call. Training cases use B=1, H=1, d=64 so that the memory columns show the scaling in
 T; "fwd" runs under no_grad, "f+b" is one forward and one backward. The speed-target cases use
@@ -51,6 +52,7 @@ QUICK_TARGET_STEPS = [2048]
 TARGET_DTYPES = ["float32", "bfloat16"]
 TARGET_WINDOW = 512
 SDPA_CAUSAL_PRODUCTS = 7
+PARTS = ("training", "targets", "decoding")
 DECODE_HEADS = 8
 DECODE_TOKENS = 64
 DECODE_WARMUP, DECODE_REPEAT = 2, 15
@@ -305,7 +307,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="T up to 2048, fewer variants (about a minute)")
     parser.add_argument("--json", metavar="PATH", help="also write all figures to this JSON file")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts takes a comma-separated subset of {','.join(PARTS)}, not {args.parts!r}")
     step_list = QUICK_STEPS if args.quick else FULL_STEPS
     windows = QUICK_WINDOWS if args.quick else FULL_WINDOWS
     reference_limit = QUICK_REFERENCE_LIMIT if args.quick else FULL_REFERENCE_LIMIT
@@ -318,27 +324,33 @@ def main() -> None:
         # Intra-op thread pools wait for descheduled threads, so contention inflates times by
         # far more than the share of CPU taken: run this on an otherwise idle machine.
         print("warning: other processes are using the CPU; the timings below will be inflated")
-    print("training cases (each in a fresh process):", flush=True)
-    train_rows = run_training(step_list, windows, reference_limit)
-    print("speed-target cases:", flush=True)
-    speed_rows = run_speed_targets(QUICK_TARGET_STEPS if args.quick else FULL_TARGET_STEPS)
-    print("decoding cases:", flush=True)
-    decode_rows = run_decoding(contexts)
+    train_rows, speed_rows, decode_rows = [], [], []
+    if "training" in parts:
+        print("training cases (each in a fresh process):", flush=True)
+        train_rows = run_training(step_list, windows, reference_limit)
+    if "targets" in parts:
+        print("speed-target cases:", flush=True)
+        speed_rows = run_speed_targets(QUICK_TARGET_STEPS if args.quick else FULL_TARGET_STEPS)
+    if "decoding" in parts:
+        print("decoding cases:", flush=True)
+        decode_rows = run_decoding(contexts)
     targets = check_targets(train_rows, speed_rows, decode_rows)
 
-    print(
-        f"\ntraining: B=1 H=1 d={HEAD_DIM}, fp32; reference skipped above T={reference_limit} "
-        "(O(T^3) time, O(T^2) memory)"
-    )
-    columns = [c for c in train_rows[0] if c != "errors"]
-    print(format_table(train_rows, columns))
-    for row in train_rows:
-        if row["errors"]:
-            print(f"  {row['variant']} T={row['T']}: {row['errors']}")
-    print(f"\nspeed targets: B=1 H={TARGET_HEADS} d={HEAD_DIM}, CASTLE-SWL with window {TARGET_WINDOW}")
-    print(format_table(speed_rows, list(speed_rows[0])))
-    print(f"\ndecoding: B=1 H={DECODE_HEADS} d={HEAD_DIM}, fp32, mean over {DECODE_TOKENS} tokens")
-    print(format_table(decode_rows, list(decode_rows[0])))
+    if train_rows:
+        print(
+            f"\ntraining: B=1 H=1 d={HEAD_DIM}, fp32; reference skipped above T={reference_limit} "
+            "(O(T^3) time, O(T^2) memory)"
+        )
+        print(format_table(train_rows, [c for c in train_rows[0] if c != "errors"]))
+        for row in train_rows:
+            if row["errors"]:
+                print(f"  {row['variant']} T={row['T']}: {row['errors']}")
+    if speed_rows:
+        print(f"\nspeed targets: B=1 H={TARGET_HEADS} d={HEAD_DIM}, CASTLE-SWL with window {TARGET_WINDOW}")
+        print(format_table(speed_rows, list(speed_rows[0])))
+    if decode_rows:
+        print(f"\ndecoding: B=1 H={DECODE_HEADS} d={HEAD_DIM}, fp32, mean over {DECODE_TOKENS} tokens")
+        print(format_table(decode_rows, list(decode_rows[0])))
     print("\ntargets:")
     for t in targets:
         value = "-" if t["value"] is None else f"{t['value']:.3g}"

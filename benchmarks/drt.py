@@ -11,7 +11,10 @@ and decode latency vs context length.
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M), the mean latency
     of 128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
-    length; --decode-memory picks the tier (disk for 16M) and --decode-dtype the model dtype.
+    length; --decode-memory picks the tier (disk for 16M), --decode-dtype the model dtype and
+    --decode-model a trained model (default: random weights, whose landmark scores are so close
+    that the bf16 screen of farsight.ops.retrieval rules out too few keys and every key is scored
+    in fp32: at 16M that alone adds about 1 ms per token).
 (d) split: where a long streaming prefill spends its time (demo-sized DRT with random weights,
     or --split-model DIR such as models/demo-drt; disk tier; fp32 or --split-dtype bfloat16):
     lower layers, chunk encoder, chunk-memory writes, landmark scoring and top-k, chunk reads,
@@ -20,7 +23,9 @@ and decode latency vs context length.
     With --split-baseline each length also runs with every landmark key scored in fp32 (the
     retrieval before the bf16 screen of farsight.ops.retrieval) and the speedup is printed.
     Timed by wrapping the model's steps in this script; the library is not instrumented.
-Every case runs in a fresh process (farsight.eval.efficiency.run_isolated).
+Every case runs in a fresh process (farsight.eval.efficiency.run_isolated) with farsight's malloc
+settings (farsight.process_memory.tune_malloc, as the command line runs); --malloc-baseline runs
+parts (b) and (d) under glibc's defaults too and prints farsight's speedup over them.
 """
 
 from __future__ import annotations
@@ -106,7 +111,7 @@ def _prefill_case(case: dict) -> dict:
 
 
 def _decode_case(case: dict) -> dict:
-    model = _stream_model().to(getattr(torch, case["dtype"]))
+    model = (load_model(case["model"]).eval() if case["model"] else _stream_model()).to(getattr(torch, case["dtype"]))
     with tempfile.TemporaryDirectory() as tmp, model.new_session(
         memory=case["memory"], path=f"{tmp}/chunks.kv" if case["memory"] == "disk" else None
     ) as session:
@@ -176,6 +181,15 @@ def _split_case(case: dict) -> dict:
     return row
 
 
+def _speedups(rows: list[dict]) -> None:
+    """rows of one case, baselines first and farsight's own run last: each baseline row gets the
+    ratio of farsight's tokens/s to its own."""
+    best = rows[-1].get("tokens_per_s")
+    for row in rows[:-1]:
+        if best and row.get("tokens_per_s"):
+            row["farsight speedup"] = best / row["tokens_per_s"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short lengths only")
@@ -184,11 +198,15 @@ def main() -> None:
     parser.add_argument("--decode-lengths", help="contexts of part (c), e.g. 4k,16m (default 4k,64k,1m; 4k,64k with --quick)")
     parser.add_argument("--decode-memory", default="device", choices=["device", "host", "disk"], help="chunk memory tier of part (c)")
     parser.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (c)")
+    parser.add_argument("--decode-model", help="model directory for part (c) (default: demo-sized, random weights)")
     parser.add_argument("--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)")
     parser.add_argument("--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)")
     parser.add_argument("--split-model", help="model directory for part (d) (default: demo-sized, random weights)")
     parser.add_argument("--split-corpus", help="prepared dataset whose training tokens part (d) streams (default: random tokens)")
     parser.add_argument("--split-baseline", action="store_true", help="part (d) also with every landmark key scored in fp32")
+    parser.add_argument(
+        "--malloc-baseline", action="store_true", help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)"
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or not parts <= {"train", "prefill", "decode", "split"}:
@@ -225,10 +243,15 @@ def main() -> None:
     prefill_rows = []
     for memory in tiers if "prefill" in parts else []:
         for length in prefill_lengths:
-            r = run_isolated(_prefill_case, {"memory": memory, "length": length})
-            prefill_rows.append({"tier": memory, "T": format_length(length), **r})
-            note(f"prefill {memory} T={format_length(length)}")
-    by_tier = {(r["tier"], r["T"]): r for r in prefill_rows}
+            rows = []
+            for default_malloc in (True, False) if args.malloc_baseline else (False,):
+                r = run_isolated(_prefill_case, {"memory": memory, "length": length}, default_malloc=default_malloc)
+                variant = "default malloc" if default_malloc else "farsight"
+                rows.append({"tier": memory, "T": format_length(length), "variant": variant, **r})
+                note(f"prefill {memory} T={format_length(length)} ({variant})")
+            _speedups(rows)
+            prefill_rows += rows
+    by_tier = {(r["tier"], r["T"]): r for r in prefill_rows if r["variant"] == "farsight"}
     for r in prefill_rows:
         ref = by_tier.get((r["tier"], "64K"))
         if ref and "peak_rss_mb" in r and "peak_rss_mb" in ref:
@@ -236,7 +259,8 @@ def main() -> None:
 
     decode_rows = []
     for length in decode_contexts if "decode" in parts else []:
-        r = run_isolated(_decode_case, {"memory": args.decode_memory, "dtype": args.decode_dtype, "length": length})
+        case = {"memory": args.decode_memory, "dtype": args.decode_dtype, "length": length, "model": args.decode_model}
+        r = run_isolated(_decode_case, case)
         decode_rows.append({"context": format_length(length), **r})
         note(f"decode t={format_length(length)}")
     base_ms = decode_rows[0].get("ms_per_token") if decode_rows else None
@@ -244,15 +268,20 @@ def main() -> None:
         if base_ms and "ms_per_token" in r:
             r[f"ratio to {decode_rows[0]['context']}"] = r["ms_per_token"] / base_ms
 
+    # (variant name, fp32 scan instead of the screen, glibc's default malloc): baselines first
+    split_variants = [("fp32 scan", True, False)] if args.split_baseline else []
+    split_variants += [("default malloc", False, True)] if args.malloc_baseline else []
+    split_variants.append(("farsight", False, False))
     split_rows = []
     for length in split_lengths if "split" in parts else []:
-        for baseline in (True, False) if args.split_baseline else (False,):
+        rows = []
+        for variant, baseline, default_malloc in split_variants:
             case = {"length": length, "dtype": args.split_dtype, "model": args.split_model, "corpus": args.split_corpus, "baseline": baseline}
-            r = run_isolated(_split_case, case)
-            split_rows.append({"T": format_length(length), "retrieval": "fp32 scan" if baseline else "screened", **r})
-            note(f"split T={format_length(length)}{' (fp32 scan)' if baseline else ''}")
-        if args.split_baseline and "tokens_per_s" in split_rows[-1] and "tokens_per_s" in split_rows[-2]:
-            split_rows[-1]["speedup"] = split_rows[-1]["tokens_per_s"] / split_rows[-2]["tokens_per_s"]
+            r = run_isolated(_split_case, case, default_malloc=default_malloc)
+            rows.append({"T": format_length(length), "variant": variant, **r})
+            note(f"split T={format_length(length)} ({variant})")
+        _speedups(rows)
+        split_rows += rows
 
     if train_rows:
         print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
@@ -260,19 +289,20 @@ def main() -> None:
         print(format_table(train_rows, columns))
     if prefill_rows:
         print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
-        print(format_table(prefill_rows, ["tier", "T", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]))
+        columns = ["tier", "T", "variant", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]
+        print(format_table(prefill_rows, columns + (["farsight speedup"] if args.malloc_baseline else [])))
     if decode_rows:
         print(
             f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens "
-            f"({args.decode_memory} tier, {args.decode_dtype})"
+            f"({args.decode_model or 'demo-sized DRT, random weights'}, {args.decode_memory} tier, {args.decode_dtype})"
         )
         print(format_table(decode_rows, ["context", "ms_per_token", f"ratio to {decode_rows[0]['context']}", "prefill_s", "peak_rss_mb"]))
     if split_rows:
         what = args.split_model or "demo-sized DRT, random weights"
         tokens = f"{args.split_corpus} tokens" if args.split_corpus else "random tokens"
         print(f"\n(d) where a streaming prefill spends its time, % of wall time ({what}, {tokens}, disk tier, {args.split_dtype})")
-        columns = ["T", "retrieval", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]
-        columns += ["speedup"] if args.split_baseline else []
+        columns = ["T", "variant", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]
+        columns += ["farsight speedup"] if len(split_variants) > 1 else []
         print(format_table(split_rows, columns + (["error"] if any("error" in r for r in split_rows) else [])))
     checks = []
     four_k = next((r for r in train_rows if r["T"] == "4K"), None)

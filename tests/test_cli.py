@@ -66,3 +66,12 @@ def test_bad_list_arguments_are_input_errors():
     with pytest.raises(InputError, match=r"--depths='0,x' is not a comma-separated list of numbers"):
         parse_list("0,x", float, "--depths", "numbers")
 
+
+
+def test_every_command_runs_under_farsights_malloc_settings(monkeypatch, tmp_path):
+    import farsight.cli
+
+    calls = []
+    monkeypatch.setattr(farsight.cli, "tune_malloc", lambda: calls.append("tuned"))
+    assert main(["data", "info", str(tmp_path / "nothing")]) == 2
+    assert calls == ["tuned"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from farsight.cli import data, demo, evaluation, model, train
 from farsight.errors import FarsightError
+from farsight.process_memory import tune_malloc
 
 # each adds its commands to the parser, in this order in `farsight --help`
 COMMAND_GROUPS = (data, train, model, demo, evaluation)
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; a farsight error (a problem the user can fix) prints `error: ...` and returns 2."""
     args = build_parser().parse_args(argv)
+    tune_malloc()  # the command owns the process (FARSIGHT_DEFAULT_MALLOC=1 leaves glibc's defaults)
     try:
         return args.func(args)
     except FarsightError as exc:

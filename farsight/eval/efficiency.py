@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from farsight.files import atomic_write
-from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss
+from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss, tune_malloc
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -69,8 +69,10 @@ def measure_peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu
     return max(0, peak_rss_bytes() - base)
 
 
-def _isolated_entry(target: Callable[[dict], dict], case: dict, conn) -> None:
+def _isolated_entry(target: Callable[[dict], dict], case: dict, conn, default_malloc: bool) -> None:
     try:
+        if not default_malloc:
+            tune_malloc()
         conn.send(("ok", target(case)))
     except BaseException as exc:  # report any failure (including MemoryError) to the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -78,15 +80,18 @@ def _isolated_entry(target: Callable[[dict], dict], case: dict, conn) -> None:
         conn.close()
 
 
-def run_isolated(target: Callable[[dict], dict], case: dict, timeout: float | None = None) -> dict:
+def run_isolated(target: Callable[[dict], dict], case: dict, timeout: float | None = None, default_malloc: bool = False) -> dict:
     """Run `target(case)` in a fresh spawned process and return its result dict.
+
+    The process runs with farsight's malloc settings (`tune_malloc`), as the command line does,
+    or with glibc's defaults when `default_malloc` (a benchmark's baseline).
 
     `target` must be a module-level function. Failures come back as {"error": message} so a
     benchmark table can show "out of memory" or "timeout" instead of aborting the whole run.
     """
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_isolated_entry, args=(target, case, child))
+    proc = ctx.Process(target=_isolated_entry, args=(target, case, child, default_malloc))
     proc.start()
     child.close()
     if not parent.poll(timeout):
