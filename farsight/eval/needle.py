@@ -149,8 +149,6 @@ def evaluate_needle_task(
                             )
                         )
                     bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
-            # a 16M-token cell holds ~256 MB of prompts: free them before the next cell draws its own
-            del samples, prompt
     bar.close()
     return summarize(results, task.name, seconds)
 

@@ -488,5 +488,9 @@ class ChunkMemory:
         return self.store.nbytes() + keys
 
     def close(self) -> None:
-        """Release files or buffers; the memory is unusable afterwards."""
+        """Release files and buffers (the landmark keys too: at 16M tokens they and their bf16
+        copy take up to 0.5 GB, which must not wait for the session object to be collected);
+        the memory is unusable afterwards."""
         self.store.close()
+        self._graph_keys = []
+        self._keys, self._screen_keys = GrowingBuffer(dim=1), GrowingBuffer(dim=1)

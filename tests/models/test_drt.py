@@ -331,3 +331,13 @@ def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound():
     low, bound = memory.screen_keys()
     assert low.shape[1] == 2 and bound >= keys[:, :2].norm(dim=-1).max()
     assert ChunkMemory("graph", torch.device("cpu")).screen_keys() == (None, None)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_closing_a_chunk_memory_frees_its_landmark_keys(tier):
+    # a closed session may live on until the garbage collector finds it; its keys must not
+    memory = ChunkMemory(tier, torch.device("cpu"))
+    memory.append(torch.randn(1, 300, 8), torch.zeros(1, 300, 2, 1, 4), torch.zeros(1, 300, 2, 1, 4))
+    assert memory.nbytes() > 300 * 8 * 4
+    memory.close()
+    assert memory.n_chunks == 0 and memory.nbytes() == 0
