@@ -53,8 +53,14 @@ def test_tuned_malloc_reuses_freed_blocks_instead_of_faulting_them_in_again():
     assert default > 200_000 and tuned < 20_000
 
 
-def test_tune_malloc_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv(TUNE_MALLOC_ENV, "1")
-    assert tune_malloc() is False
-    monkeypatch.setenv(TUNE_MALLOC_ENV, "0")
-    assert tune_malloc() is sys.platform.startswith("linux")
+def _tune_malloc_under(case: dict) -> dict:
+    """Subprocess body (malloc settings are process-wide): tune_malloc with the opt-out variable set to case["env"]."""
+    import os
+
+    os.environ[TUNE_MALLOC_ENV] = case["env"]
+    return {"applied": tune_malloc()}
+
+
+def test_tune_malloc_can_be_turned_off():
+    assert run_isolated(_tune_malloc_under, {"env": "1"}, default_malloc=True)["applied"] is False
+    assert run_isolated(_tune_malloc_under, {"env": "0"}, default_malloc=True)["applied"] is sys.platform.startswith("linux")
