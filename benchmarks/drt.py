@@ -12,9 +12,10 @@ and decode latency vs context length.
 (c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M), the mean latency
     of 128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
     length; --decode-memory picks the tier (disk for 16M), --decode-dtype the model dtype and
-    --decode-model a trained model (default: random weights, whose landmark scores are so close
-    that the bf16 screen of farsight.ops.retrieval rules out too few keys and every key is scored
-    in fp32: at 16M that alone adds about 1 ms per token).
+    --decode-model a trained model (default: random weights, whose landmark scores can be too
+    close for the bf16 screen of farsight.ops.retrieval to rule keys out, so that every key is
+    scored in fp32: decode at 16M measured 1.62x of 4K with random weights, 1.15x with the demo
+    model).
 (d) split: where a long streaming prefill spends its time (demo-sized DRT with random weights,
     or --split-model DIR such as models/demo-drt; disk tier; fp32 or --split-dtype bfloat16):
     lower layers, chunk encoder, chunk-memory writes, landmark scoring and top-k, chunk reads,
