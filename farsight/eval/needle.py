@@ -153,6 +153,18 @@ def evaluate_needle_task(
     return summarize(results, task.name, seconds)
 
 
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> list[float]:
+    """Wilson score interval [low, high] for a success rate (95% at z=1.96). Unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or `trials` successes, which is
+    where needle results usually sit: 20/20 gives [0.84, 1.0], 50/50 gives [0.93, 1.0]."""
+    if trials <= 0:
+        raise InputError(f"an interval needs at least one trial, got {trials}")
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
 def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] | None = None) -> dict[str, Any]:
     by_length: dict[int, list[TrialResult]] = defaultdict(list)
     by_cell: dict[tuple[int, float], list[TrialResult]] = defaultdict(list)
@@ -160,10 +172,12 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
         by_length[r.length].append(r)
         by_cell[(r.length, r.depth)].append(r)
 
-    def rates(rows: list[TrialResult]) -> dict[str, float]:
+    def rates(rows: list[TrialResult]) -> dict[str, Any]:
+        exact = sum(r.exact for r in rows)
         out = {
             "trials": len(rows),
-            "exact_match": sum(r.exact for r in rows) / len(rows),
+            "exact_match": exact / len(rows),
+            "exact_match_ci95": wilson_interval(exact, len(rows)),
             "first_token": sum(r.first_token for r in rows) / len(rows),
         }
         if all(r.retrieved_needle is not None for r in rows):
@@ -206,10 +220,15 @@ def results_table(summary: dict[str, Any]) -> str:
             "length": format_length(int(k)),
             "trials": v["trials"],
             "exact match %": 100 * v["exact_match"],
+            "95% interval": _interval_cell(v.get("exact_match_ci95")),
             "first token %": 100 * v["first_token"],
             "needle retrieved %": 100 * v["needle_retrieved"] if "needle_retrieved" in v else None,
             "seconds": v.get("seconds"),
         }
         for k, v in summary["by_length"].items()
     ]
-    return format_table(rows, ["length", "trials", "exact match %", "first token %", "needle retrieved %", "seconds"])
+    return format_table(rows, ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"])
+
+
+def _interval_cell(interval: list[float] | None) -> str | None:
+    return None if interval is None else f"{100 * interval[0]:.0f}-{100 * interval[1]:.0f}"

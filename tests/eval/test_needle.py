@@ -8,7 +8,18 @@ from farsight.cli import main
 from farsight.data.tasks import RepeatedFiller, make_task
 from farsight.data.tokenizers import load_tokenizer
 from farsight.eval import needle
-from farsight.eval.needle import evaluate_needle_task, format_length, parse_length, results_table, score_answer, trials_per_length
+from farsight.errors import InputError
+from farsight.eval.needle import (
+    TrialResult,
+    evaluate_needle_task,
+    format_length,
+    parse_length,
+    results_table,
+    score_answer,
+    summarize,
+    trials_per_length,
+    wilson_interval,
+)
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
 TOK = load_tokenizer("byte")
@@ -119,3 +130,21 @@ def test_compare_puts_models_side_by_side(tmp_path, capsys):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "compare", str(tmp_path / "a.json"), "--labels", "x,y"]) == 2
     assert main(["eval", "compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_wilson_interval_matches_known_values_and_stays_in_bounds():
+    # reference values from the closed form (Wilson 1927), z = 1.96
+    assert wilson_interval(20, 20) == pytest.approx([0.8389, 1.0], abs=1e-4)
+    assert wilson_interval(0, 20) == pytest.approx([0.0, 0.1611], abs=1e-4)
+    assert wilson_interval(5, 10) == pytest.approx([0.2366, 0.7634], abs=1e-4)
+    low, high = wilson_interval(45, 50)
+    assert low < 0.9 < high and high - low < 0.2
+    with pytest.raises(InputError, match="at least one trial"):
+        wilson_interval(0, 0)
+
+
+def test_summary_carries_the_exact_match_interval():
+    rows = [TrialResult(1024, 0.5, i, i < 3, True, None, ' 1', ' 1') for i in range(4)]
+    summary = summarize(rows, "passkey")
+    assert summary["by_length"]["1024"]["exact_match_ci95"] == pytest.approx(wilson_interval(3, 4))
+    assert "95% interval" in results_table(summary) and "30-95" in results_table(summary)
