@@ -37,8 +37,8 @@ from farsight.errors import InputError
 class NeedleSample:
     """input_ids [length] (prompt + answer + tail); answer_start: index of the first answer token;
     needle_positions / needle_lengths: where each needle sits, the asked one first; answer_lead:
-    how many answer tokens come before the first one that is not blank (the byte tokenizer's
-    " " before the digits), which first-token accuracy skips."""
+    how many answer tokens come before the first one with a letter or digit (the byte tokenizer's
+    " " before the digits, the 2-hop answer's ": "), which first-token accuracy skips."""
 
     input_ids: np.ndarray
     answer_start: int
@@ -152,7 +152,9 @@ class NeedleTask:
         ids = np.concatenate(pieces).astype(np.int64)
         assert len(ids) == length
         evidence = [(placed[i] + offset, n) for i, offset, n in draw.evidence]
-        lead = next((i for i, t in enumerate(answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
+        # first-token accuracy starts at the first token with a letter or digit: 2-hop answers open
+        # with ": ", which any model gets right and would make the metric say nothing
+        lead = next((i for i, t in enumerate(answer.tolist()) if any(ch.isalnum() for ch in self.tokenizer.decode([t]))), 0)
         return NeedleSample(
             ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix
         )
