@@ -1,4 +1,4 @@
-"""`farsight eval ...`: needle tasks, perplexity vs length, DRT retrieval, comparison tables, benchmarks."""
+"""`farsight eval ...`: needle tasks, perplexity vs length, DRT retrieval, comparison tables, run summaries, benchmarks."""
 
 from __future__ import annotations
 
@@ -87,6 +87,16 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     compare.add_argument("--plot", help="write accuracy vs length as a PNG")
     compare.add_argument("--title")
     compare.set_defaults(func=_compare)
+
+    runs = evaluations.add_parser(
+        "runs",
+        help="summarise training runs side by side",
+        description="A table of training runs: parameters, steps, tokens, last train and held-out loss, speed and hours, "
+        "read from each run's newest checkpoint and metrics.jsonl.",
+    )
+    runs.add_argument("run", nargs="+", help="training run directories (train.out_dir)")
+    add_json_output_argument(runs)
+    runs.set_defaults(func=_runs)
 
     bench = evaluations.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
     bench.add_argument("--only", help="comma-separated subset, e.g. castle,drt")
@@ -302,6 +312,17 @@ def _compare(args: argparse.Namespace) -> int:
 
         title = args.title or f"{next(iter(summaries.values())).get('task', 'needle')}: {args.metric.replace('_', ' ')}"
         print(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from farsight.eval.efficiency import write_json
+    from farsight.eval.runs import runs_table, summarize_run
+
+    check_output_file(args.out, "--out")
+    rows = [summarize_run(run) for run in args.run]
+    print(runs_table(rows))
+    write_json(args.out, {"runs": rows})
     return 0
 
 

@@ -1,0 +1,95 @@
+"""What training runs are, side by side: parameters, tokens, steps, losses and speed, read from each
+run's newest checkpoint and its metrics.jsonl (the model table of a comparison)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from farsight.errors import InputError, MissingFileError
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
+    records = []
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise InputError(f"{path} line {number} is not JSON ({exc}); is it a farsight metrics.jsonl?") from exc
+    return records
+
+
+def architecture(config: Any) -> str:
+    """A short description of a model config, e.g. 'DRT x2, window 64, top-4, 4 layers'."""
+    if hasattr(config, "groups"):
+        text = f"DRT x{config.groups}, window {config.window}, top-{config.top_k}"
+    else:
+        text = config.attention + (f" {config.window}" if config.window else "")
+        text += f", {config.position}" if config.position else ""
+    return f"{text}, {config.n_layers} layers"
+
+
+def summarize_run(run: str | Path) -> dict[str, Any]:
+    """One row: the model of the run's newest checkpoint and its training record. Time and speed
+    come from the logged intervals, so a run resumed across sessions counts only its training."""
+    from farsight.models import load_model, resolve_model_dir
+
+    run = Path(run)
+    metrics_path = run / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise MissingFileError(f"{metrics_path} does not exist; pass a training run directory (train.out_dir)")
+    directory = resolve_model_dir(run)
+    model = load_model(directory)
+    records = read_metrics(metrics_path)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r]
+    row: dict[str, Any] = {
+        "run": str(run),
+        "model_type": model.model_type,
+        "architecture": architecture(model.config),
+        "parameters": model.num_parameters(),
+        "checkpoint": directory.name,
+        "steps": train[-1]["step"] if train else 0,
+        "tokens": train[-1].get("tokens") if train else 0,
+        "train_loss": train[-1]["loss"] if train else None,
+        "val_loss": val[-1]["val_loss"] if val else None,
+        "val_step": val[-1]["step"] if val else None,
+        "precision": train[-1].get("precision") if train else None,
+    }
+    # tokens_per_s is the speed over the interval since the previous record of the same session
+    seconds, previous = 0.0, 0
+    for r in train:
+        done = r.get("tokens", 0) - previous
+        if r.get("tokens_per_s") and done > 0:
+            seconds += done / r["tokens_per_s"]
+        previous = r.get("tokens", previous)
+    row["train_hours"] = seconds / 3600 if seconds else None
+    row["tokens_per_s"] = row["tokens"] / seconds if seconds else None
+    return row
+
+
+def runs_table(rows: list[dict[str, Any]]) -> str:
+    from farsight.eval.efficiency import format_table
+
+    cells = [
+        {
+            "run": r["run"],
+            "model": r["architecture"],
+            "params (M)": f"{r['parameters'] / 1e6:.3f}",
+            "steps": r["steps"],
+            "tokens (M)": f"{r['tokens'] / 1e6:.1f}" if r["tokens"] else None,
+            "train loss": r["train_loss"],
+            "val loss": r["val_loss"],
+            "tokens/s": f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else None,
+            "hours": f"{r['train_hours']:.2f}" if r["train_hours"] else None,
+        }
+        for r in rows
+    ]
+    return format_table(cells, ["run", "model", "params (M)", "steps", "tokens (M)", "train loss", "val loss", "tokens/s", "hours"])

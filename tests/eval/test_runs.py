@@ -1,0 +1,50 @@
+import json
+
+import pytest
+
+from farsight.cli import main
+from farsight.errors import InputError, MissingFileError
+from farsight.eval.runs import read_metrics, summarize_run
+from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
+
+
+def make_run(root, model, records, torn=False):
+    model.save_pretrained(root / "checkpoints" / "step_00000040")
+    lines = [json.dumps(r) for r in records]
+    (root / "metrics.jsonl").write_text("\n".join(lines) + ("\n{\"step\": 6" if torn else "\n"))
+    return root
+
+
+RECORDS = [
+    {"step": 20, "loss": 3.0, "tokens": 2000, "tokens_per_s": 1000.0, "precision": "bf16-mixed"},
+    {"step": 20, "val_loss": 3.2},
+    {"step": 40, "loss": 2.5, "tokens": 4000, "tokens_per_s": 500.0, "precision": "bf16-mixed"},
+    {"step": 40, "val_loss": 2.7},
+]
+
+
+def test_summary_reads_the_model_and_the_training_record(tmp_path):
+    model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=16))
+    row = summarize_run(make_run(tmp_path, model, RECORDS, torn=True))
+    assert row["parameters"] == model.num_parameters() and row["architecture"] == "sliding 16, alibi, 2 layers"
+    assert (row["steps"], row["tokens"], row["train_loss"], row["val_loss"]) == (40, 4000, 2.5, 2.7)
+    # 2000 tokens at 1000/s, then 2000 at 500/s: 6 s in all
+    assert row["train_hours"] == pytest.approx(6 / 3600) and row["tokens_per_s"] == pytest.approx(4000 / 6)
+
+
+def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    drt = DRTForCausalLM(DRTConfig(vocab_size=260, d_model=32, n_layers=4, n_heads=2, chunk_size=8, window=16, top_k=2, groups=2, encoder_layers=1))
+    run = make_run(tmp_path / "drt", drt, RECORDS)
+    assert main(["eval", "runs", str(run), "--out", str(tmp_path / "runs.json")]) == 0
+    out = capsys.readouterr().out
+    assert "DRT x2, window 16, top-2, 4 layers" in out and "params (M)" in out
+    assert json.loads((tmp_path / "runs.json").read_text())["runs"][0]["parameters"] == drt.num_parameters()
+
+
+def test_missing_or_broken_metrics_are_named(tmp_path):
+    with pytest.raises(MissingFileError, match="metrics.jsonl does not exist"):
+        summarize_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(InputError, match="line 2 is not JSON"):
+        read_metrics(tmp_path / "metrics.jsonl")
+    assert main(["eval", "runs", str(tmp_path / "nothing")]) == 2
