@@ -1,19 +1,30 @@
 #!/usr/bin/env bash
-# R2 2-hop NIAH with distractor chains: DRT G=2 vs G=1 vs BaseLM, each fine-tuned from its R1
-# model for 100 steps on 2-hop chains and passkeys at 1K tokens (docs/results.md). Needs R1's runs: `make r1`.
+# R2 (issue 18): multi-key and 2-hop NIAH (with distractor chains) vs context length, DRT x2 vs
+# DRT x1 vs the baselines, each fine-tuned from its R1 passkey model (`make r1`) on the task mix of
+# configs/lm-*-niah.yaml (passkey, multi-key, 2-hop, 25% plain text; 512 -> 4K tokens, 5.2M tokens).
+# Run from the repository root: `make r2`.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r2
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
-for model in drt-g1 drt-g2 baselm; do
-    $F train "configs/r2-$model.yaml" --no-progress
+MODELS=(drt-g2 drt baselm baselm-2l causal)
+LABELS="DRT x2,DRT x1,BaseLM,BaseLM+2L,full attention"
+for model in "${MODELS[@]}"; do
+    $F train "configs/lm-$model-niah.yaml" --no-progress
 done
-# 3 depths x 4 trials = 12 per length, 1K to 64K
-GRID=(--lengths 1k,4k,16k,64k --depths 0,0.5,1 --trials 4 --batch-size 2
-      --task-option distractors=2 --corpus data/stdlib-byte --split val)
-for model in drt-g2 drt-g1 baselm; do
-    $F eval niah2hop --model "runs/r2-$model" "${GRID[@]}" --out "$OUT/$model.json"
+COMMON=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2 --depths 0,0.25,0.5,0.75,1 --trials 10 --long-trials 4)
+for task in multikey niah2hop; do
+    OPTIONS=()
+    [ "$task" = niah2hop ] && OPTIONS=(--task-option distractors=2)
+    for model in drt-g2 drt; do
+        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k,256k,1m "${COMMON[@]}" "${OPTIONS[@]}" \
+            --out "$OUT/$task-$model.json" --plot "$FIG/r2-$task-$model.png"
+    done
+    for model in baselm baselm-2l; do
+        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/$task-$model.json"
+    done
+    $F eval "$task" --model runs/lm-causal-niah --lengths 1k,4k,16k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/$task-causal.json"
+    $F eval compare "$OUT/$task"-{drt-g2,drt,baselm,baselm-2l,causal}.json --labels "$LABELS" \
+        --plot "$FIG/r2-$task.png" --title "R2: $task exact match vs length" | tee "$OUT/$task.txt"
 done
-$F eval compare "$OUT"/drt-g2.json "$OUT"/drt-g1.json "$OUT"/baselm.json --labels "DRT G=2,DRT G=1,BaseLM" \
-    --plot "$FIG/r2-niah2hop.png" --title "R2: 2-hop NIAH exact match vs length (trained at 1K)"

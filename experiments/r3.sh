@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# R3 perplexity extrapolation on held-out Python source: DRT vs BaseLM trained as language models
-# for 150 steps (1.2M tokens) on 1K-token windows, scored from 1K to 32K tokens on the same held-out windows (docs/results.md).
+# R3 (issue 18): language-model pre-training on long documents and perplexity vs length.
+# DRT x1, DRT x2, BaseLM (window 64 + ALiBi), BaseLM + 2 layers and full causal attention (RoPE),
+# each pre-trained at 4K tokens on the same 52M byte tokens in the same order (configs/lm-*.yaml;
+# corpus: experiments/lm-data.sh), then scored on the same held-out 128K-token windows from 4K
+# (1x) to 128K (32x). Full attention is scored to 32K: its cost grows as L^2 and RoPE does not
+# extrapolate past its 4K training context. Run from the repository root: `make r3`. A run that
+# is interrupted resumes where it stopped; a finished run is reused.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r3
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
-for model in drt baselm; do
-    $F train "configs/r3-$model.yaml" --no-progress
+bash experiments/lm-data.sh
+for model in drt drt-g2 baselm baselm-2l causal; do
+    $F train "configs/lm-$model.yaml" --no-progress
 done
-$F eval ppl --model runs/r3-drt --model runs/r3-baselm --corpus data/stdlib-byte --split val \
-    --lengths 1k,2k,4k,8k,16k,32k --windows 8 --batch-size 1 --out "$OUT/ppl.json" --plot "$FIG/r3-ppl.png"
+PPL=(--corpus data/lm-byte --split val --windows 12 --window-length 128k --batch-size 1 --dtype bf16)
+$F eval ppl --model runs/lm-drt --model runs/lm-drt-g2 --model runs/lm-baselm --model runs/lm-baselm-2l \
+    --lengths 4k,8k,16k,32k,64k,128k "${PPL[@]}" --out "$OUT/ppl.json" --plot "$FIG/r3-ppl.png"
+$F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k "${PPL[@]}" --out "$OUT/ppl-causal.json"
+$F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/models.json"

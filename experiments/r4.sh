@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# R4 ablations of the retriever (SPEC 2.3) on R3's language-modelling task: no Gumbel noise, random
-# retrieval, plain softmax instead of softmax off by one; each is R3's DRT recipe with one switch
-# flipped, scored against R3's DRT on the same held-out windows from 1K to 32K (docs/results.md).
-# Needs R3's DRT: `make r3`.
+# R4 (issue 18): retriever ablations on R3's recipe, each configs/lm-drt.yaml with one switch
+# flipped (SPEC 2.3): no Gumbel noise, random retrieval, plain softmax instead of softmax off by
+# one. Scored against R3's DRT on the same held-out windows (4K -> 128K) and, after the same
+# passkey fine-tune as R1, on passkey extrapolation (1K -> 1M). Needs R3's and R1's DRT: `make r1`.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r4
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
-MODELS=(--model runs/r3-drt)
+$F train configs/lm-drt.yaml --no-progress
+$F train configs/lm-drt-passkey.yaml --no-progress
+MODELS=(--model runs/lm-drt)
+RESULTS=("results/r1/lm-drt.json")
+LABELS="DRT"
 for ablation in nogumbel random nosoftmax1; do
-    $F train "configs/r4-drt-$ablation.yaml" --no-progress
-    MODELS+=(--model "runs/r4-drt-$ablation")
+    $F train "configs/lm-drt-$ablation.yaml" --no-progress
+    $F train "configs/lm-drt-$ablation-passkey.yaml" --no-progress
+    MODELS+=(--model "runs/lm-drt-$ablation")
+    $F eval passkey --model "runs/lm-drt-$ablation-passkey" --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.25,0.5,0.75,1 \
+        --trials 10 --long-trials 4 --corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2 \
+        --out "$OUT/passkey-$ablation.json"
+    RESULTS+=("$OUT/passkey-$ablation.json")
+    LABELS+=",$ablation"
 done
-$F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val \
-    --lengths 1k,2k,4k,8k,16k,32k --windows 8 --batch-size 1 --out "$OUT/ppl.json" --plot "$FIG/r4-ablations.png"
+$F eval ppl "${MODELS[@]}" --corpus data/lm-byte --split val --lengths 4k,8k,16k,32k,64k,128k --windows 12 \
+    --window-length 128k --batch-size 1 --dtype bf16 --out "$OUT/ppl.json" --plot "$FIG/r4-ablations.png"
+$F eval compare "${RESULTS[@]}" --labels "$LABELS" --plot "$FIG/r4-passkey.png" \
+    --title "R4: passkey exact match vs length, retriever ablations" | tee "$OUT/passkey.txt"
