@@ -58,6 +58,13 @@ def all_reduce_mean(value: torch.Tensor, ctx: DistributedContext) -> torch.Tenso
     return value
 
 
+def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    if ctx.enabled:
+        value = value.clone()
+        dist.all_reduce(value)
+    return value
+
+
 def any_rank(flag: bool, ctx: DistributedContext, device: torch.device) -> bool:
     """True if `flag` is set on any rank (so all ranks stop together)."""
     if not ctx.enabled:

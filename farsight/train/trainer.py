@@ -73,6 +73,17 @@ class TrainResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
 
 
+def answer_counts(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[answer tokens predicted right, answer tokens, rows with all of them right, rows with any]
+    for logits [B, T, V]; answer tokens are the labels whose loss weight is above 1 (position t
+    predicts labels[t + 1], as in the loss)."""
+    answer = weights[:, 1:] > 1
+    right = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & answer
+    rows = answer.any(1)
+    all_right = (right.sum(1) == answer.sum(1)) & rows
+    return torch.stack([right.sum(), answer.sum(), all_right.sum(), rows.sum()])
+
+
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay from lr to min_lr at `total`."""
     if step < warmup:
@@ -326,18 +337,31 @@ class Trainer:
 
     # ---- loop --------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self) -> float | None:
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out loss; for batches with up-weighted answer tokens (needle tasks) also the share of
+        answer tokens predicted right (teacher-forced argmax) and of rows with every answer token
+        right: what tells whether retrieval is being learnt, which the loss over whole haystacks hides."""
         n = self.config.train.eval_batches
         if n == 0:
             return None
         self.model.eval()
-        total = 0.0
+        # loss sum, batches, answer tokens right, answer tokens, rows all right, answer rows
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
             with self.precision.autocast(self.device):
-                total += float(self.model(**batch).loss)
+                out = self.model(**batch)
+            sums[0] += float(out.loss)
+            sums[1] += 1
+            if "loss_weights" in batch:
+                sums[2:] += answer_counts(out.logits, batch["labels"], batch["loss_weights"]).to(sums)
         self.model.train()
-        return float(dist_utils.all_reduce_mean(torch.tensor(total / n, device=self.device), self.ctx))
+        sums = dist_utils.all_reduce_sum(sums, self.ctx)
+        result = {"val_loss": float(sums[0] / sums[1])}
+        if sums[3] > 0:
+            result["val_answer_token_acc"] = float(sums[2] / sums[3])
+            result["val_answer_exact"] = float(sums[4] / sums[5])
+        return result
 
     def _train_step(self) -> tuple[float, float, int]:
         """One optimizer step over grad_accum micro-batches: (loss, gradient norm, tokens)."""
@@ -467,7 +491,7 @@ class Trainer:
                     if self.step % run.eval_interval == 0 or self.step == run.steps:
                         val = self.evaluate()
                         if val is not None:
-                            self._log(metrics, writer, {"step": self.step, "val_loss": val})
+                            self._log(metrics, writer, {"step": self.step, **val})
                     if self.step % run.checkpoint_interval == 0 or self.step == run.steps:
                         checkpoint, saved_step = self.save(), self.step
                     if dist_utils.any_rank(stop.requested, self.ctx, self.device):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from farsight.config import ConfigError
 from farsight.models import load_model
 from farsight.train.checkpoint import CheckpointError, list_checkpoints
-from farsight.train.config import apply_overrides, load_train_config
+from farsight.train.config import TrainConfig, apply_overrides, load_train_config
 from farsight.train.trainer import Trainer, TrainingDiverged, lr_at, train
 from tests.train.conftest import tiny_config
 
@@ -263,3 +263,29 @@ def test_fsdp_checkpoints_gather_full_weights_and_resume(token_dir, tmp_path):
     straight = torch.load(tmp_path / "straight-4-0.pt")
     assert len(straight) == 4
     assert torch.load(tmp_path / "resumed-2-0.pt") | torch.load(tmp_path / "resumed-4-1.pt") == straight
+
+
+def test_answer_counts_score_only_the_up_weighted_tokens():
+    from farsight.train.trainer import answer_counts
+
+    labels = torch.tensor([[5, 1, 2, 3, 9], [5, 6, 7, 8, 9]])
+    weights = torch.ones(2, 5)
+    weights[0, 2:4] = 10.0  # row 0's answer: labels 2, 3 (predicted at positions 1, 2)
+    logits = torch.zeros(2, 5, 12)
+    logits[0, 1, 2] = 1.0  # right
+    logits[0, 2, 4] = 1.0  # wrong (3 expected)
+    assert answer_counts(logits, labels, weights).tolist() == [1, 2, 0, 1]
+    logits[0, 2, 3] = 2.0
+    assert answer_counts(logits, labels, weights).tolist() == [2, 2, 1, 1]  # row 1 has no answer: not counted
+
+
+def test_needle_training_logs_answer_accuracy_and_lm_training_does_not(token_dir, tmp_path):
+    raw = tiny_config(token_dir, tmp_path / "lm", steps=2, eval_interval=2).to_dict()
+    train(TrainConfig.from_dict(raw))
+    lm_val = [r for r in map(json.loads, (tmp_path / "lm" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert lm_val and "val_answer_exact" not in lm_val[-1]
+    raw["data"] = {"kind": "needle", "filler": "repeat", "seq_len": 128, "batch_tokens": 256}
+    raw["train"]["out_dir"] = str(tmp_path / "needle")
+    train(TrainConfig.from_dict(raw))
+    val = [r for r in map(json.loads, (tmp_path / "needle" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
+    assert 0 <= val["val_answer_exact"] <= val["val_answer_token_acc"] <= 1
