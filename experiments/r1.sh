@@ -20,13 +20,13 @@ done
 COMMON=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2)
 for model in drt drt-g2 baselm baselm-2l; do
     $F eval passkey --model "runs/lm-$model-passkey" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" \
-        --out "$OUT/inspan-$model.json"
+        --out "$OUT/lm-inspan-$model.json"
 done
 $F eval passkey --model runs/lm-causal-passkey --lengths 1k,4k --depths 0,0.25,0.5,0.75,1 --trials 10 "${COMMON[@]}" \
-    --out "$OUT/inspan-causal.json"
-$F eval compare "$OUT"/inspan-{drt,drt-g2,baselm,baselm-2l,causal}.json \
-    --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" | tee "$OUT/inspan.txt"
-# 5 depths x 10 trials = 50 per length up to 256K (a 95% interval of about +-10% or less), 5 x 4 = 20 at 1M
+    --out "$OUT/lm-inspan-causal.json"
+$F eval compare "$OUT"/lm-inspan-{drt,drt-g2,baselm,baselm-2l,causal}.json \
+    --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" | tee "$OUT/lm-inspan.txt"
+# 5 depths x 10 trials = 50 per length up to 64K (a 95% interval of about +-10% or less), 5 x 4 = 20 beyond
 GRID=(--depths 0,0.25,0.5,0.75,1 --trials 10 --long-trials 4 "${COMMON[@]}")
 for model in drt drt-g2; do
     $F eval passkey --model "runs/lm-$model-passkey" --lengths 1k,4k,16k,64k,256k,1m "${GRID[@]}" \
@@ -40,7 +40,7 @@ done
 $F eval passkey --model runs/lm-causal-passkey --lengths 1k,4k,16k "${GRID[@]}" --out "$OUT/lm-causal.json"
 $F eval compare "$OUT"/lm-{drt,drt-g2,baselm,baselm-2l,causal}.json \
     --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" --plot "$FIG/r1-lm-passkey.png" \
-    --title "R1: passkey exact match vs length (pre-trained at 4K, fine-tuned to 1K)" | tee "$OUT/passkey.txt"
+    --title "R1: passkey exact match vs length (pre-trained at 4K, fine-tuned to 1K)" | tee "$OUT/lm-passkey.txt"
 # 16M tokens, DRT x1: one trial per depth (about 6 minutes each on a 2-core CPU)
 $F eval passkey --model runs/lm-drt-passkey --lengths 16m --depths 0.1,0.5,0.9 --trials 1 --memory disk \
     "${COMMON[@]}" --batch-size 1 --out "$OUT/lm-drt-16m.json"

@@ -19,12 +19,12 @@ for task in multikey niah2hop; do
     [ "$task" = niah2hop ] && OPTIONS=(--task-option distractors=2)
     for model in drt-g2 drt; do
         $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k,256k,1m "${COMMON[@]}" "${OPTIONS[@]}" \
-            --out "$OUT/$task-$model.json" --plot "$FIG/r2-$task-$model.png"
+            --out "$OUT/lm-$task-$model.json" --plot "$FIG/r2-lm-$task-$model.png"
     done
     for model in baselm baselm-2l; do
-        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/$task-$model.json"
+        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/lm-$task-$model.json"
     done
-    $F eval "$task" --model runs/lm-causal-niah --lengths 1k,4k,16k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/$task-causal.json"
-    $F eval compare "$OUT/$task"-{drt-g2,drt,baselm,baselm-2l,causal}.json --labels "$LABELS" \
-        --plot "$FIG/r2-$task.png" --title "R2: $task exact match vs length" | tee "$OUT/$task.txt"
+    $F eval "$task" --model runs/lm-causal-niah --lengths 1k,4k,16k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/lm-$task-causal.json"
+    $F eval compare "$OUT/lm-$task"-{drt-g2,drt,baselm,baselm-2l,causal}.json --labels "$LABELS" \
+        --plot "$FIG/r2-lm-$task.png" --title "R2: $task exact match vs length" | tee "$OUT/lm-$task.txt"
 done

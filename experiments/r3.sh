@@ -17,6 +17,6 @@ for model in drt drt-g2 baselm baselm-2l causal; do
 done
 PPL=(--corpus data/lm-byte --split val --windows 12 --window-length 128k --batch-size 1 --dtype bf16)
 $F eval ppl --model runs/lm-drt --model runs/lm-drt-g2 --model runs/lm-baselm --model runs/lm-baselm-2l \
-    --lengths 4k,8k,16k,32k,64k,128k "${PPL[@]}" --out "$OUT/ppl.json" --plot "$FIG/r3-ppl.png"
-$F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k "${PPL[@]}" --out "$OUT/ppl-causal.json"
-$F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/models.json"
+    --lengths 4k,8k,16k,32k,64k,128k "${PPL[@]}" --out "$OUT/lm-ppl.json" --plot "$FIG/r3-lm-ppl.png"
+$F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k "${PPL[@]}" --out "$OUT/lm-ppl-causal.json"
+$F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/lm-models.json"

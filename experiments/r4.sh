@@ -19,11 +19,11 @@ for ablation in nogumbel random nosoftmax1; do
     MODELS+=(--model "runs/lm-drt-$ablation")
     $F eval passkey --model "runs/lm-drt-$ablation-passkey" --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.25,0.5,0.75,1 \
         --trials 10 --long-trials 4 --corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2 \
-        --out "$OUT/passkey-$ablation.json"
-    RESULTS+=("$OUT/passkey-$ablation.json")
+        --out "$OUT/lm-passkey-$ablation.json"
+    RESULTS+=("$OUT/lm-passkey-$ablation.json")
     LABELS+=",$ablation"
 done
 $F eval ppl "${MODELS[@]}" --corpus data/lm-byte --split val --lengths 4k,8k,16k,32k,64k,128k --windows 12 \
-    --window-length 128k --batch-size 1 --dtype bf16 --out "$OUT/ppl.json" --plot "$FIG/r4-ablations.png"
-$F eval compare "${RESULTS[@]}" --labels "$LABELS" --plot "$FIG/r4-passkey.png" \
-    --title "R4: passkey exact match vs length, retriever ablations" | tee "$OUT/passkey.txt"
+    --window-length 128k --batch-size 1 --dtype bf16 --out "$OUT/lm-ppl.json" --plot "$FIG/r4-lm-ablations.png"
+$F eval compare "${RESULTS[@]}" --labels "$LABELS" --plot "$FIG/r4-lm-passkey.png" \
+    --title "R4: passkey exact match vs length, retriever ablations" | tee "$OUT/lm-passkey.txt"
