@@ -81,4 +81,7 @@ def barrier(ctx: DistributedContext) -> None:
 
 def shutdown(ctx: DistributedContext) -> None:
     if ctx.enabled and dist.is_initialized():
+        # every rank reaches this point before any tears gloo down: a rank that destroys the group
+        # while its peer still has a collective in flight can abort the peer at exit
+        dist.barrier()
         dist.destroy_process_group()
