@@ -23,7 +23,6 @@ whether a faster precision learns as well.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sysconfig
 import tempfile
@@ -35,6 +34,7 @@ import torch
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, run_isolated, time_fn, write_json
 from farsight.models import build_model
 from farsight.train.config import PRECISIONS
+from farsight.train.metrics import read_metrics
 from farsight.train.precision import resolve_precision
 
 TOKENS_PER_STEP = 8192
@@ -105,8 +105,7 @@ def _loss_case(case: dict) -> dict:
     result = train(config)
     seconds = time.perf_counter() - start
     last = [loss for _, loss in result.losses[-10:]]
-    records = map(json.loads, (Path(case["out_dir"]) / "metrics.jsonl").read_text().splitlines())
-    val = [r["val_loss"] for r in records if "val_loss" in r]
+    val = [r["val_loss"] for r in read_metrics(Path(case["out_dir"]) / "metrics.jsonl") if "val_loss" in r]
     return {"train_loss": sum(last) / len(last), "val_loss": val[-1], "seconds": seconds}
 
 

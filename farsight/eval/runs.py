@@ -3,27 +3,11 @@ run's newest checkpoint and its metrics.jsonl (the model table of a comparison).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from farsight.errors import InputError, MissingFileError
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a run's metrics.jsonl; a torn last line (a run killed mid-write) is skipped."""
-    records = []
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise InputError(f"{path} line {number} is not JSON ({exc}); is it a farsight metrics.jsonl?") from exc
-    return records
+from farsight.errors import MissingFileError
+from farsight.train.metrics import read_metrics
 
 
 def architecture(config: Any) -> str:

@@ -50,19 +50,15 @@ def wrap_model(model: nn.Module, ctx: DistributedContext, strategy: str, device:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def all_reduce_mean(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
-    if ctx.enabled:
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= ctx.world_size
-    return value
-
-
 def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
     if ctx.enabled:
         value = value.clone()
         dist.all_reduce(value)
     return value
+
+
+def all_reduce_mean(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    return all_reduce_sum(value, ctx) / ctx.world_size
 
 
 def any_rank(flag: bool, ctx: DistributedContext, device: torch.device) -> bool:

@@ -32,6 +32,7 @@ from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state, save_checkpoint, write_text_atomically
 from farsight.train.config import TrainConfig, dump_train_config
+from farsight.train.metrics import read_metrics
 from farsight.train.precision import resolve_precision, slow_precision_note
 
 # Under fp16-mixed an overflowing step is skipped and the loss scale halved; gradients that
@@ -414,15 +415,8 @@ class Trainer:
         and a last line that a crash cut short."""
         if not path.is_file():
             return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= self.step:
-                kept.append(line + "\n")
-        write_text_atomically(path, "".join(kept))
+        kept = [record for record in read_metrics(path) if isinstance(record.get("step"), int) and record["step"] <= self.step]
+        write_text_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def fit(self, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
         run = self.config.train

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from farsight.cli import main
-from farsight.errors import InputError, MissingFileError
-from farsight.eval.runs import read_metrics, summarize_run
+from farsight.errors import MissingFileError
+from farsight.eval.runs import summarize_run
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
 
@@ -41,10 +41,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][0]["parameters"] == drt.num_parameters()
 
 
-def test_missing_or_broken_metrics_are_named(tmp_path):
+def test_missing_metrics_are_named(tmp_path):
     with pytest.raises(MissingFileError, match="metrics.jsonl does not exist"):
         summarize_run(tmp_path)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
-    with pytest.raises(InputError, match="line 2 is not JSON"):
-        read_metrics(tmp_path / "metrics.jsonl")
     assert main(["eval", "runs", str(tmp_path / "nothing")]) == 2

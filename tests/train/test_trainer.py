@@ -74,6 +74,9 @@ def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path, 
     first = trainer.fit()
     assert first.status == "interrupted" and first.step == 3
     assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [3]
+    # a crash after the checkpoint: a record about to be redone and a line cut short
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as log:
+        log.write('{"step": 4, "loss": 9.0}\n{"step": 5, "lo')
 
     resumed = train(tiny_config(token_dir, tmp_path / "b", precision=precision))
     assert resumed.status == "completed"

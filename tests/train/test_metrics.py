@@ -1,0 +1,20 @@
+import pytest
+
+from farsight.errors import InputError
+from farsight.train.metrics import read_metrics
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "val_loss": 1.5}\n{"step": 3, "lo')
+    assert read_metrics(path) == [{"step": 1, "loss": 2.0}, {"step": 2, "val_loss": 1.5}]
+    path.write_text("")
+    assert read_metrics(path) == []
+
+
+@pytest.mark.parametrize("text, problem", [('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not JSON"), ('[1, 2]\n{"step": 2}\n', "line 1 is not a JSON object")])
+def test_a_bad_line_before_the_end_is_named(tmp_path, text, problem):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    with pytest.raises(InputError, match=problem):
+        read_metrics(path)
