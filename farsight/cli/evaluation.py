@@ -96,6 +96,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     runs.add_argument("run", nargs="+", help="training run directories (train.out_dir)")
     add_json_output_argument(runs)
+    runs.add_argument("--plot", help="write the loss curves (train and held-out loss vs tokens) as a PNG")
+    runs.add_argument("--labels", help="comma-separated legend names, one per run; runs with the same name (seeds) share a colour")
+    runs.add_argument("--title", default="training loss")
     runs.set_defaults(func=_runs)
 
     bench = evaluations.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
@@ -316,13 +319,25 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from farsight.eval.efficiency import write_json
     from farsight.eval.runs import runs_table, summarize_run
 
     check_output_file(args.out, "--out")
+    check_output_file(args.plot, "--plot")
+    labels = args.labels.split(",") if args.labels else [Path(run).name for run in args.run]
+    if len(labels) != len(args.run):
+        raise InputError(f"--labels names {len(labels)} runs for {len(args.run)} run directories; give one label per run")
     rows = [summarize_run(run) for run in args.run]
     print(runs_table(rows))
     write_json(args.out, {"runs": rows})
+    if args.plot:
+        from farsight.eval.plots import loss_curves
+        from farsight.train.metrics import read_metrics
+
+        curves = [(label, read_metrics(Path(run) / "metrics.jsonl")) for label, run in zip(labels, args.run)]
+        print(f"wrote {loss_curves(curves, args.plot, args.title)}")
     return 0
 
 

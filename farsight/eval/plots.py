@@ -20,6 +20,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 HEATMAP_METRICS = {"exact_match": "exact match", "first_token": "first token", "string_match": "string match"}
 
 
@@ -45,12 +54,7 @@ def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None 
                 ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label=f"{label} %")
     ax.set_title(title or f"{summary['task']}: {label}")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def curves(
@@ -71,9 +75,43 @@ def curves(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
+
+
+def loss_curve_points(records: list[dict[str, Any]], smooth: int = 10) -> dict[str, list[float]]:
+    """From a run's metrics.jsonl records: tokens seen (millions) and the train loss as a moving
+    average over `smooth` records, and the held-out losses at their steps' token counts."""
+    train = [r for r in records if "loss" in r and r.get("tokens")]
+    if not train:
+        return {"train_x": [], "train_y": [], "val_x": [], "val_y": []}
+    tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
+    losses = [r["loss"] for r in train]
+    recent = [losses[max(0, i - smooth + 1) : i + 1] for i in range(len(losses))]
+    val = [r for r in records if "val_loss" in r]
+    return {
+        "train_x": [r["tokens"] / 1e6 for r in train],
+        "train_y": [sum(window) / len(window) for window in recent],
+        "val_x": [r["step"] * tokens_per_step / 1e6 for r in val],
+        "val_y": [r["val_loss"] for r in val],
+    }
+
+
+def loss_curves(runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path, title: str, smooth: int = 10) -> Path:
+    """Training curves of runs, (label, metrics.jsonl records) each: the train loss faint, the
+    held-out loss with markers, vs tokens seen. Runs that share a label (the seeds of one model)
+    share a colour and one legend entry."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colours: dict[str, str] = {}
+    for label, records in runs:
+        points = loss_curve_points(records, smooth)
+        first = label not in colours
+        colour = colours.setdefault(label, f"C{len(colours) % 10}")
+        ax.plot(points["train_x"], points["train_y"], color=colour, alpha=0.35, linewidth=1)
+        ax.plot(points["val_x"], points["val_y"], color=colour, marker="o", markersize=3, label=label if first else None)
+    ax.set_xlabel("tokens seen (millions)")
+    ax.set_ylabel("loss: held-out (markers), train (faint)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(plt, fig, path)

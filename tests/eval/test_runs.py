@@ -4,6 +4,7 @@ import pytest
 
 from farsight.cli import main
 from farsight.errors import MissingFileError
+from farsight.eval.plots import loss_curve_points
 from farsight.eval.runs import summarize_run
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
@@ -45,3 +46,20 @@ def test_missing_metrics_are_named(tmp_path):
     with pytest.raises(MissingFileError, match="metrics.jsonl does not exist"):
         summarize_run(tmp_path)
     assert main(["eval", "runs", str(tmp_path / "nothing")]) == 2
+
+
+def test_loss_curve_points_smooth_the_train_loss_and_place_held_out_losses_by_tokens():
+    points = loss_curve_points(RECORDS + [{"step": 60, "loss": 2.0, "tokens": 6000}], smooth=2)
+    assert points["train_x"] == [0.002, 0.004, 0.006]
+    assert points["train_y"] == [3.0, 2.75, 2.25]
+    assert points["val_x"] == [0.002, 0.004] and points["val_y"] == [3.2, 2.7]
+    assert loss_curve_points([{"step": 5, "val_loss": 1.0}])["val_x"] == []
+
+
+def test_cli_plots_loss_curves_and_checks_the_labels(tmp_path, capsys):
+    model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2))
+    runs = [str(make_run(tmp_path / f"s{seed}", model, RECORDS)) for seed in range(2)]
+    assert main(["eval", "runs", *runs, "--labels", "causal,causal", "--plot", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "runs", *runs, "--labels", "causal"]) == 2
+    assert "--labels names 1 runs for 2 run directories" in capsys.readouterr().err
