@@ -11,16 +11,24 @@ from pathlib import Path
 
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call write(tmp) on a temporary file beside `path`, then rename it over `path`: a failed
-    write leaves the old file as it was."""
+    write leaves the old file as it was. The file gets the permissions `open` would give it
+    (mkstemp's are owner-only, which would hide a shared model from other users)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def sha256_file(path: Path) -> str:

@@ -37,6 +37,15 @@ def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.T
     atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
+def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
+    """Copy a model.safetensors with its floating-point tensors cast to `dtype` (loading casts them
+    back to the model's dtype), written atomically."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in load_file(source).items()}
+    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
 def write_checksums(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Record the size and SHA-256 of the files `names` of directory `path` in checksums.json
     (those that exist), atomically: {"files": {name: {"bytes": n, "sha256": hex}}}; returns the entries."""
