@@ -6,19 +6,35 @@ import pytest
 from farsight.files import atomic_write
 
 
-def test_atomic_write_gives_the_usual_permissions_and_keeps_the_old_file_on_failure(tmp_path):
+def write_text(text):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+
+    return write
+
+
+def test_a_new_file_gets_the_umask_and_a_replaced_one_keeps_its_mode(tmp_path):
     path = tmp_path / "f.txt"
     old = os.umask(0o022)
     try:
-        atomic_write(path, lambda tmp: open(tmp, "w").write("new"))
+        atomic_write(path, write_text("new"))
     finally:
         os.umask(old)
     assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o644
+    path.chmod(0o600)
+    atomic_write(path, write_text("newer"))
+    assert path.read_text() == "newer" and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.txt"
+    atomic_write(path, write_text("old"))
 
     def fail(tmp):
-        open(tmp, "w").write("half")
+        write_text("half")(tmp)
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
         atomic_write(path, fail)
-    assert path.read_text() == "new" and os.listdir(tmp_path) == ["f.txt"]
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["f.txt"]

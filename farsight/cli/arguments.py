@@ -92,6 +92,23 @@ def parse_list(text: str, convert: Callable[[str], T], option: str, what: str) -
         raise InputError(f"{option}={text!r} is not a comma-separated list of {what}: {exc}") from exc
 
 
+def parse_labels(text: str | None, paths: list[str], what: str, default: Callable[[Path], str], unique: bool) -> list[str]:
+    """--labels: one name per path in `paths` (the `what`), stripped and not empty; without it
+    `default(path)` for each, or the paths themselves where those defaults collide. With `unique`
+    two paths may not share a name (seeds of one model may, in a legend)."""
+    if text is None:
+        labels = [default(Path(path)) for path in paths]
+        return labels if len(set(labels)) == len(labels) and all(labels) else [str(path) for path in paths]
+    labels = [label.strip() for label in text.split(",")]
+    if len(labels) != len(paths):
+        raise InputError(f"--labels names {len(labels)} for {len(paths)} {what}; give one label per path, separated by commas")
+    if not all(labels):
+        raise InputError(f"--labels={text!r} has an empty name; give every one of the {len(paths)} {what} a name")
+    if unique and len(set(labels)) != len(labels):
+        raise InputError(f"--labels={text!r} names two {what} alike; each needs its own name")
+    return labels
+
+
 def parse_lengths(args: argparse.Namespace, minimum: int = 1) -> list[int]:
     """The --lengths asked for, each at least `minimum` and at most MAX_LENGTH unless --allow-long."""
     from farsight.eval.needle import format_length, parse_length

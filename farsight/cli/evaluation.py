@@ -19,6 +19,7 @@ from farsight.cli.arguments import (
     model_tokenizer,
     needle_grid,
     open_corpus,
+    parse_labels,
     parse_lengths,
     parse_task_options,
     parse_list,
@@ -296,9 +297,7 @@ def _compare(args: argparse.Namespace) -> int:
     from farsight.eval.needle import compare_summaries
 
     check_output_file(args.plot, "--plot")
-    labels = args.labels.split(",") if args.labels else [Path(f).stem for f in args.results]
-    if len(labels) != len(args.results):
-        raise InputError(f"--labels names {len(labels)} models for {len(args.results)} result files; give one label per file")
+    labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=True)
     summaries = {}
     for label, path in zip(labels, args.results):
         if not Path(path).is_file():
@@ -326,9 +325,7 @@ def _runs(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
-    labels = args.labels.split(",") if args.labels else [Path(run).name for run in args.run]
-    if len(labels) != len(args.run):
-        raise InputError(f"--labels names {len(labels)} runs for {len(args.run)} run directories; give one label per run")
+    labels = parse_labels(args.labels, args.run, "run directories", lambda path: path.resolve().name, unique=False)
     rows = [summarize_run(run) for run in args.run]
     print(runs_table(rows))
     write_json(args.out, {"runs": rows})

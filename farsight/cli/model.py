@@ -58,38 +58,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import json
-    import shutil
     from pathlib import Path
 
-    from farsight.data.tokenizers import TOKENIZER_FILENAME
-    from farsight.errors import InputError, ModelFileError
-    from farsight.eval.card import model_card
-    from farsight.models import CONFIG_FILE, MODEL_DTYPES, WEIGHTS_FILE, load_model, resolve_model_dir
-    from farsight.models.io import CHECKSUMS_FILE, cast_weights, write_checksums
-    from farsight.train.checkpoint import write_text_atomically
+    from farsight.errors import InputError
+    from farsight.models import export_model, load_model
 
     if args.results and not args.card:
         raise InputError("--results goes into the model card; add --card")
-    source = resolve_model_dir(args.source)
-    load_model(source)  # refuse a damaged checkpoint: files against checksums.json, readable and finite weights
-    card = model_card(args.source, Path(args.out).name, args.results, model_path=args.out) if args.card else None
-    recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    names = [name for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME) if (source / name).is_file()]
-    for name in names:
-        if name == WEIGHTS_FILE and args.dtype:
-            cast_weights(source / name, out / name, MODEL_DTYPES[args.dtype])
-            recorded.pop(name, None)
-        else:
-            shutil.copyfile(source / name, out / name)
-    if card is not None:
-        write_text_atomically(out / "README.md", card)
-    copied = write_checksums(out, names)
-    for name, entry in recorded.items():
-        if name in copied and copied[name] != entry:
-            raise ModelFileError(f"the copy {out / name} differs from {source / name}; check the disk under {out} and export again")
-    load_model(out)
-    print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if card is not None else ""))
+    readme = None
+    if args.card:
+        from farsight.eval.card import model_card
+
+        name = out.resolve().name
+        readme = model_card(args.source, load_model(args.source), name, args.results, weights_dtype=args.dtype, exported_to=out)
+    source = export_model(args.source, out, args.dtype, readme)
+    print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if readme else ""))
     return 0

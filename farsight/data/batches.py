@@ -23,11 +23,22 @@ DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int, dict[str, Any]
 }
 
 
-def build_batch_source(data: dict[str, Any], seed: int, model: dict[str, Any] | None = None) -> BatchSource:
-    """The batch source for a training config's `data` section (`model` lets it read e.g. chunk_size)."""
+def _data_config(data: dict[str, Any]) -> tuple[Any, Callable[[Any, int, dict[str, Any]], BatchSource]]:
+    """The validated config of a training config's `data` section, and its kind's batch factory."""
     data = dict(data)
     kind = data.pop("kind", "tokens")
     if kind not in DATA_KINDS:
         raise ConfigError(f"data.kind={kind!r} is unknown; choose one of {sorted(DATA_KINDS)}")
     config_class, factory = DATA_KINDS[kind]
-    return factory(config_class.from_dict(data, where="data"), seed, model or {})
+    return config_class.from_dict(data, where="data"), factory
+
+
+def describe_data(data: dict[str, Any], steps: int | None = None) -> str:
+    """One line saying what a training config's `data` section feeds the model over `steps` steps."""
+    return _data_config(data)[0].describe(steps)
+
+
+def build_batch_source(data: dict[str, Any], seed: int, model: dict[str, Any] | None = None) -> BatchSource:
+    """The batch source for a training config's `data` section (`model` lets it read e.g. chunk_size)."""
+    config, factory = _data_config(data)
+    return factory(config, seed, model or {})

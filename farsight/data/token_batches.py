@@ -26,6 +26,10 @@ class TokenBatchConfig(ConfigBase):
         require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
         require(self.batch_size >= 1, f"data.batch_size must be >= 1, got {self.batch_size}")
 
+    def describe(self, steps: int | None = None) -> str:
+        """One line for a model card: what the batches are."""
+        return f"language modelling on `{self.path}`, {self.batch_size} windows of {self.seq_len:,} tokens per step"
+
 
 class TokenBatches:
     def __init__(self, config: TokenBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:

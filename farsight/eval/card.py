@@ -4,136 +4,184 @@ trained, stage by stage along its train.init_from chain, and the results measure
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from farsight.data.batches import describe_data
 from farsight.errors import InputError, MissingFileError
-from farsight.eval.needle import format_length
-from farsight.eval.runs import summarize_run
+from farsight.eval.efficiency import format_table
+from farsight.eval.needle import format_length, results_table
+from farsight.eval.runs import architecture, training_record
+from farsight.train.checkpoint import checkpoint_step, list_checkpoints
+from farsight.train.metrics import read_metrics
 
 
-def training_chain(run: str | Path) -> list[Path]:
-    """The runs that made `run`, first stage first: each run's train.init_from, followed back while
-    it names a training run (a directory with config.yaml and metrics.jsonl)."""
+@dataclass
+class Stage:
+    """One training run of a model's history, up to the step whose weights went on."""
+
+    run: Path
+    until: int | None  # the checkpoint step the next stage (or the export) took; None: the newest
+    config: Any  # farsight.train.config.TrainConfig
+    record: dict[str, Any]  # farsight.eval.runs.training_record up to `until`
+
+
+def _as_run(path: Path) -> tuple[Path, int | None] | None:
+    """(run directory, checkpoint step or None) for a run or one of its checkpoints, else None."""
+    step = checkpoint_step(path)
+    run = path.parent.parent if step is not None else path
+    if (run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file():
+        return run, step
+    return None
+
+
+def _training_directory(run: Path, out_dir: str) -> Path:
+    """The directory training ran from, which a relative train.init_from is relative to: the run's
+    path less its relative train.out_dir, or the current directory."""
+    out = Path(out_dir)
+    parts = run.resolve().parts
+    if not out.is_absolute() and parts[-len(out.parts) :] == out.parts:
+        return Path(*parts[: -len(out.parts)])
+    return Path.cwd()
+
+
+def training_chain(source: str | Path) -> tuple[list[Stage], str | None]:
+    """The runs that made the model of `source` (a run or a checkpoint of one), first stage first,
+    following train.init_from back while it names a run; and the init_from where that stops (a
+    model directory, or a path that is not here), None if the first stage started from scratch."""
     from farsight.train.config import load_train_config
 
-    chain: list[Path] = []
-    current: Path | None = Path(run)
-    while current is not None and (current / "config.yaml").is_file() and (current / "metrics.jsonl").is_file():
-        if current.resolve() in [c.resolve() for c in chain]:
-            raise InputError(f"the train.init_from chain of {run} loops back to {current}; fix its config.yaml")
-        chain.append(current)
-        init_from = load_train_config(current / "config.yaml").train.init_from
-        current = Path(init_from) if init_from else None
-        if current is not None and current.name.startswith("step_") and current.parent.name == "checkpoints":
-            current = current.parent.parent  # a checkpoint of a run: the run
-    if not chain:
-        raise MissingFileError(f"{run} is not a training run (no config.yaml and metrics.jsonl); a model card is written from a run")
-    return chain[::-1]
-
-
-def _count(tokens: int) -> str:
-    return f"{tokens / 1e6:.1f}M" if tokens >= 100_000 else f"{tokens:,}"
-
-
-def _data_description(data: dict[str, Any]) -> str:
-    if data.get("kind") == "needle":
-        tasks = data.get("mix") or {data.get("task", "passkey"): 1}
-        mix = ", ".join(f"{name} {weight}" for name, weight in tasks.items())
-        lengths = [length for _, length in data["curriculum"]] if data.get("curriculum") else [data.get("seq_len")]
-        return (
-            f"needle tasks ({mix}) in haystacks of `{data.get('corpus')}`, lengths {' → '.join(format_length(n) for n in lengths)}, "
-            f"answer weight {data.get('answer_weight', 1)}, question alignment {data.get('align', 'the chunk size')}"
+    found = _as_run(Path(source))
+    if found is None:
+        raise MissingFileError(
+            f"{source} is not a training run or a checkpoint of one (no config.yaml and metrics.jsonl); a model card is written from the run"
         )
-    return f"language modelling on `{data.get('path')}`, {format_length(data['seq_len'])}-token windows" if data.get("seq_len") else str(data)
+    stages: list[Stage] = []
+    origin = None
+    while found is not None:
+        run, step = found
+        if any(run.resolve() == stage.run.resolve() for stage in stages):
+            raise InputError(f"the train.init_from chain of {source} comes back to {run}; fix the init_from in its config.yaml")
+        if step is None:
+            checkpoints = list_checkpoints(run / "checkpoints")
+            step = checkpoints[-1][0] if checkpoints else None
+        config = load_train_config(run / "config.yaml")
+        stages.append(Stage(run, step, config, training_record(read_metrics(run / "metrics.jsonl"), until=step)))
+        origin = config.train.init_from
+        if origin is None:
+            break
+        path = Path(origin)
+        found = _as_run(path if path.is_absolute() else _training_directory(run, config.train.out_dir) / path)
+    return stages[::-1], (origin if found is None else None)
 
 
-def _needle_table(summary: dict[str, Any]) -> list[str]:
-    lines = ["| length | trials | exact match % | 95% interval | needle retrieved % |", "|---|---|---|---|---|"]
-    for length, cell in sorted(summary["by_length"].items(), key=lambda item: int(item[0])):
-        low, high = cell.get("exact_match_ci95", (None, None))
-        interval = f"{100 * low:.0f}-{100 * high:.0f}" if low is not None else "-"
-        retrieved = f"{100 * cell['needle_retrieved']:.0f}" if cell.get("needle_retrieved") is not None else "-"
-        lines.append(f"| {format_length(int(length))} | {cell['trials']} | {100 * cell['exact_match']:.0f} | {interval} | {retrieved} |")
-    return lines
-
-
-def _ppl_table(entry: dict[str, Any]) -> list[str]:
-    lines = ["| length | windows | NLL (nats/token) | ± s.e. |", "|---|---|---|---|"]
-    for length, cell in sorted(entry["by_length"].items(), key=lambda item: int(item[0])):
-        lines.append(f"| {format_length(int(length))} | {cell['windows']} | {cell['nll']:.4f} | {cell['nll_sem']:.4f} |")
-    return lines
-
-
-def results_section(path: str | Path, chain: list[Path]) -> list[str]:
-    """Markdown for one results file: a needle summary (`eval passkey/multikey/niah2hop --out`) or
-    the entries of a perplexity file (`eval ppl --out`) that belong to a run of `chain`."""
-    path = Path(path)
+def _read_results(path: Path) -> dict[str, Any]:
     try:
         results = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"cannot read results file {path} ({exc}); pass a JSON file written by `farsight eval ... --out`") from exc
-    if "task" in results and "by_length" in results:
-        where = f"{results.get('corpus', '')} {results.get('split', '')}".strip()
-        head = f"**{results['task']}** (`{path}`; haystacks: {where or results.get('filler')}, dtype {results.get('dtype')}, question alignment {results.get('align')})"
-        return [head, "", *_needle_table(results), ""]
-    if "results" in results:
-        names = {str(run) for run in chain} | {str(run.resolve()) for run in chain}
-        entries = {name: entry for name, entry in results["results"].items() if name in names or str(Path(name).resolve()) in names}
-        if not entries:
-            raise InputError(f"{path} holds no perplexity of {', '.join(map(str, chain))}; pass a file from `farsight eval ppl --model RUN`")
+    if not isinstance(results, dict):
+        raise InputError(f"{path} holds a JSON {type(results).__name__}, not the object `farsight eval ... --out` writes")
+    return results
+
+
+def _is_needle_summary(results: dict[str, Any]) -> bool:
+    cells = results.get("by_length")
+    return isinstance(cells, dict) and all(isinstance(c, dict) and {"trials", "exact_match", "first_token"} <= c.keys() for c in cells.values())
+
+
+def _is_ppl_entry(entry: Any) -> bool:
+    cells = entry.get("by_length") if isinstance(entry, dict) else None
+    return isinstance(cells, dict) and all(isinstance(c, dict) and {"nll", "nll_sem", "windows"} <= c.keys() for c in cells.values())
+
+
+def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
+    """Markdown for a results file: a needle summary (`farsight eval passkey ... --out`) measured
+    on one of `names` (resolved path -> how the card calls it), or the rows of a perplexity file
+    (`farsight eval ppl ... --out`) that belong to them."""
+    path = Path(path)
+    results = _read_results(path)
+    if _is_needle_summary(results):
+        model = results.get("model")
+        if model is not None and Path(model).resolve() not in names:
+            raise InputError(f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}")
+        haystack = f"text of {results.get('corpus')} ({results.get('split')} split)" if results.get("filler", "corpus") == "corpus" else "repeated filler text"
+        align = results.get("align")
+        where = "at any offset" if align == 1 else f"at multiples of {align} tokens" if align else "at chunk boundaries"
+        head = f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}, question {where}, run in {results.get('dtype')}."
+        return [head, "", results_table(results, markdown=True), ""]
+    if isinstance(results.get("results"), dict) and all(_is_ppl_entry(e) for e in results["results"].values()):
         lines = []
-        for name, entry in entries.items():
-            lines += [f"**perplexity of `{name}`** (`{path}`; {results.get('corpus')} {results.get('split')}, dtype {results.get('dtype')})", ""]
-            lines += [*_ppl_table(entry), ""]
+        for model, entry in results["results"].items():
+            name = names.get(Path(model).resolve())
+            if name is None:
+                continue
+            rows = [
+                {"length": format_length(int(n)), "windows": c["windows"], "NLL (nats/token)": f"{c['nll']:.4f}", "± s.e.": f"{c['nll_sem']:.4f}"}
+                for n, c in sorted(entry["by_length"].items(), key=lambda item: int(item[0]))
+            ]
+            lines += [f"**perplexity of {name}** (`{path.name}`): {results.get('corpus')} ({results.get('split')} split), run in {results.get('dtype')}.", ""]
+            lines += [format_table(rows, ["length", "windows", "NLL (nats/token)", "± s.e."], markdown=True), ""]
+        if not lines:
+            raise InputError(f"{path} holds no perplexity of this model or its earlier stages; pass a file from `farsight eval ppl --model RUN --out`")
         return lines
-    raise InputError(f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval ... --out`")
+    raise InputError(f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`")
 
 
-def model_card(run: str | Path, name: str, results: list[str | Path] = (), model_path: str | None = None) -> str:
-    """The README.md of a model exported from `run` (to `model_path`, by default `name`), with a
-    section per results file."""
-    from farsight.train.config import load_train_config
-
-    chain = training_chain(run)
-    stages = [(stage, summarize_run(stage), load_train_config(stage / "config.yaml")) for stage in chain]
-    last = stages[-1][1]
-    total = sum(row["tokens"] or 0 for _, row, _ in stages)
+def model_card(source: str | Path, model: Any, name: str, results: list[str | Path] = (), weights_dtype: str | None = None, exported_to: Path | None = None) -> str:
+    """The README.md of `model` (loaded from `source`, a run or one of its checkpoints), exported
+    as `name`, with a section per results file."""
+    stages, origin = training_chain(source)
+    total = sum(stage.record["tokens"] or 0 for stage in stages)
+    # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
+    names: dict[Path, str] = {} if exported_to is None else {exported_to.resolve(): "this model"}
+    for number, stage in enumerate(stages, 1):
+        label = "this model" if number == len(stages) else f"stage {number} (`{stage.run.name}`, before the later stages)"
+        names[stage.run.resolve()] = label
+        if stage.until is not None:
+            names[(stage.run / "checkpoints" / f"step_{stage.until:08d}").resolve()] = label
     lines = [
         f"# {name}",
         "",
-        f"A farsight `{last['model_type']}` model: {last['architecture']}, {last['parameters'] / 1e6:.3f}M parameters, "
-        f"trained on {_count(total)} tokens in {len(stages)} stage{'s' if len(stages) > 1 else ''}.",
+        f"A farsight `{model.model_type}` model: {architecture(model.config)}, {model.num_parameters() / 1e6:.3f}M parameters, "
+        f"trained on {total / 1e6:.1f}M tokens in {len(stages)} stage{'s' if len(stages) > 1 else ''}"
+        + (f", weights stored in {weights_dtype}" if weights_dtype else "")
+        + ".",
         "",
         "## Training",
         "",
-        "| stage | run | data | steps | tokens | precision | held-out loss |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for number, (stage, row, config) in enumerate(stages, 1):
-        val = f"{row['val_loss']:.4f}" if row["val_loss"] is not None else "-"
+    if origin is not None:
+        lines += [f"Stage 1 started from the weights of `{origin}`, whose training is not described here.", ""]
+    lines += ["| stage | run | data | steps | tokens | precision | held-out loss |", "|---|---|---|---|---|---|---|"]
+    for number, stage in enumerate(stages, 1):
+        record = stage.record
+        val = f"{record['val_loss']:.4f} (step {record['val_step']})" if record["val_loss"] is not None else "-"
         lines.append(
-            f"| {number} | `{stage}` | {_data_description(config.data)} | {row['steps']} | {_count(row['tokens'] or 0)} | {row['precision']} | {val} |"
+            f"| {number} | `{stage.run.name}` | {describe_data(stage.config.data, record['steps'])} | {record['steps']} "
+            f"| {(record['tokens'] or 0) / 1e6:.2f}M | {record['precision'] or '-'} | {val} |"
         )
-    lines += ["", "Each stage's full configuration is its run's `config.yaml`. Optimiser of the last stage: "]
-    lines[-1] += ", ".join(f"{key} {value}" for key, value in stages[-1][2].optim.to_dict().items()) + "."
+    optim = stages[-1].config.optim.to_dict()
+    lines += ["", "Each stage's full configuration is its run's `config.yaml`. The last stage's optimiser: AdamW, " + ", ".join(f"{k} {v}" for k, v in optim.items()) + "."]
     if results:
         lines += ["", "## Results", ""]
         for path in results:
-            lines += results_section(path, chain)
-    model_path = model_path or name
+            lines += results_section(path, names)
     lines += [
         "",
         "## Use",
         "",
+        "From the directory that holds this one:",
+        "",
         "```bash",
-        f"farsight generate --model {model_path} --prompt 'def main(' --max-new-tokens 200",
-        f"farsight eval passkey --model {model_path} --lengths 1k,16k,1m --depths 0,0.5,1 --trials 4",
+        f"farsight generate --model {name} --prompt 'def main(' --max-new-tokens 200",
+        f"farsight eval passkey --model {name} --lengths 1k,4k --depths 0,0.5,1 --trials 4",
         "```",
         "",
         "```python",
         "from farsight.models import load_model",
-        f"model = load_model('{model_path}')  # files verified against checksums.json",
+        f"model = load_model('{name}')  # the files are checked against checksums.json",
         "```",
         "",
     ]

@@ -107,8 +107,8 @@ def run_isolated(target: Callable[[dict], dict], case: dict, timeout: float | No
     return payload if status == "ok" else {"error": payload}
 
 
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    """Plain-text table with right-aligned columns; floats get 4 significant digits."""
+def format_table(rows: list[dict], columns: list[str], markdown: bool = False) -> str:
+    """Plain-text table with right-aligned columns, or a Markdown one; floats get 4 significant digits."""
 
     def fmt(v: Any) -> str:
         if v is None:
@@ -118,6 +118,8 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
         return str(v)
 
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    if markdown:
+        return "\n".join("| " + " | ".join(row) + " |" for row in [columns, ["---"] * len(columns), *cells])
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines.append("  ".join("-" * w for w in widths))

@@ -212,7 +212,7 @@ def compare_summaries(summaries: dict[str, dict[str, Any]], metric: str = "exact
     return format_table(rows, ["length", *series]), series
 
 
-def results_table(summary: dict[str, Any]) -> str:
+def results_table(summary: dict[str, Any], markdown: bool = False) -> str:
     from farsight.eval.efficiency import format_table
 
     rows = [
@@ -227,7 +227,7 @@ def results_table(summary: dict[str, Any]) -> str:
         }
         for k, v in summary["by_length"].items()
     ]
-    return format_table(rows, ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"])
+    return format_table(rows, ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"], markdown)
 
 
 def _interval_cell(interval: list[float] | None) -> str | None:

@@ -80,19 +80,24 @@ def curves(
 
 def loss_curve_points(records: list[dict[str, Any]], smooth: int = 10) -> dict[str, list[float]]:
     """From a run's metrics.jsonl records: tokens seen (millions) and the train loss as a moving
-    average over `smooth` records, and the held-out losses at their steps' token counts."""
+    average over `smooth` records, and the held-out losses at the tokens seen by their steps
+    (interpolated between logged steps: tokens per step vary with a curriculum or a resume)."""
+    import numpy as np
+
     train = [r for r in records if "loss" in r and r.get("tokens")]
-    if not train:
-        return {"train_x": [], "train_y": [], "val_x": [], "val_y": []}
-    tokens_per_step = train[-1]["tokens"] / train[-1]["step"]
     losses = [r["loss"] for r in train]
     recent = [losses[max(0, i - smooth + 1) : i + 1] for i in range(len(losses))]
     val = [r for r in records if "val_loss" in r]
+    steps = [0] + [r["step"] for r in train]
+    tokens = [0] + [r["tokens"] for r in train]
+    # past the last logged step, go on at the last interval's tokens per step
+    rate = (tokens[-1] - tokens[-2]) / max(steps[-1] - steps[-2], 1) if train else 0.0
+    val_tokens = [float(np.interp(r["step"], steps, tokens)) + rate * max(r["step"] - steps[-1], 0) for r in val] if train else []
     return {
         "train_x": [r["tokens"] / 1e6 for r in train],
         "train_y": [sum(window) / len(window) for window in recent],
-        "val_x": [r["step"] * tokens_per_step / 1e6 for r in val],
-        "val_y": [r["val_loss"] for r in val],
+        "val_x": [t / 1e6 for t in val_tokens],
+        "val_y": [r["val_loss"] for r in val] if train else [],
     }
 
 

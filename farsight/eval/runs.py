@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from farsight.errors import MissingFileError
+from farsight.train.checkpoint import checkpoint_step
 from farsight.train.metrics import read_metrics
 
 
@@ -20,26 +21,14 @@ def architecture(config: Any) -> str:
     return f"{text}, {config.n_layers} layers"
 
 
-def summarize_run(run: str | Path) -> dict[str, Any]:
-    """One row: the model of the run's newest checkpoint and its training record. Time and speed
-    come from the logged intervals, so a run resumed across sessions counts only its training."""
-    from farsight.models import load_model, resolve_model_dir
-
-    run = Path(run)
-    metrics_path = run / "metrics.jsonl"
-    if not metrics_path.is_file():
-        raise MissingFileError(f"{metrics_path} does not exist; pass a training run directory (train.out_dir)")
-    directory = resolve_model_dir(run)
-    model = load_model(directory)
-    records = read_metrics(metrics_path)
-    train = [r for r in records if "loss" in r]
-    val = [r for r in records if "val_loss" in r]
+def training_record(records: list[dict[str, Any]], until: int | None = None) -> dict[str, Any]:
+    """Steps, tokens, last train and held-out loss, precision, hours and tokens/s from a run's
+    metrics.jsonl records up to step `until` (all without it). Time and speed come from the logged
+    intervals, so a run resumed across sessions counts only its training."""
+    kept = [r for r in records if until is None or r.get("step", 0) <= until]
+    train = [r for r in kept if "loss" in r]
+    val = [r for r in kept if "val_loss" in r]
     row: dict[str, Any] = {
-        "run": str(run),
-        "model_type": model.model_type,
-        "architecture": architecture(model.config),
-        "parameters": model.num_parameters(),
-        "checkpoint": directory.name,
         "steps": train[-1]["step"] if train else 0,
         "tokens": train[-1].get("tokens") if train else 0,
         "train_loss": train[-1]["loss"] if train else None,
@@ -57,6 +46,27 @@ def summarize_run(run: str | Path) -> dict[str, Any]:
     row["train_hours"] = seconds / 3600 if seconds else None
     row["tokens_per_s"] = row["tokens"] / seconds if seconds else None
     return row
+
+
+def summarize_run(run: str | Path) -> dict[str, Any]:
+    """One row: the model of the run's newest checkpoint and its training record up to that
+    checkpoint (records a crash left after it are not counted)."""
+    from farsight.models import load_model, resolve_model_dir
+
+    run = Path(run)
+    metrics_path = run / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise MissingFileError(f"{metrics_path} does not exist; pass a training run directory (train.out_dir)")
+    directory = resolve_model_dir(run)
+    model = load_model(directory)
+    row = {
+        "run": str(run),
+        "model_type": model.model_type,
+        "architecture": architecture(model.config),
+        "parameters": model.num_parameters(),
+        "checkpoint": directory.name,
+    }
+    return row | training_record(read_metrics(metrics_path), until=checkpoint_step(directory))
 
 
 def runs_table(rows: list[dict[str, Any]]) -> str:

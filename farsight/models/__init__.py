@@ -7,7 +7,7 @@ from farsight.models.drt_state import RetrievalInfo
 from farsight.models.generation import generate, sample_next_token
 from farsight.models.io import CONFIG_FILE, WEIGHTS_FILE, load_weights, read_model_meta, resolve_model_dir
 from farsight.models.lm import MODEL_DTYPES, CausalLMOutput, PretrainedLM, causal_lm_loss
-from farsight.models.registry import MODEL_TYPES, build_model, load_model
+from farsight.models.registry import MODEL_TYPES, build_model, export_model, load_model
 from farsight.models.session import ContinuationScore, Session
 from farsight.models.transformer import TransformerConfig, TransformerForCausalLM, TransformerSession
 
@@ -30,6 +30,7 @@ __all__ = [
     "TransformerForCausalLM",
     "TransformerSession",
     "build_model",
+    "export_model",
     "causal_lm_loss",
     "generate",
     "load_model",

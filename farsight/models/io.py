@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.errors import MissingFileError, ModelFileError
+from farsight.errors import InputError, MissingFileError, ModelFileError
 from farsight.files import atomic_write, sha256_file
 
 CONFIG_FILE = "config.json"
@@ -42,7 +42,12 @@ def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
     back to the model's dtype), written atomically."""
     from safetensors.torch import load_file, save_file
 
-    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in load_file(source).items()}
+    tensors = load_file(source)
+    largest = torch.finfo(dtype).max
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and tensor.numel() and float(tensor.abs().max()) > largest:
+            raise InputError(f"weight {name!r} holds values up to {float(tensor.abs().max()):.4g}, beyond {dtype}'s largest {largest:.4g}; export in bf16 or fp32")
+    tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 

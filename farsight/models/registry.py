@@ -1,16 +1,22 @@
-"""The table of farsight's model types, and building or loading a model of any of them."""
+"""The table of farsight's model types, and building, loading or exporting a model of any of them."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from farsight.config import ConfigError
+from farsight.data.tokenizers import TOKENIZER_FILENAME
+from farsight.errors import InputError, ModelFileError
+from farsight.files import atomic_directory
 from farsight.models.drt import DRTForCausalLM
-from farsight.models.io import read_model_meta, resolve_model_dir
-from farsight.models.lm import PretrainedLM
+from farsight.models.io import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, cast_weights, read_model_meta, resolve_model_dir, write_checksums
+from farsight.models.lm import MODEL_DTYPES, PretrainedLM
 from farsight.models.transformer import TransformerForCausalLM
 
 MODEL_TYPES: dict[str, type[PretrainedLM]] = {
@@ -45,3 +51,36 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     path = resolve_model_dir(path)
     meta = read_model_meta(path, known_types=MODEL_TYPES)
     return MODEL_TYPES[meta["model_type"]].from_pretrained(path, map_location)
+
+
+def export_model(source: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None, readme: str | None = None) -> Path:
+    """Write the model of `source` (a model directory, or a run's newest checkpoint) to the model
+    directory `out`: config, weights (cast to `dtype`, e.g. "bf16", if given), tokenizer, README.md
+    (if given) and a new checksums.json. The copy is built beside `out` and loaded to verify it
+    before it replaces `out`, so a failed export leaves `out` as it was; an existing `out` must be
+    a model directory or empty. Returns the model directory exported."""
+    source, out = resolve_model_dir(source), Path(out)
+    load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
+    if out.exists() and not (out / CONFIG_FILE).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise InputError(f"{out} exists and is not a model directory; export to a new or empty directory")
+    recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
+    names = [name for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME) if (source / name).is_file()]
+
+    def fill(staging: Path) -> None:
+        for name in names:
+            if name == WEIGHTS_FILE and dtype is not None:
+                cast_weights(source / name, staging / name, MODEL_DTYPES[dtype])
+                recorded.pop(name, None)
+            else:
+                shutil.copyfile(source / name, staging / name)
+        if readme is not None:
+            (staging / "README.md").write_text(readme)
+        copied = write_checksums(staging, names)
+        for name, entry in recorded.items():
+            if name in copied and copied[name] != entry:
+                raise ModelFileError(f"the copy of {source / name} differs from it; check the disk under {out.parent} and export again")
+        load_model(staging)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_directory(out, fill)
+    return source

@@ -76,6 +76,12 @@ def checkpoint_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """N for a checkpoint directory `.../checkpoints/step_N`, else None."""
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match and path.parent.name == "checkpoints" else None
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under root, oldest first (temporary directories are ignored)."""
     if not root.is_dir():

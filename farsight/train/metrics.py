@@ -13,7 +13,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl. A torn last line (a run killed mid-write) is skipped; a bad
     line anywhere else is an error, since it means the file is not a farsight training log."""
     records = []
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); is it a farsight metrics.jsonl?") from exc
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

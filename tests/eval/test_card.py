@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -8,63 +10,136 @@ from safetensors.torch import load_file
 from farsight.cli import main
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.card import model_card, training_chain
-from farsight.models import DRTConfig, DRTForCausalLM, load_model
+from farsight.models import DRTConfig, DRTForCausalLM, export_model, load_model
 
 CONFIG = {"type": "drt", "vocab_size": 260, "d_model": 32, "n_layers": 4, "n_heads": 2, "chunk_size": 8, "window": 16, "top_k": 2, "groups": 1, "encoder_layers": 1}
+NEEDLE = {"kind": "needle", "mix": {"passkey": 2, "multikey": 1}, "corpus": "data/lm-byte", "curriculum": [[0, 128], [10, 512], [100, 1024]], "align": 1}
 
 
-def make_run(root, data, steps, init_from=None, model=None):
-    """A finished training run: config.yaml, metrics.jsonl and one checkpoint."""
-    model = model or DRTForCausalLM(DRTConfig(**{k: v for k, v in CONFIG.items() if k != "type"}))
-    model.save_pretrained(root / "checkpoints" / f"step_{steps:08d}")
-    config = {"model": CONFIG, "data": data, "optim": {"lr": 0.001}, "train": {"steps": steps, "out_dir": str(root), "init_from": init_from}}
+def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
+    """A training run: config.yaml (out_dir as written in it), metrics.jsonl with 100 tokens per
+    step logged every 10 steps to `logged`, and checkpoints at the steps given."""
+    model = DRTForCausalLM(DRTConfig(**{k: v for k, v in CONFIG.items() if k != "type"}))
+    for step in checkpoints:
+        model.save_pretrained(root / "checkpoints" / f"step_{step:08d}")
+    config = {"model": CONFIG, "data": data, "optim": {"lr": 0.001}, "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from}}
     (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    records = [{"step": steps, "loss": 1.5, "tokens": steps * 100, "tokens_per_s": 1000.0, "precision": "bf16-mixed"}, {"step": steps, "val_loss": 1.25}]
+    records = []
+    for step in range(10, logged + 1, 10):
+        records += [{"step": step, "loss": 2.0 - step / 1000, "tokens": step * 100, "tokens_per_s": 1000.0, "precision": "bf16-mixed"}, {"step": step, "val_loss": 3.0 - step / 1000}]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
 
 
 @pytest.fixture
-def two_stages(tmp_path):
-    lm = make_run(tmp_path / "lm", {"kind": "tokens", "path": "data/lm-byte", "seq_len": 4096}, 40)
-    needle = {"kind": "needle", "mix": {"passkey": 2, "multikey": 1}, "corpus": "data/lm-byte", "curriculum": [[0, 128], [10, 1024]], "answer_weight": 10, "align": 1}
-    return make_run(tmp_path / "ft", needle, 20, init_from=str(lm / "checkpoints" / "step_00000040"))
+def project(tmp_path, monkeypatch):
+    """runs/lm (checkpoints 40 and 80, logged to 90: a crash after 80) and runs/ft, fine-tuned
+    from runs/lm's step 40 with a relative init_from, as training writes them; the current
+    directory is elsewhere, as it is when someone exports later."""
+    root = tmp_path / "project"
+    make_run(root / "runs" / "lm", "runs/lm", {"kind": "tokens", "path": "data/lm-byte", "seq_len": 4096, "batch_size": 4}, [40, 80], 90)
+    make_run(root / "runs" / "ft", "runs/ft", dict(NEEDLE), [20], 20, init_from="runs/lm/checkpoints/step_00000040")
+    monkeypatch.chdir(tmp_path)
+    return root
 
 
-def test_the_chain_follows_init_from_back_to_the_first_run(two_stages, tmp_path):
-    assert training_chain(two_stages) == [tmp_path / "lm", tmp_path / "ft"]
+def test_the_chain_follows_relative_init_from_to_the_step_it_took(project):
+    stages, origin = training_chain(project / "runs" / "ft")
+    assert [(s.run, s.until) for s in stages] == [(project / "runs" / "lm", 40), (project / "runs" / "ft", 20)]
+    assert origin is None
+    assert (stages[0].record["steps"], stages[0].record["tokens"], stages[0].record["val_loss"]) == (40, 4000, 2.96)
+    # a run given itself: its newest checkpoint, not the records a crash left after it
+    assert training_chain(project / "runs" / "lm")[0][0].record["steps"] == 80
     with pytest.raises(MissingFileError, match="not a training run"):
-        training_chain(tmp_path / "nothing")
+        training_chain(project / "nothing")
 
 
-def test_the_card_lists_every_stage_and_the_results(two_stages, tmp_path):
-    needle = {"task": "passkey", "corpus": "data/lm-byte", "split": "val", "dtype": "bf16", "align": 1,
-              "by_length": {"1024": {"trials": 50, "exact_match": 0.98, "exact_match_ci95": [0.9, 1.0], "needle_retrieved": 1.0}}}
+def test_a_chain_that_leaves_the_runs_says_where_it_started(project):
+    config = yaml.safe_load((project / "runs" / "ft" / "config.yaml").read_text())
+    config["train"]["init_from"] = "models/demo-drt"
+    (project / "runs" / "ft" / "config.yaml").write_text(yaml.safe_dump(config))
+    stages, origin = training_chain(project / "runs" / "ft")
+    assert len(stages) == 1 and origin == "models/demo-drt"
+    model = load_model(project / "runs" / "ft")
+    assert "Stage 1 started from the weights of `models/demo-drt`" in model_card(project / "runs" / "ft", model, "ft")
+
+
+def write(path, payload):
+    path.write_text(json.dumps(payload))
+    return path
+
+
+def needle_summary(model):
+    cell = {"trials": 50, "exact_match": 0.98, "exact_match_ci95": [0.9, 1.0], "first_token": 1.0, "needle_retrieved": 1.0, "seconds": 1.5}
+    return {"task": "passkey", "model": model, "corpus": "data/lm-byte", "split": "val", "dtype": "bf16", "align": 1, "filler": "corpus", "by_length": {"1024": cell}}
+
+
+def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp_path):
+    ft = project / "runs" / "ft"
     ppl = {"corpus": "data/lm-byte", "split": "val", "dtype": "bf16", "results": {
-        str(tmp_path / "lm"): {"by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}}},
+        str(project / "runs" / "lm"): {"by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}}},
         "runs/other": {"by_length": {"4096": {"nll": 9.0, "nll_sem": 0.01, "windows": 12}}}}}
-    (tmp_path / "n.json").write_text(json.dumps(needle))
-    (tmp_path / "p.json").write_text(json.dumps(ppl))
-    card = model_card(two_stages, "my-drt", [tmp_path / "n.json", tmp_path / "p.json"])
-    assert "trained on 6,000 tokens in 2 stages" in card  # 40 x 100 + 20 x 100
-    assert "language modelling on `data/lm-byte`, 4K-token windows" in card
-    assert "needle tasks (passkey 2, multikey 1)" in card and "lengths 128 → 1K" in card
-    assert "| 1K | 50 | 98 | 90-100 | 100 |" in card
-    assert "| 4K | 12 | 1.2000 | 0.0100 |" in card and "9.0000" not in card  # only this model's perplexity
-    (tmp_path / "bad.json").write_text("[]")
-    with pytest.raises(InputError, match="neither a needle summary nor a perplexity file"):
-        model_card(two_stages, "my-drt", [tmp_path / "bad.json"])
+    files = [write(tmp_path / "n.json", needle_summary(str(ft))), write(tmp_path / "p.json", ppl)]
+    card = model_card(ft, load_model(ft), "my-drt", files, weights_dtype="bf16")
+    assert "trained on 0.0M tokens in 2 stages, weights stored in bf16" in card
+    assert "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed | 2.9600 (step 40) |" in card
+    # the curriculum's 1K stage starts at step 100, after the 20 steps trained; answer weight: the default
+    assert "needle tasks (passkey 2, multikey 1) in haystacks of text of `data/lm-byte`, lengths 128 → 512 tokens, answer tokens weighted 10x" in card
+    assert "| 1K | 50 | 98 | 90-100 | 100 | 100 | 1.5 |" in card
+    assert "perplexity of stage 1 (`lm`, before the later stages)" in card and "| 4K | 12 | 1.2000 | 0.0100 |" in card and "9.0000" not in card
+    other = write(tmp_path / "o.json", needle_summary("runs/unrelated"))
+    with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):
+        model_card(ft, load_model(ft), "my-drt", [other])
 
 
-def test_export_casts_the_weights_and_writes_the_card(two_stages, tmp_path):
+@pytest.mark.parametrize("payload, problem", [
+    ("[]", "holds a JSON list"), ('"text"', "holds a JSON str"), ("{", "cannot read results file"),
+    ('{"results": [1]}', "neither a needle summary nor a perplexity file"),
+    ('{"results": {"lm-eval": {"acc": 0.5}}}', "neither a needle summary nor a perplexity file"),
+    ('{"task": "passkey", "by_length": {"1024": {"trials": 5}}}', "neither a needle summary nor a perplexity file"),
+])
+def test_results_of_another_shape_are_named(project, tmp_path, payload, problem):
+    ft = project / "runs" / "ft"
+    (tmp_path / "r.json").write_text(payload)
+    with pytest.raises(InputError, match=problem):
+        model_card(ft, load_model(ft), "my-drt", [tmp_path / "r.json"])
+
+
+def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_directory(project, tmp_path):
+    ft = project / "runs" / "ft"
     out = tmp_path / "exported"
-    assert main(["export", str(two_stages), str(out), "--dtype", "bf16", "--card"]) == 0
+    results = write(tmp_path / "n.json", needle_summary(str(out)))  # measured on the exported copy
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(ft), str(out), "--dtype", "bf16", "--card", "--results", str(results)]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755 and stat.S_IMODE((out / "README.md").stat().st_mode) == 0o644
     weights = load_file(out / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in weights.values() if t.is_floating_point())
     model = load_model(out)  # verified against checksums.json, loaded into the fp32 model
-    source = load_file(two_stages / "checkpoints" / "step_00000020" / "model.safetensors")
+    source = load_file(ft / "checkpoints" / "step_00000020" / "model.safetensors")
     for name, tensor in model.state_dict().items():
         if name in source:
             assert tensor.dtype == torch.float32 and torch.equal(tensor, source[name].to(torch.bfloat16).float()), name
     assert (out / "README.md").read_text().startswith("# exported\n")
-    assert main(["export", str(two_stages), str(tmp_path / "x"), "--results", "r.json"]) == 2
+    # exported again without a card: the directory is replaced whole, no stale README.md
+    assert main(["export", str(ft), str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(InputError, match="is not a model directory"):
+        export_model(ft, tmp_path / "notes")
+    assert main(["export", str(ft), str(tmp_path / "x"), "--results", "r.json"]) == 2
+
+
+def test_an_fp16_export_refuses_weights_beyond_fp16_and_leaves_no_directory(project, tmp_path):
+    ft = project / "runs" / "ft"
+    model = load_model(ft)
+    with torch.no_grad():
+        next(model.parameters())[0] = 1e5
+    model.save_pretrained(tmp_path / "big")
+    with pytest.raises(InputError, match="beyond torch.float16's largest 6.55e\\+04; export in bf16 or fp32"):
+        export_model(tmp_path / "big", tmp_path / "out", dtype="fp16")
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

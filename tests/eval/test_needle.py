@@ -129,6 +129,8 @@ def test_compare_puts_models_side_by_side(tmp_path, capsys):
     assert lines[3].split() == ["1K", "100", "50"] and lines[4].split() == ["4K", "75", "-"]
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "compare", str(tmp_path / "a.json"), "--labels", "x,y"]) == 2
+    assert main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "drt, drt"]) == 2
+    assert "names two result files alike" in capsys.readouterr().err
     assert main(["eval", "compare", str(tmp_path / "missing.json")]) == 2
 
 

@@ -54,12 +54,17 @@ def test_loss_curve_points_smooth_the_train_loss_and_place_held_out_losses_by_to
     assert points["train_y"] == [3.0, 2.75, 2.25]
     assert points["val_x"] == [0.002, 0.004] and points["val_y"] == [3.2, 2.7]
     assert loss_curve_points([{"step": 5, "val_loss": 1.0}])["val_x"] == []
+    # a curriculum: 100 tokens per step to step 20, then 300
+    varying = [{"step": 20, "loss": 3.0, "tokens": 2000}, {"step": 10, "val_loss": 3.1}, {"step": 40, "loss": 2.0, "tokens": 8000}, {"step": 40, "val_loss": 2.1}]
+    assert loss_curve_points(varying)["val_x"] == [0.001, 0.008]
 
 
 def test_cli_plots_loss_curves_and_checks_the_labels(tmp_path, capsys):
     model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2))
     runs = [str(make_run(tmp_path / f"s{seed}", model, RECORDS)) for seed in range(2)]
-    assert main(["eval", "runs", *runs, "--labels", "causal,causal", "--plot", str(tmp_path / "loss.png")]) == 0
+    assert main(["eval", "runs", *runs, "--labels", "causal, causal", "--plot", str(tmp_path / "loss.png")]) == 0
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "runs", *runs, "--labels", "causal"]) == 2
-    assert "--labels names 1 runs for 2 run directories" in capsys.readouterr().err
+    assert "--labels names 1 for 2 run directories" in capsys.readouterr().err
+    assert main(["eval", "runs", *runs, "--labels", "causal, "]) == 2
+    assert "has an empty name" in capsys.readouterr().err

@@ -18,3 +18,10 @@ def test_a_bad_line_before_the_end_is_named(tmp_path, text, problem):
     path.write_text(text)
     with pytest.raises(InputError, match=problem):
         read_metrics(path)
+
+
+def test_a_binary_file_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n\xff\xfe')
+    with pytest.raises(InputError, match="is not UTF-8 text"):
+        read_metrics(path)

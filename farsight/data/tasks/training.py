@@ -52,6 +52,18 @@ class NeedleBatchConfig(ConfigBase):
             require(steps == sorted(steps) and steps[0] == 0, "data.curriculum must be [[0, len0], [step1, len1], ...] with increasing steps")
             require(all(16 <= int(n) <= self.seq_len for _, n in self.curriculum), "data.curriculum lengths must be in [16, seq_len]")
 
+    def describe(self, steps: int | None = None) -> str:
+        """One line for a model card: tasks, haystacks and the lengths reached in `steps` steps."""
+        tasks = ", ".join(f"{name} {weight:g}" for name, weight in self.mix.items()) if self.mix else self.task
+        options = "; ".join(f"{name} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for name, opts in self.task_options.items())
+        haystack = f"text of `{self.corpus}`" if self.filler == "corpus" else "repeated filler text"
+        reached = [int(n) for start, n in self.curriculum if steps is None or int(start) < steps] if self.curriculum else [self.seq_len]
+        text = f"needle tasks ({tasks}{'; ' + options if options else ''}) in haystacks of {haystack}, "
+        text += f"lengths {' → '.join(f'{n:,}' for n in reached)} tokens, answer tokens weighted {self.answer_weight:g}x"
+        text += f", {self.lm_fraction:.0%} plain-text rows" if self.lm_fraction else ""
+        where = {None: "at chunk boundaries", 1: "at any offset"}.get(self.align, f"at multiples of {self.align} tokens")
+        return text + f", question {where}"
+
     def length_at(self, step: int) -> int:
         if not self.curriculum:
             return self.seq_len
