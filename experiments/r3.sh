@@ -23,4 +23,6 @@ $F eval ppl --model runs/lm-drt --model runs/lm-drt-g2 --model runs/lm-baselm --
     --lengths 4k,8k,16k,32k,64k "${PPL[@]}" --windows 8 --window-length 64k --out "$OUT/lm-ppl-documents.json" \
     --plot "$FIG/r3-lm-ppl-documents.png"
 $F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k "${PPL[@]}" --out "$OUT/lm-ppl-causal.json"
-$F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/lm-models.json"
+$F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/lm-models.json" \
+    --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" --plot "$FIG/r3-lm-loss.png" \
+    --title "pre-training: 52M byte tokens, 4K windows, same order"
