@@ -103,6 +103,22 @@ def test_training_batches_follow_the_curriculum_and_weight_answers():
     assert source.eval_batch(0)["input_ids"].shape[1] == 256
 
 
+@pytest.mark.parametrize("align, offsets", [(None, {0}), (32, {0}), (8, {0, 8, 16, 24}), (1, set(range(32)))])
+def test_training_questions_end_at_every_offset_that_align_allows(align, offsets):
+    """The question's end (where " is" and the answer start) falls at each multiple of `align`
+    within a 32-token chunk across the batches, not at one offset set by the length."""
+    cfg = NeedleBatchConfig(filler="repeat", seq_len=256, batch_tokens=256 * 64, answer_weight=10.0, align=align)
+    source = NeedleBatches(cfg, seed=0, model={"chunk_size": 32})
+    seen = set()
+    for step in range(4):
+        weights = source.train_batch(step, 0, 0)["loss_weights"]
+        first_answer = (weights == 10).float().argmax(1)  # [rows]: the answer's first token
+        seen |= {int(i) % 32 for i in first_answer - len(TOK.encode(" is"))}
+    assert seen == offsets
+    with pytest.raises(Exception, match="shift must be >= 0"):
+        make_task("passkey", TOK, RepeatedFiller(TOK), 1).sample(256, 0.5, rng(), shift=-1)
+
+
 @pytest.mark.parametrize("task", ["passkey", "multikey", "niah2hop"])
 def test_evidence_spans_point_at_what_the_answer_copies(task):
     s = make_task(task, TOK, RepeatedFiller(TOK), 32).sample(3000, 0.4, rng(5))

@@ -116,17 +116,22 @@ class NeedleTask:
     def draw(self, rng: np.random.Generator) -> Draw:
         raise NotImplementedError
 
-    def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
-        """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the haystack."""
+    def sample(self, length: int, depth: float, rng: np.random.Generator, shift: int = 0) -> NeedleSample:
+        """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the
+        haystack. `shift` moves that many filler tokens from before the question to after the
+        answer, so the question ends at another offset within a chunk: without it, every sample of
+        one length puts the question at the same offset (training draws it at random)."""
         if not 0.0 <= depth <= 1.0:
             raise InputError(f"depth must be in [0, 1], got {depth}")
+        if shift < 0:
+            raise InputError(f"shift must be >= 0, got {shift}")
         draw = self.draw(rng)
         needles, head, answer = draw.needles, draw.head, draw.answer
         is_ = self.encode(" is")
         end = self.encode(".")
         tail_len = len(is_) + len(answer) + len(end)
-        prefix = length - tail_len
-        prefix -= prefix % self.align  # the question head ends on a chunk boundary
+        prefix = length - tail_len - shift
+        prefix -= prefix % self.align  # the question head ends on a multiple of `align`
         haystack = prefix - len(head)
         needed = sum(len(n) for n in needles)
         if haystack < needed:

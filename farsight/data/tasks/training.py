@@ -86,7 +86,12 @@ class NeedleBatches:
             self.tokenizer = load_token_dataset(config.corpus, "train").tokenizer
         else:
             self.tokenizer = load_tokenizer("byte")
-        align = config.align or int((model or {}).get("chunk_size", 1))
+        chunk = int((model or {}).get("chunk_size", 1))
+        align = config.align or chunk
+        # questions at multiples of `align` inside a chunk: each sample draws its offset, else every
+        # sample of one length would end its question at the same offset and the model would learn
+        # retrieval for that offset only (DRT x2 did)
+        self.offsets = chunk // align if align < chunk else 1
         names = list(config.mix) if config.mix else [config.task]
         weights = np.asarray([config.mix[n] for n in names] if config.mix else [1.0])
         self.weights = weights / weights.sum()
@@ -105,7 +110,8 @@ class NeedleBatches:
                 ids[i] = tasks[0].filler.take(length, rng)
                 continue
             task = tasks[int(rng.choice(len(tasks), p=self.weights))]
-            sample = task.sample(length, float(rng.random()), rng)
+            shift = self.config.align * int(rng.integers(0, self.offsets)) if self.offsets > 1 else 0
+            sample = task.sample(length, float(rng.random()), rng, shift)
             ids[i] = sample.input_ids
             weights[i] = sample.loss_weights(self.config.answer_weight)
         ids_t = torch.from_numpy(ids)
