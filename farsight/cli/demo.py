@@ -28,6 +28,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--corpus", default="data/stdlib-byte", help="prepared byte-level corpus for the haystacks (made if missing)")
     add_needle_grid_arguments(demo, lengths="1k,4k,16k,64k,256k,1m", trials=2, long_trials=1)
     demo.add_argument("--batch-size", type=int, default=2)
+    demo.add_argument(
+        "--align", type=int, default=1, help="the question ends on a multiple of this (default 1: each trial's question at its own "
+        "offset within a chunk, unpadded; the chunk size pads each prompt to a chunk boundary, the paper's setup)"
+    )
     add_memory_argument(demo)
     add_dtype_argument(demo)
     demo.add_argument("--seed", type=int, default=0)
@@ -47,7 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     check_output_folder(args.out, "--out")
-    check_at_least(args, {"--batch-size": 1})
+    check_at_least(args, {"--batch-size": 1, "--align": 1})
     lengths, depths, trials = needle_grid(args)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     if not isinstance(model, DRTForCausalLM):
@@ -58,11 +62,12 @@ def _demo(args: argparse.Namespace) -> int:
 
         print(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
         prepare_corpus(["stdlib"], tokenizer, corpus)
-    task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), model.config.chunk_size)
+    task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), args.align)
+    where = "padded to chunk boundaries" if args.align >= model.config.chunk_size else f"at any multiple of {args.align} within a chunk"
     print(
         f"passkey retrieval with {args.model} ({model.num_parameters() / 1e6:.2f}M parameters), "
         f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}, "
-        f"chunk size {model.config.chunk_size}"
+        f"chunk size {model.config.chunk_size}, questions {where}"
     )
     summary = evaluate_needle_task(
         model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, kv_dtype=args.kv_dtype, batch_size=args.batch_size

@@ -121,7 +121,8 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--filler", choices=["corpus", "repeat"], default="corpus", help="haystack text")
     needle.add_argument("--corpus", default="data/stdlib-byte", help="prepared dataset for corpus filler")
     needle.add_argument("--split", default="val", help="split of --corpus used as filler (default: held-out val)")
-    needle.add_argument("--align", type=int, default=None, help="chunk alignment of the question (default: the model's chunk size)")
+    needle.add_argument("--align", type=int, default=None, help="the question ends on a multiple of this (default: the model's chunk size, where the session pads it to a chunk boundary; "
+        "below the chunk size each trial's question sits at its own offset, unpadded)")
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
     add_dtype_argument(needle)

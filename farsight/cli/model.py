@@ -61,17 +61,19 @@ def _export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from farsight.errors import InputError
-    from farsight.models import export_model, load_model
+    from farsight.models import export_model
 
     if args.results and not args.card:
         raise InputError("--results goes into the model card; add --card")
     out = Path(args.out)
     readme = None
     if args.card:
+        from functools import partial
+
         from farsight.eval.card import model_card
 
-        name = out.resolve().name
-        readme = model_card(args.source, load_model(args.source), name, args.results, weights_dtype=args.dtype, exported_to=out)
+        # written from the source model that export_model loads to verify it
+        readme = partial(model_card, args.source, name=out.resolve().name, results=args.results, weights_dtype=args.dtype, exported_to=out)
     source = export_model(args.source, out, args.dtype, readme)
     print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if readme else ""))
     return 0

@@ -40,7 +40,8 @@ def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
     )
     ruler.add_argument("--corpus", default=None, help="prepared dataset for real-text haystacks (farsight data prepare)")
     ruler.add_argument("--split", default="val", help="split of --corpus used as haystack (default: held-out val)")
-    ruler.add_argument("--align", type=int, default=None, help="chunk alignment of the question (default: the model's chunk size; 1 with --export)")
+    ruler.add_argument("--align", type=int, default=None, help="the question ends on a multiple of this (default: the model's chunk size; 1 with --export; "
+        "below the chunk size each trial's question sits at its own offset, unpadded)")
     ruler.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(ruler)
     add_dtype_argument(ruler)

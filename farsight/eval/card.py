@@ -107,9 +107,13 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
         if model is not None and Path(model).resolve() not in names:
             raise InputError(f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}")
         haystack = f"text of {results.get('corpus')} ({results.get('split')} split)" if results.get("filler", "corpus") == "corpus" else "repeated filler text"
-        align = results.get("align")
-        where = "at any offset" if align == 1 else f"at multiples of {align} tokens" if align else "at chunk boundaries"
-        head = f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}, question {where}, run in {results.get('dtype')}."
+        # files from before question_offsets was recorded were all measured with the prompt padded to a chunk boundary
+        offsets = results.get("question_offsets", "chunk boundary")
+        where = {
+            "chunk boundary": "question padded to end on a chunk boundary",
+            "no chunks": "question wherever the sample puts it (the model has no chunks)",
+        }.get(offsets, f"question at {offsets}")
+        head = f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}, {where}, run in {results.get('dtype')}."
         return [head, "", results_table(results, markdown=True), ""]
     if isinstance(results.get("results"), dict) and all(_is_ppl_entry(e) for e in results["results"].values()):
         lines = []

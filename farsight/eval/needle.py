@@ -74,6 +74,23 @@ def trial_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random
     return np.random.default_rng([seed, length, depth_index, trial])
 
 
+def offset_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random.Generator:
+    """The generator of a trial's question offset: apart from trial_rng, so that an unaligned
+    trial has the aligned trial's needles."""
+    return np.random.default_rng([seed, length, depth_index, trial, 1])
+
+
+def question_offsets(model: Any, task: NeedleTask) -> int:
+    """How many offsets within a chunk a question may end at: 1 (a chunk boundary, where the
+    session pads the prompt to) unless the task's `align` is below the model's chunk size."""
+    chunk = getattr(model.config, "chunk_size", None)
+    if chunk is None or task.align >= chunk:
+        return 1
+    if chunk % task.align:
+        raise InputError(f"align {task.align} does not divide the model's chunk size {chunk}; pass a divisor of {chunk}, e.g. 1")
+    return chunk // task.align
+
+
 def evaluate_needle_task(
     model: Any,
     task: NeedleTask,
@@ -93,6 +110,12 @@ def evaluate_needle_task(
     each length to its own number of trials (long contexts cost more). For DRT,
     `retrieved_needle` says whether the answer chunk's retrieval held every chunk of the evidence
     (the passkey digits; both links of a 2-hop chain).
+
+    Question offsets: with the task's `align` at the model's chunk size (or a model without
+    chunks) the session pads each prompt so that its question ends on a chunk boundary, the
+    paper's setup. With `align` below the chunk size the prompt is fed as it is, and each trial's
+    question ends at a random multiple of `align` within its chunk (with the needles of the
+    aligned grid), so the grid tests that answers do not depend on where the landmarks fall.
     """
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
@@ -103,11 +126,15 @@ def evaluate_needle_task(
     total = sum(length * per_length[length] for length in lengths) * len(depths)
     bar = tqdm(total=total, disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True, desc=task.name)
     device = next(model.parameters()).device
+    offsets = question_offsets(model, task)
     seconds: dict[int, float] = defaultdict(float)
     for length in lengths:
         for di, depth in enumerate(depths):
             bar.set_postfix(length=format_length(length), depth=depth)
-            samples = [task.sample(length, depth, trial_rng(seed, length, di, t)) for t in range(per_length[length])]
+            samples = [
+                task.sample(length, depth, trial_rng(seed, length, di, t), task.align * int(offset_rng(seed, length, di, t).integers(offsets)))
+                for t in range(per_length[length])
+            ]
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)
             for i, s in enumerate(samples):
                 groups[(len(s.question), len(s.prompt), s.answer_length)].append(i)
@@ -127,6 +154,7 @@ def evaluate_needle_task(
                             answer_len,
                             on_tokens=lambda n: bar.update(n * len(batch)),
                             lead_in=prompt[:, question:],
+                            aligned=offsets == 1,
                         )
                         predicted = predicted.cpu().numpy()
                         retrieved = session.retrieved_chunks()
@@ -150,7 +178,12 @@ def evaluate_needle_task(
                         )
                     bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
     bar.close()
-    return summarize(results, task.name, seconds)
+    summary = summarize(results, task.name, seconds)
+    if offsets > 1:
+        summary["question_offsets"] = f"any multiple of {task.align} within a chunk"
+    else:
+        summary["question_offsets"] = "chunk boundary" if getattr(model.config, "chunk_size", None) else "no chunks"
+    return summary
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> list[float]:

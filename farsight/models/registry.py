@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from farsight.config import ConfigError
 from farsight.data.tokenizers import TOKENIZER_FILENAME
@@ -53,14 +55,23 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return MODEL_TYPES[meta["model_type"]].from_pretrained(path, map_location)
 
 
-def export_model(source: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None, readme: str | None = None) -> Path:
+def export_model(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: str | None = None,
+    readme: str | Callable[[nn.Module], str] | None = None,
+) -> Path:
     """Write the model of `source` (a model directory, or a run's newest checkpoint) to the model
     directory `out`: config, weights (cast to `dtype`, e.g. "bf16", if given), tokenizer, README.md
-    (if given) and a new checksums.json. The copy is built beside `out` and loaded to verify it
-    before it replaces `out`, so a failed export leaves `out` as it was; an existing `out` must be
-    a model directory or empty. Returns the model directory exported."""
+    (if given: its text, or a function of the loaded source model that writes it, so a model card
+    reuses the load that verifies the source) and a new checksums.json. The copy is built beside
+    `out` and loaded to verify it before it replaces `out`, so a failed export leaves `out` as it
+    was; an existing `out` must be a model directory or empty. Returns the model directory exported."""
     source, out = resolve_model_dir(source), Path(out)
-    load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
+    model = load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
+    if callable(readme):
+        readme = readme(model)
+    del model
     if out.exists() and not (out / CONFIG_FILE).is_file() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{out} exists and is not a model directory; export to a new or empty directory")
     recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}

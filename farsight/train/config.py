@@ -1,4 +1,5 @@
-"""Training configuration: a YAML file with sections model / data / optim / train, plus --set overrides."""
+"""Training configuration: a YAML file with sections model / data / optim / train, plus --set
+overrides; `base: other.yaml` starts from another config and changes only what the file names."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from farsight.config import ConfigBase, ConfigError, require
 from farsight.errors import MissingFileError
 
 SECTIONS = ("model", "data", "optim", "train")
+BASE_KEY = "base"
 
 
 class _Loader(yaml.SafeLoader):
@@ -151,11 +153,39 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    path = Path(path)
+def merge_config(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` laid over it: mappings merge key by key, anything else (numbers,
+    strings, lists) is replaced whole."""
+    merged = dict(base)
+    for key, value in changes.items():
+        merged[key] = merge_config(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The raw mapping of the config at `path`, with its `base:` chain resolved (a base path is
+    relative to the file that names it)."""
     if not path.is_file():
+        if chain:
+            raise MissingFileError(f"{chain[-1]}: its base {path} does not exist; fix the base path (relative to {chain[-1].parent})")
         raise MissingFileError(f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train")
     raw = _parse_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(raw, dict) or BASE_KEY not in raw:
+        return raw
+    base = raw.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in chain or base_path == path.resolve():
+        raise ConfigError(f"{path}: base {base} leads back to {base_path.name}; a config cannot be its own base")
+    inherited = read_config_file(base_path, (*chain, path.resolve()))
+    if not isinstance(inherited, dict):
+        raise ConfigError(f"{path}: its base {base} is not a mapping with sections model, data, optim, train")
+    return merge_config(inherited, raw)
+
+
+def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    raw = read_config_file(Path(path))
     return TrainConfig.from_dict(apply_overrides(raw, overrides or []))
 
 
@@ -165,4 +195,4 @@ def dump_train_config(config: TrainConfig, path: Path) -> None:
     write_text_atomically(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
-__all__ = ["PRECISIONS", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config"]
+__all__ = ["PRECISIONS", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config", "merge_config"]

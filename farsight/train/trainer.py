@@ -430,6 +430,12 @@ class Trainer:
             print(f"starting over: removing {self.ckpt_root}")
             shutil.rmtree(self.ckpt_root)
         dist_utils.barrier(self.ctx)
+        found = list_checkpoints(self.ckpt_root) if resume else []
+        if found and found[-1][0] > run.steps:
+            # a run continued past its config's steps (--set train.steps=N): leave it and its config.yaml as they are
+            if self.ctx.is_main:
+                print(f"{self.out_dir} is at step {found[-1][0]}, past train.steps={run.steps}: nothing to train")
+            return TrainResult(status="completed", step=found[-1][0], checkpoint=found[-1][1])
         resumed = resume and self.resume(allow_config_change)
         if self.ctx.is_main:
             dump_train_config(self.config, self.out_dir / "config.yaml")

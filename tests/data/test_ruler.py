@@ -48,6 +48,15 @@ def test_every_task_has_the_exact_length_an_aligned_question_and_stable_text(tok
         context = text(tokenizer, s.prompt)
         assert all(r in context for r in s.info["references"]) or task.name == "cwe" or task.name == "fwe"
 
+def test_a_shift_moves_the_question_and_keeps_the_length():
+    task = make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise")[0]
+    plain, shifted = task.sample(1024, 0.5, rng()), task.sample(1024, 0.5, rng(), shift=5)
+    assert len(shifted.input_ids) == 1024 and shifted.answer_start == plain.answer_start - 5
+    assert text(BYTE, shifted.answer) == text(BYTE, plain.answer)
+    with pytest.raises(InputError, match="shift must be >= 0"):
+        task.sample(1024, 0.5, rng(), shift=-1)
+
+
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
 def test_the_needle_sits_at_the_requested_depth(depth):

@@ -86,6 +86,9 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
     # the curriculum's 1K stage starts at step 100, after the 20 steps trained; answer weight: the default
     assert "needle tasks (passkey 2, multikey 1) in haystacks of text of `data/lm-byte`, lengths 128 → 512 tokens, answer tokens weighted 10x" in card
     assert "| 1K | 50 | 98 | 90-100 | 100 | 100 | 1.5 |" in card
+    assert "haystacks of text of data/lm-byte (val split), question padded to end on a chunk boundary, run in bf16" in card  # no question_offsets: an older file
+    unaligned = write(tmp_path / "u.json", {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk"})
+    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, load_model(ft), "my-drt", [unaligned])
     assert "perplexity of stage 1 (`lm`, before the later stages)" in card and "| 4K | 12 | 1.2000 | 0.0100 |" in card and "9.0000" not in card
     other = write(tmp_path / "o.json", needle_summary("runs/unrelated"))
     with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):

@@ -8,6 +8,7 @@ from farsight.cli import main
 from farsight.data.tasks import RepeatedFiller, make_task
 from farsight.data.tokenizers import load_tokenizer
 from farsight.eval import needle
+from farsight.eval.decoding import greedy_continuation
 from farsight.errors import InputError
 from farsight.eval.needle import (
     TrialResult,
@@ -59,7 +60,7 @@ def test_an_oracle_scores_perfectly_and_a_wrong_model_does_not(monkeypatch):
                 truth[tuple(s.prompt.tolist())] = s.answer
                 assert s.prompt[len(s.question) :].tolist() == list(b" is")
 
-    def oracle(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None):
+    def oracle(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None, aligned=True):
         # the evaluation prefills the question and feeds its " is" as the lead-in
         full = torch.cat([prompt, lead_in], dim=1)
         return torch.tensor(np.stack([truth[tuple(p.tolist())] for p in full]))
@@ -68,7 +69,7 @@ def test_an_oracle_scores_perfectly_and_a_wrong_model_does_not(monkeypatch):
     summary = evaluate_needle_task(model, task, lengths, depths, trials=2, batch_size=2, progress=False)
     assert all(v["exact_match"] == 1.0 and v["trials"] == 4 for v in summary["by_length"].values())
 
-    def off_by_one(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None):
+    def off_by_one(decoder, prompt, steps, on_tokens=None, block=0, lead_in=None, aligned=True):
         out = oracle(decoder, prompt, steps, lead_in=lead_in)
         out[:, -1] = (out[:, -1] + 1) % 256
         return out
@@ -92,6 +93,34 @@ def test_real_decoding_runs_for_drt_and_baselines(kind):
     assert ("needle_retrieved" in row) == (kind == "drt")
     predicted = [t["predicted"] for t in summary["trials"]]
     assert all(len(p) >= 1 for p in predicted)
+
+
+def test_an_align_below_the_chunk_size_asks_each_question_at_its_own_offset_unpadded(monkeypatch):
+    model = tiny_drt()  # chunk size 16
+    calls = []
+
+    def recording(session, prompt, steps, on_tokens=None, block=1 << 16, lead_in=None, aligned=True):
+        out = greedy_continuation(session, prompt, steps, on_tokens, block, lead_in, aligned)
+        calls.append((prompt.shape[1], aligned, session.prompt_offset))
+        # what the prompt's tokens alone give, with no padding in front: the first answer token
+        reference = model(torch.cat([prompt, lead_in], 1)).logits[:, -1].argmax(-1)
+        assert aligned or torch.equal(out[:, 0], reference)
+        return out
+
+    monkeypatch.setattr(needle, "greedy_continuation", recording)
+    unaligned = make_task("passkey", TOK, RepeatedFiller(TOK), align=4)
+    summary = evaluate_needle_task(model, unaligned, [200], [0.0, 1.0], trials=6, progress=False)
+    assert summary["question_offsets"] == "any multiple of 4 within a chunk"
+    assert all(not aligned and offset == 0 for _, aligned, offset in calls)
+    ends = {length % 16 for length, _, _ in calls}
+    assert len(ends) > 1 and ends <= {0, 4, 8, 12}  # the question's head ends on a multiple of align
+    calls.clear()
+    aligned_task = make_task("passkey", TOK, RepeatedFiller(TOK), align=16)
+    summary = evaluate_needle_task(model, aligned_task, [200], [0.0, 1.0], trials=6, progress=False)
+    assert summary["question_offsets"] == "chunk boundary"
+    assert all(aligned and (length + offset) % 16 == 0 for length, aligned, offset in calls)
+    with pytest.raises(InputError, match="align 3 does not divide the model's chunk size 16"):
+        evaluate_needle_task(model, make_task("passkey", TOK, RepeatedFiller(TOK), align=3), [200], [0.0], trials=1, progress=False)
 
 
 def test_trials_per_length():

@@ -53,7 +53,7 @@ def _oracle(tasks, lengths, depths, trials, transform):
                     s = task.sample(length, depth, needle.trial_rng(task_seed(0, task.name), length, di, t))
                     truth[tuple(s.prompt.tolist())] = transform(s.answer)
 
-    def continuation(session, prompt, steps, on_tokens=None, block=0, lead_in=None):
+    def continuation(session, prompt, steps, on_tokens=None, block=0, lead_in=None, aligned=True):
         full = torch.cat([prompt, lead_in], dim=1)
         return torch.tensor(np.stack([truth[tuple(p.tolist())] for p in full]))
 

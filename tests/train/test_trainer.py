@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from farsight.config import ConfigError
+from farsight.errors import MissingFileError
 from farsight.models import load_model
 from farsight.train.checkpoint import CheckpointError, list_checkpoints
 from farsight.train.config import TrainConfig, apply_overrides, load_train_config
@@ -145,6 +146,18 @@ def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
         train(tiny_config(token_dir, tmp_path / "c", steps=4))
 
 
+def test_a_run_continued_past_its_configs_steps_is_left_as_it_is(token_dir, tmp_path, capsys):
+    train(tiny_config(token_dir, tmp_path / "r", steps=2))
+    train(tiny_config(token_dir, tmp_path / "r", steps=4))  # continued, as with --set train.steps=4
+    recorded = (tmp_path / "r" / "config.yaml").read_text()
+    metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
+    result = train(tiny_config(token_dir, tmp_path / "r", steps=2))  # the config as written, run again
+    assert (result.status, result.step, result.checkpoint.name) == ("completed", 4, "step_00000004")
+    assert "is at step 4, past train.steps=2: nothing to train" in capsys.readouterr().out
+    assert (tmp_path / "r" / "config.yaml").read_text() == recorded and "steps: 4" in recorded
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics
+
+
 def test_resume_refuses_another_model(token_dir, tmp_path):
     train(tiny_config(token_dir, tmp_path / "m", steps=1))
     config = tiny_config(token_dir, tmp_path / "m", steps=2)
@@ -188,6 +201,33 @@ def test_config_file_and_overrides(tmp_path, token_dir):
         apply_overrides({}, ["steps=3"])
     with pytest.raises(ConfigError, match="optim.lr must be > 0"):
         load_train_config(path, ["optim.lr=0"])
+
+
+def test_a_config_with_a_base_changes_only_what_it_names(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "model: {type: drt, d_model: 32, chunk_size: 8}\ndata: {path: d, curriculum: [[0, 64], [5, 128]]}\n"
+        "optim: {lr: 0.01}\ntrain: {steps: 5, out_dir: runs/a}\n"
+    )
+    (tmp_path / "sub").mkdir()
+    child = tmp_path / "sub" / "child.yaml"
+    child.write_text("base: ../base.yaml\nmodel: {gumbel: false}\ndata: {curriculum: [[0, 32]]}\ntrain: {out_dir: runs/b}\n")
+    grandchild = tmp_path / "sub" / "grandchild.yaml"
+    grandchild.write_text("base: child.yaml\noptim: {warmup_steps: 3}\n")
+    config = load_train_config(grandchild, ["train.steps=9"])
+    assert config.model == {"type": "drt", "d_model": 32, "chunk_size": 8, "gumbel": False}
+    assert config.data == {"path": "d", "curriculum": [[0, 32]]}  # a list is replaced, not merged
+    assert (config.optim.lr, config.optim.warmup_steps) == (0.01, 3)
+    assert (config.train.steps, config.train.out_dir) == (9, "runs/b")
+    (tmp_path / "loop.yaml").write_text("base: sub/loop2.yaml\n")
+    (tmp_path / "sub" / "loop2.yaml").write_text("base: ../loop.yaml\n")
+    with pytest.raises(ConfigError, match="leads back to loop.yaml; a config cannot be its own base"):
+        load_train_config(tmp_path / "loop.yaml")
+    child.write_text("base: missing.yaml\n")
+    with pytest.raises(MissingFileError, match="child.yaml: its base .*missing.yaml does not exist; fix the base path"):
+        load_train_config(child)
+    child.write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="base must be the path of another config file"):
+        load_train_config(child)
 
 
 def test_sigterm_from_outside_saves_and_exits(token_dir, tmp_path):

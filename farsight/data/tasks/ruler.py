@@ -114,15 +114,19 @@ class RulerTask(NeedleTask):
     def draw(self, rng: np.random.Generator) -> RulerDraw:
         raise NotImplementedError
 
-    def sample(self, length: int, depth: float, rng: np.random.Generator) -> NeedleSample:
-        """A sample of exactly `length` tokens; the (first) asked needle at `depth` in [0, 1] of the context."""
+    def sample(self, length: int, depth: float, rng: np.random.Generator, shift: int = 0) -> NeedleSample:
+        """A sample of exactly `length` tokens; the (first) asked needle at `depth` in [0, 1] of the
+        context. `shift` moves that many tokens from before the question to after the answer, as in
+        NeedleTask.sample."""
         if not 0.0 <= depth <= 1.0:
             raise InputError(f"depth must be in [0, 1], got {depth}")
+        if shift < 0:
+            raise InputError(f"shift must be >= 0, got {shift}")
         draw = self.draw(rng)
         end = self.encode(".")
         tail = len(draw.link) + len(draw.answer) + len(end)
-        prefix = length - tail
-        prefix -= prefix % self.align  # the question ends on a chunk boundary
+        prefix = length - tail - shift
+        prefix -= prefix % self.align  # the question ends on a multiple of `align`
         budget = prefix - len(draw.intro) - len(draw.question)
         shortest = self.shortest_context(draw)
         if budget < shortest:
