@@ -45,7 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.efficiency import write_json
-    from farsight.eval.needle import evaluate_needle_task, format_length, results_table
+    from farsight.eval.needle import evaluate_needle_task, format_length, question_offsets_label, results_table
     from farsight.eval.plots import needle_heatmap
     from farsight.models import DRTForCausalLM
 
@@ -63,11 +63,10 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
         prepare_corpus(["stdlib"], tokenizer, corpus)
     task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), args.align)
-    where = "padded to chunk boundaries" if args.align >= model.config.chunk_size else f"at any multiple of {args.align} within a chunk"
     print(
         f"passkey retrieval with {args.model} ({model.num_parameters() / 1e6:.2f}M parameters), "
         f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}, "
-        f"chunk size {model.config.chunk_size}, questions {where}"
+        f"chunk size {model.config.chunk_size}, questions ending at: {question_offsets_label(model, task)}"
     )
     summary = evaluate_needle_task(
         model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, kv_dtype=args.kv_dtype, batch_size=args.batch_size

@@ -91,6 +91,14 @@ def question_offsets(model: Any, task: NeedleTask) -> int:
     return chunk // task.align
 
 
+def question_offsets_label(model: Any, task: NeedleTask) -> str:
+    """Where the grid's questions end, as results files record it: "chunk boundary" (padded),
+    "any multiple of A within a chunk" (unpadded) or "no chunks"."""
+    if question_offsets(model, task) > 1:
+        return f"any multiple of {task.align} within a chunk"
+    return "chunk boundary" if getattr(model.config, "chunk_size", None) else "no chunks"
+
+
 def evaluate_needle_task(
     model: Any,
     task: NeedleTask,
@@ -179,10 +187,7 @@ def evaluate_needle_task(
                     bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
     bar.close()
     summary = summarize(results, task.name, seconds)
-    if offsets > 1:
-        summary["question_offsets"] = f"any multiple of {task.align} within a chunk"
-    else:
-        summary["question_offsets"] = "chunk boundary" if getattr(model.config, "chunk_size", None) else "no chunks"
+    summary["question_offsets"] = question_offsets_label(model, task)
     return summary
 
 

@@ -123,6 +123,22 @@ def test_an_align_below_the_chunk_size_asks_each_question_at_its_own_offset_unpa
         evaluate_needle_task(model, make_task("passkey", TOK, RepeatedFiller(TOK), align=3), [200], [0.0], trials=1, progress=False)
 
 
+@pytest.mark.parametrize("mode", ["autocast-bf16", "bf16"])
+def test_an_unpadded_question_matches_the_forward_in_bf16(mode):
+    model = tiny_drt()
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    prompt = torch.randint(0, 256, (2, 93))  # 93 = 5 chunks of 16 + 13: the question ends mid-chunk
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast-bf16")
+    with autocast, torch.no_grad(), model.new_session(batch_size=2) as session:
+        predicted = greedy_continuation(session, prompt[:, :90], 1, lead_in=prompt[:, 90:], aligned=False)
+        full = model(prompt).logits[:, -1].float()
+    assert session.prompt_offset == 0
+    # the answer is the forward's argmax, unless the two best logits are within bf16 rounding
+    best = full.gather(1, predicted)[:, 0]
+    assert torch.all(best >= full.max(-1).values - 0.05 * full.abs().max())
+
+
 def test_trials_per_length():
     assert trials_per_length([1024, 1 << 16, 1 << 20], 10) == {1024: 10, 1 << 16: 10, 1 << 20: 10}
     assert trials_per_length([1024, 1 << 16, 1 << 20], 10, 4) == {1024: 10, 1 << 16: 10, 1 << 20: 4}
