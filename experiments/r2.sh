@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # R2 (issue 18): multi-key and 2-hop NIAH (with distractor chains) vs context length, DRT x2 vs
 # DRT x1 vs the baselines, each fine-tuned from its R1 passkey model (`make r1`) on the task mix of
-# configs/lm-*-niah.yaml (passkey, multi-key, 2-hop, 25% plain text; 512 -> 4K tokens, 5.2M tokens).
-# Run from the repository root: `make r2`.
+# configs/lm-*-niah.yaml (passkey 2 : multi-key 1 : 2-hop 1, lengths 256 -> 1K, answer weight 1000,
+# 5.2M tokens). Run from the repository root: `make r2`. Not yet run end to end: docs/results.md
+# reports DRT x1's stage 2 on 12 samples per length, where neither task is learnt.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r2

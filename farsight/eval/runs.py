@@ -12,9 +12,12 @@ from farsight.train.metrics import read_metrics
 
 
 def architecture(config: Any) -> str:
-    """A short description of a model config, e.g. 'DRT x2, window 64, top-4, 4 layers'."""
+    """A short description of a model config, e.g. 'DRT x2, window 64, top-4, 4 layers'; a DRT
+    that departs from the paper's retriever (SPEC 2.3: the R4 ablations) says how."""
     if hasattr(config, "groups"):
         text = f"DRT x{config.groups}, window {config.window}, top-{config.top_k}"
+        text += ", random retriever" if config.retriever == "random" else "" if config.gumbel else ", no Gumbel"
+        text += "" if config.softmax_one else ", plain softmax"
     else:
         text = config.attention + (f" {config.window}" if config.window else "")
         text += f", {config.position}" if config.position else ""

@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +92,25 @@ def test_too_short_is_a_clear_error():
         make_task("niah2hop", TOK, RepeatedFiller(TOK), 64).sample(64, 0.5, rng())
     with pytest.raises(ValueError, match="unknown task"):
         make_task("haystack", TOK, RepeatedFiller(TOK))
+
+
+def test_too_short_counts_the_shift_of_the_question():
+    """The stated minimum is one that works for the same shift, and it is above a length that
+    only fits without the shift."""
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), 1)
+    shortest = next(n for n in range(8, 400) if _fits(task, n, 0))
+    with pytest.raises(ValueError, match="question 16 tokens earlier") as error:
+        task.sample(shortest, 0.5, rng(), shift=16)
+    needed = int(re.search(r"at least (\d+) tokens", str(error.value)).group(1))
+    assert needed > shortest and _fits(task, needed, 16) and not _fits(task, needed - 1, 16)
+
+
+def _fits(task, length, shift):
+    try:
+        task.sample(length, 0.5, rng(), shift=shift)
+    except ValueError:
+        return False
+    return True
 
 
 def test_training_batches_follow_the_curriculum_and_weight_answers():

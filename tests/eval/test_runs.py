@@ -5,7 +5,7 @@ import pytest
 from farsight.cli import main
 from farsight.errors import MissingFileError
 from farsight.eval.plots import loss_curve_points
-from farsight.eval.runs import summarize_run
+from farsight.eval.runs import architecture, summarize_run
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
 
@@ -31,6 +31,14 @@ def test_summary_reads_the_model_and_the_training_record(tmp_path):
     assert (row["steps"], row["tokens"], row["train_loss"], row["val_loss"]) == (40, 4000, 2.5, 2.7)
     # 2000 tokens at 1000/s, then 2000 at 500/s: 6 s in all
     assert row["train_hours"] == pytest.approx(6 / 3600) and row["tokens_per_s"] == pytest.approx(4000 / 6)
+
+
+def test_a_drt_ablation_is_named_in_its_architecture():
+    base = dict(vocab_size=260, d_model=32, n_layers=4, n_heads=2, chunk_size=8, window=16, top_k=2, encoder_layers=1)
+    assert architecture(DRTConfig(**base)) == "DRT x1, window 16, top-2, 4 layers"
+    assert architecture(DRTConfig(**base, gumbel=False)) == "DRT x1, window 16, top-2, no Gumbel, 4 layers"
+    assert architecture(DRTConfig(**base, retriever="random")) == "DRT x1, window 16, top-2, random retriever, 4 layers"
+    assert architecture(DRTConfig(**base, softmax_one=False)) == "DRT x1, window 16, top-2, plain softmax, 4 layers"
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):

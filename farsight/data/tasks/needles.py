@@ -135,8 +135,9 @@ class NeedleTask:
         haystack = prefix - len(head)
         needed = sum(len(n) for n in needles)
         if haystack < needed:
-            shortest = needed + len(head) + tail_len + self.align
-            raise InputError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens")
+            shortest = needed + len(head) + tail_len + shift + self.align - 1
+            moved = f" with the question {shift} tokens earlier" if shift else ""
+            raise InputError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens{moved}")
         filler = self.filler.take(haystack - needed, rng)
         # the first needle (the one asked about) sits at `depth`; any others at random places
         positions = [int(round(depth * len(filler)))]

@@ -130,9 +130,10 @@ class RulerTask(NeedleTask):
         budget = prefix - len(draw.intro) - len(draw.question)
         shortest = self.shortest_context(draw)
         if budget < shortest:
-            needed = shortest + len(draw.intro) + len(draw.question) + tail + self.align - 1
+            needed = shortest + len(draw.intro) + len(draw.question) + tail + shift + self.align - 1
+            moved = f" with the question {shift} tokens earlier" if shift else ""
             raise InputError(
-                f"length {length} is too short for the {self.name} task: it needs at least {needed} tokens here; "
+                f"length {length} is too short for the {self.name} task: it needs at least {needed} tokens here{moved}; "
                 "raise --lengths or lower the task's counts (--task-option)"
             )
         context, placed = self.context(draw, budget, depth, rng)
