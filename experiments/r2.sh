@@ -9,6 +9,21 @@ F=.venv/bin/farsight
 OUT=results/r2
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
+# the multi-key trial of docs/results.md: DRT x2 on two keys per sample, scored with 2 and 4 keys
+# and on the passkey it started from (600 steps; then the same recipe over 1500 steps)
+SMALL=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 4)
+multikey_trial() {  # steps, suffix of the run and its results
+    local run="runs/lm-drt-g2-multikey2$2"
+    $F train configs/lm-drt-g2-multikey2.yaml --no-progress --set train.steps="$1" --set train.out_dir="$run"
+    for keys in 2 4; do
+        $F eval multikey --model "$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=$keys "${SMALL[@]}" \
+            --out "$OUT/lm-multikey$keys-drt-g2$2.json"
+    done
+    $F eval passkey --model "$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-multikey2-drt-g2$2-passkey.json"
+}
+multikey_trial 600 ""
+multikey_trial 1500 "-1500"
+# the full R2 grid (not yet run end to end)
 MODELS=(drt-g2 drt baselm baselm-2l causal)
 LABELS="DRT x2,DRT x1,BaseLM,BaseLM+2L,full attention"
 for model in "${MODELS[@]}"; do
