@@ -44,6 +44,6 @@ $F eval passkey --model runs/lm-causal-passkey --lengths 1k,4k,16k "${GRID[@]}" 
 $F eval compare "$OUT"/lm-{drt,drt-g2,baselm,baselm-2l,causal}.json \
     --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" --plot "$FIG/r1-lm-passkey.png" \
     --title "R1: passkey exact match vs length (pre-trained at 4K, fine-tuned to 1K)" | tee "$OUT/lm-passkey.txt"
-# 16M tokens (16384x the fine-tune length), DRT x2: one trial per depth (about 6 minutes each on a 2-core CPU)
+# 16M tokens (16384x the fine-tune length), DRT x2: one trial per depth (about 8 minutes each on a 2-core CPU)
 $F eval passkey --model runs/lm-drt-g2-passkey --lengths 16m --depths 0.1,0.5,0.9 --trials 1 --memory disk \
     "${COMMON[@]}" --batch-size 1 --out "$OUT/lm-drt-g2-16m.json"

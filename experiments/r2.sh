@@ -9,20 +9,21 @@ F=.venv/bin/farsight
 OUT=results/r2
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
-# the multi-key trial of docs/results.md: DRT x2 on two keys per sample, scored with 2 and 4 keys
-# and on the passkey it started from (600 steps; then the same recipe over 1500 steps)
+# the multi-key trial of docs/results.md: DRT x2 on two keys per sample (600 steps, and the same
+# recipe over 1500), then on four keys; each scored with 2 and 4 keys and on the passkey it started from
 SMALL=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 4)
-multikey_trial() {  # steps, suffix of the run and its results
-    local run="runs/lm-drt-g2-multikey2$2"
-    $F train configs/lm-drt-g2-multikey2.yaml --no-progress --set train.steps="$1" --set train.out_dir="$run"
+for run in drt-g2-multikey2 drt-g2-multikey2-1500 drt-g2-multikey4; do
+    $F train "configs/lm-$run.yaml" --no-progress
+    mkdir -p "$OUT/lm-$run"
     for keys in 2 4; do
-        $F eval multikey --model "$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=$keys "${SMALL[@]}" \
-            --out "$OUT/lm-multikey$keys-drt-g2$2.json"
+        $F eval multikey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=$keys "${SMALL[@]}" \
+            --out "$OUT/lm-$run/multikey$keys.json"
     done
-    $F eval passkey --model "$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-multikey2-drt-g2$2-passkey.json"
-}
-multikey_trial 600 ""
-multikey_trial 1500 "-1500"
+    $F eval passkey --model "runs/lm-$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-$run/passkey.json"
+done
+# the four-key model from 1K to 1M (24 samples per length to 64K, 6 beyond)
+$F eval multikey --model runs/lm-drt-g2-multikey4 --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.5,1 --trials 8 --long-trials 2 \
+    --task-option keys=4 "${SMALL[@]}" --out "$OUT/lm-drt-g2-multikey4/multikey4-1m.json" --plot "$FIG/r2-lm-multikey4-drt-g2.png"
 # the full R2 grid (not yet run end to end)
 MODELS=(drt-g2 drt baselm baselm-2l causal)
 LABELS="DRT x2,DRT x1,BaseLM,BaseLM+2L,full attention"

@@ -16,8 +16,14 @@ def architecture(config: Any) -> str:
     that departs from the paper's retriever (SPEC 2.3: the R4 ablations) says how."""
     if hasattr(config, "groups"):
         text = f"DRT x{config.groups}, window {config.window}, top-{config.top_k}"
-        text += ", random retriever" if config.retriever == "random" else "" if config.gumbel else ", no Gumbel"
-        text += "" if config.softmax_one else ", plain softmax"
+        if config.retriever == "none":
+            text += ", no retrieval"
+        elif config.retriever == "random":
+            text += ", random retriever"  # Gumbel noise does not apply to random picks
+        elif not config.gumbel:
+            text += ", no Gumbel"
+        if not config.softmax_one:
+            text += ", plain softmax"
     else:
         text = config.attention + (f" {config.window}" if config.window else "")
         text += f", {config.position}" if config.position else ""

@@ -169,13 +169,6 @@ def test_bad_input_gets_one_line_errors_naming_the_fix():
     assert ruler_task_names("all") == list(RULER_TASKS)
     with pytest.raises(InputError, match="too short for the niah_multiquery task: it needs at least \\d+ tokens.*raise --lengths"):
         make_ruler_tasks(["niah_multiquery"], BYTE, haystack="noise")[0].sample(300, 0.5, rng())
-    niah = make_ruler_tasks(["niah_single_1"], BYTE, haystack="noise")[0]
-    with pytest.raises(InputError, match="question 40 tokens earlier") as error:
-        niah.sample(120, 0.5, rng(), shift=40)
-    needed = int(re.search(r"at least (\d+) tokens", str(error.value)).group(1))
-    niah.sample(needed, 0.5, rng(), shift=40)
-    with pytest.raises(InputError, match="too short"):
-        niah.sample(needed - 1, 0.5, rng(), shift=40)
     with pytest.raises(InputError, match="too short for the cwe task"):
         make_ruler_tasks(["cwe"], BYTE, haystack="noise")[0].sample(512, 0.5, rng())
     with pytest.raises(InputError, match="real-text haystack.*--corpus DIR.*--haystack noise"):
@@ -190,3 +183,14 @@ def test_bad_input_gets_one_line_errors_naming_the_fix():
         FrequentWordsTask(BYTE, RepeatedFiller(BYTE), alpha=0.5)
     with pytest.raises(InputError, match="common_freq must be a whole number >= 5"):
         CommonWordsTask(BYTE, RepeatedFiller(BYTE), common_freq=4)
+
+
+@pytest.mark.parametrize("align", [1, 32])
+def test_too_short_states_the_exact_minimum_for_the_shift_of_the_question(align):
+    niah = make_ruler_tasks(["niah_single_1"], BYTE, align=align, haystack="noise")[0]
+    with pytest.raises(InputError, match="question 40 tokens earlier") as error:
+        niah.sample(120, 0.5, rng(), shift=40)
+    needed = int(re.search(r"at least (\d+) tokens", str(error.value)).group(1))
+    niah.sample(needed, 0.5, rng(), shift=40)
+    with pytest.raises(InputError, match="too short"):
+        niah.sample(needed - 1, 0.5, rng(), shift=40)

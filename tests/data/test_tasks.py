@@ -7,6 +7,7 @@ import torch
 from farsight.data.tasks import CorpusFiller, RepeatedFiller, make_task
 from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
 from farsight.data.tokenizers import load_tokenizer
+from farsight.errors import InputError
 
 TOK = load_tokenizer("byte")
 
@@ -94,21 +95,22 @@ def test_too_short_is_a_clear_error():
         make_task("haystack", TOK, RepeatedFiller(TOK))
 
 
-def test_too_short_counts_the_shift_of_the_question():
-    """The stated minimum is one that works for the same shift, and it is above a length that
-    only fits without the shift."""
-    task = make_task("passkey", TOK, RepeatedFiller(TOK), 1)
-    shortest = next(n for n in range(8, 400) if _fits(task, n, 0))
-    with pytest.raises(ValueError, match="question 16 tokens earlier") as error:
-        task.sample(shortest, 0.5, rng(), shift=16)
-    needed = int(re.search(r"at least (\d+) tokens", str(error.value)).group(1))
-    assert needed > shortest and _fits(task, needed, 16) and not _fits(task, needed - 1, 16)
+@pytest.mark.parametrize("align", [1, 3, 32])
+def test_too_short_states_the_exact_minimum_for_the_shift_of_the_question(align):
+    """The stated minimum is the shortest length that fits the same shift and alignment."""
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), align)
+    for shift in (0, 16):
+        shortest = next(n for n in range(8, 400) if _fits(task, n, shift))
+        with pytest.raises(InputError, match="question 16 tokens earlier" if shift else "tokens$") as error:
+            task.sample(shortest - 1, 0.5, rng(), shift=shift)
+        assert int(re.search(r"at least (\d+) tokens", str(error.value)).group(1)) == shortest
 
 
 def _fits(task, length, shift):
     try:
         task.sample(length, 0.5, rng(), shift=shift)
-    except ValueError:
+    except InputError as error:
+        assert "too short" in str(error)
         return False
     return True
 

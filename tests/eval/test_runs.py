@@ -39,6 +39,7 @@ def test_a_drt_ablation_is_named_in_its_architecture():
     assert architecture(DRTConfig(**base, gumbel=False)) == "DRT x1, window 16, top-2, no Gumbel, 4 layers"
     assert architecture(DRTConfig(**base, retriever="random")) == "DRT x1, window 16, top-2, random retriever, 4 layers"
     assert architecture(DRTConfig(**base, softmax_one=False)) == "DRT x1, window 16, top-2, plain softmax, 4 layers"
+    assert architecture(DRTConfig(**base, retriever="none")) == "DRT x1, window 16, top-2, no retrieval, 4 layers"
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):

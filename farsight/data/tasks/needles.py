@@ -135,7 +135,8 @@ class NeedleTask:
         haystack = prefix - len(head)
         needed = sum(len(n) for n in needles)
         if haystack < needed:
-            shortest = needed + len(head) + tail_len + shift + self.align - 1
+            # the question head must end on a multiple of `align` at or after needles + head
+            shortest = round_up(needed + len(head), self.align) + tail_len + shift
             moved = f" with the question {shift} tokens earlier" if shift else ""
             raise InputError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens{moved}")
         filler = self.filler.take(haystack - needed, rng)
@@ -164,6 +165,11 @@ class NeedleTask:
         return NeedleSample(
             ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix
         )
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n."""
+    return -(-n // multiple) * multiple
 
 
 def whole_option(task: str, option: str, value: Any, minimum: int) -> int:

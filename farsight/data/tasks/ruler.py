@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from farsight.data.tasks.filler import Filler, RepeatedFiller, make_filler
-from farsight.data.tasks.needles import NeedleSample, NeedleTask, whole_option
+from farsight.data.tasks.needles import NeedleSample, NeedleTask, round_up, whole_option
 from farsight.errors import InputError
 
 ANSWER_SEPARATOR = ", "
@@ -130,7 +130,8 @@ class RulerTask(NeedleTask):
         budget = prefix - len(draw.intro) - len(draw.question)
         shortest = self.shortest_context(draw)
         if budget < shortest:
-            needed = shortest + len(draw.intro) + len(draw.question) + tail + shift + self.align - 1
+            # the question must end on a multiple of `align` at or after context + intro + question
+            needed = round_up(shortest + len(draw.intro) + len(draw.question), self.align) + tail + shift
             moved = f" with the question {shift} tokens earlier" if shift else ""
             raise InputError(
                 f"length {length} is too short for the {self.name} task: it needs at least {needed} tokens here{moved}; "
