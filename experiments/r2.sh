@@ -24,17 +24,18 @@ done
 # the four-key model from 1K to 1M (24 samples per length to 64K, 6 beyond)
 $F eval multikey --model runs/lm-drt-g2-multikey4 --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.5,1 --trials 8 --long-trials 2 \
     --task-option keys=4 "${SMALL[@]}" --out "$OUT/lm-drt-g2-multikey4/multikey4-1m.json" --plot "$FIG/r2-lm-multikey4-drt-g2.png"
-# 2-hop after the multi-key curriculum, without distractor chains first
-$F train configs/lm-drt-g2-niah2hop.yaml --no-progress
-mkdir -p "$OUT/lm-drt-g2-niah2hop"
-for distractors in 0 2; do
-    $F eval niah2hop --model runs/lm-drt-g2-niah2hop --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option distractors=$distractors \
-        "${SMALL[@]}" --out "$OUT/lm-drt-g2-niah2hop/niah2hop-distractors$distractors.json"
+# 2-hop after the multi-key curriculum: no distractor chains, then one
+for run in drt-g2-niah2hop drt-g2-niah2hop-d1; do
+    $F train "configs/lm-$run.yaml" --no-progress
+    mkdir -p "$OUT/lm-$run"
+    for distractors in 0 1 2; do
+        $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option distractors=$distractors \
+            "${SMALL[@]}" --out "$OUT/lm-$run/niah2hop-distractors$distractors.json"
+    done
+    $F eval multikey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=4 "${SMALL[@]}" \
+        --out "$OUT/lm-$run/multikey4.json"
+    $F eval passkey --model "runs/lm-$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-$run/passkey.json"
 done
-$F eval multikey --model runs/lm-drt-g2-niah2hop --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=4 "${SMALL[@]}" \
-    --out "$OUT/lm-drt-g2-niah2hop/multikey4.json"
-$F eval passkey --model runs/lm-drt-g2-niah2hop --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" \
-    --out "$OUT/lm-drt-g2-niah2hop/passkey.json"
 # the full R2 grid (not yet run end to end)
 MODELS=(drt-g2 drt baselm baselm-2l causal)
 LABELS="DRT x2,DRT x1,BaseLM,BaseLM+2L,full attention"
