@@ -431,10 +431,12 @@ class Trainer:
             shutil.rmtree(self.ckpt_root)
         dist_utils.barrier(self.ctx)
         found = list_checkpoints(self.ckpt_root) if resume else []
-        if found and found[-1][0] > run.steps:
-            # a run continued past its config's steps (--set train.steps=N): leave it and its config.yaml as they are
+        if found and found[-1][0] >= run.steps:
+            # a finished run, or one continued past its config's steps (--set train.steps=N): leave it and its
+            # config.yaml as they are; its trainer state is not read, so a shipped run may leave it out
             if self.ctx.is_main:
-                print(f"{self.out_dir} is at step {found[-1][0]}, past train.steps={run.steps}: nothing to train")
+                past = f", past train.steps={run.steps}" if found[-1][0] > run.steps else ""
+                print(f"{self.out_dir} is at step {found[-1][0]}{past}: nothing to train")
             return TrainResult(status="completed", step=found[-1][0], checkpoint=found[-1][1])
         resumed = resume and self.resume(allow_config_change)
         if self.ctx.is_main:

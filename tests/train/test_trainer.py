@@ -146,6 +146,16 @@ def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
         train(tiny_config(token_dir, tmp_path / "c", steps=4))
 
 
+def test_a_finished_run_is_left_as_it_is_without_its_trainer_state(token_dir, tmp_path, capsys):
+    train(tiny_config(token_dir, tmp_path / "f", steps=2))
+    last = tmp_path / "f" / "checkpoints" / "step_00000002"
+    (last / "trainer_state.safetensors").unlink()  # as shipped runs are committed: weights only
+    (last / "trainer_state.json").unlink()
+    result = train(tiny_config(token_dir, tmp_path / "f", steps=2))
+    assert (result.status, result.step, result.checkpoint) == ("completed", 2, last)
+    assert "is at step 2: nothing to train" in capsys.readouterr().out
+
+
 def test_a_run_continued_past_its_configs_steps_is_left_as_it_is(token_dir, tmp_path, capsys):
     train(tiny_config(token_dir, tmp_path / "r", steps=2))
     train(tiny_config(token_dir, tmp_path / "r", steps=4))  # continued, as with --set train.steps=4
