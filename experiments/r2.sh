@@ -10,9 +10,10 @@ OUT=results/r2
 FIG=docs/figures
 mkdir -p "$OUT" "$FIG"
 # the multi-key trial of docs/results.md: DRT x2 on two keys per sample (600 steps, and the same
-# recipe over 1500), then on four keys; each scored with 2 and 4 keys and on the passkey it started from
+# recipe over 1500), then on four keys; DRT x1 the same from 1500 steps on; each scored with 2 and 4
+# keys and on the passkey it started from
 SMALL=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 4)
-for run in drt-g2-multikey2 drt-g2-multikey2-1500 drt-g2-multikey4; do
+for run in drt-g2-multikey2 drt-g2-multikey2-1500 drt-g2-multikey4 drt-multikey2-1500 drt-multikey4; do
     $F train "configs/lm-$run.yaml" --no-progress
     mkdir -p "$OUT/lm-$run"
     for keys in 2 4; do
@@ -24,8 +25,8 @@ done
 # the four-key model from 1K to 1M (24 samples per length to 64K, 6 beyond)
 $F eval multikey --model runs/lm-drt-g2-multikey4 --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.5,1 --trials 8 --long-trials 2 \
     --task-option keys=4 "${SMALL[@]}" --out "$OUT/lm-drt-g2-multikey4/multikey4-1m.json" --plot "$FIG/r2-lm-multikey4-drt-g2.png"
-# 2-hop after the multi-key curriculum: no distractor chains, then one
-for run in drt-g2-niah2hop drt-g2-niah2hop-d1; do
+# 2-hop after the multi-key curriculum: no distractor chains, then one; DRT x2, then DRT x1
+for run in drt-g2-niah2hop drt-g2-niah2hop-d1 drt-niah2hop drt-niah2hop-d1; do
     $F train "configs/lm-$run.yaml" --no-progress
     mkdir -p "$OUT/lm-$run"
     for distractors in 0 1 2; do

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # R5 CASTLE vs CASTLE-SWL vs standard causal attention at parameter parity (7 standard heads,
-# 4 CASTLE heads), same data, steps and three seeds each: held-out loss mean and spread
-# (docs/results.md).
+# 4 CASTLE heads), same data, 8.19M tokens and three seeds each: held-out loss mean and spread,
+# and the loss curves (docs/results.md). Seeds outermost, so a partial run compares like with like.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r5
 mkdir -p "$OUT"
 MODELS=()
-for kind in causal castle castle-swl; do
-    for seed in 0 1 2; do
+for seed in 0 1 2; do
+    for kind in causal castle castle-swl; do
         $F train "configs/r5-$kind.yaml" --no-progress --set train.seed=$seed --set "train.out_dir=runs/r5-$kind-s$seed"
         MODELS+=(--model "runs/r5-$kind-s$seed")
     done
 done
-# every model scores the same 256 held-out windows of its training length
-$F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 --windows 256 --batch-size 16 --out "$OUT/loss.json"
+# every model scores the same 1024 held-out windows of its training length
+$F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 --windows 1024 --batch-size 16 --out "$OUT/loss.json"
+RUNS=(runs/r5-causal-s{0,1,2} runs/r5-castle-s{0,1,2} runs/r5-castle-swl-s{0,1,2})
+$F eval runs "${RUNS[@]}" --out "$OUT/runs.json" --plot docs/figures/r5-loss-curves.png \
+    --labels causal,causal,causal,CASTLE,CASTLE,CASTLE,CASTLE-SWL,CASTLE-SWL,CASTLE-SWL \
+    --title "R5: CASTLE vs causal attention, 0.38M parameters, 8.19M tokens, 3 seeds"
 .venv/bin/python - "$OUT/loss.json" <<'PY'
 import json, statistics, sys
 results = json.load(open(sys.argv[1]))["results"]

@@ -91,10 +91,11 @@ def question_offsets(model: Any, task: NeedleTask) -> int:
     return chunk // task.align
 
 
-def question_offsets_label(model: Any, task: NeedleTask) -> str:
+def question_offsets_label(model: Any, task: NeedleTask, offsets: int | None = None) -> str:
     """Where the grid's questions end, as results files record it: "chunk boundary" (padded),
-    "any multiple of A within a chunk" (unpadded) or "no chunks"."""
-    if question_offsets(model, task) > 1:
+    "any multiple of A within a chunk" (unpadded) or "no chunks". `offsets` is
+    question_offsets(model, task) where the caller has it already."""
+    if (question_offsets(model, task) if offsets is None else offsets) > 1:
         return f"any multiple of {task.align} within a chunk"
     return "chunk boundary" if getattr(model.config, "chunk_size", None) else "no chunks"
 
@@ -187,7 +188,7 @@ def evaluate_needle_task(
                     bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
     bar.close()
     summary = summarize(results, task.name, seconds)
-    summary["question_offsets"] = question_offsets_label(model, task)
+    summary["question_offsets"] = question_offsets_label(model, task, offsets)
     return summary
 
 

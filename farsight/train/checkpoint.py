@@ -229,6 +229,12 @@ def verify_checkpoint(path: Path) -> None:
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """The trainer state of checkpoint `path`, read from JSON and safetensors only (never unpickled)."""
+    if not any((path / name).is_file() for name in (STATE_JSON, STATE_TENSORS, LEGACY_STATE_FILE)):
+        # shipped runs keep their weights only: the optimizer state is as large again
+        raise CheckpointError(
+            f"{path} holds model weights only (no trainer state), so its run cannot be resumed; to train on from these "
+            f"weights, start a new run with --set train.init_from={path} and a new train.out_dir"
+        )
     if not (path / STATE_JSON).is_file() and (path / LEGACY_STATE_FILE).is_file():
         raise CheckpointError(
             f"{path} holds its trainer state as a pickle ({LEGACY_STATE_FILE}, written by an older farsight), which could run "

@@ -101,7 +101,7 @@ def test_too_short_states_the_exact_minimum_for_the_shift_of_the_question(align)
     task = make_task("passkey", TOK, RepeatedFiller(TOK), align)
     for shift in (0, 16):
         shortest = next(n for n in range(8, 400) if _fits(task, n, shift))
-        with pytest.raises(InputError, match="question 16 tokens earlier" if shift else "tokens$") as error:
+        with pytest.raises(InputError, match="question 16 tokens earlier" if shift else "tokens; raise --lengths$") as error:
             task.sample(shortest - 1, 0.5, rng(), shift=shift)
         assert int(re.search(r"at least (\d+) tokens", str(error.value)).group(1)) == shortest
 

@@ -156,6 +156,16 @@ def test_a_finished_run_is_left_as_it_is_without_its_trainer_state(token_dir, tm
     assert "is at step 2: nothing to train" in capsys.readouterr().out
 
 
+def test_a_weights_only_run_cannot_be_continued_and_says_how_to_train_on(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "w", steps=2))
+    last = tmp_path / "w" / "checkpoints" / "step_00000002"
+    (last / "trainer_state.safetensors").unlink()
+    (last / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match=f"weights only .*train.init_from={last}"):
+        train(tiny_config(token_dir, tmp_path / "w", steps=4))
+    assert train(tiny_config(token_dir, tmp_path / "w2", steps=1, init_from=str(last))).status == "completed"
+
+
 def test_a_run_continued_past_its_configs_steps_is_left_as_it_is(token_dir, tmp_path, capsys):
     train(tiny_config(token_dir, tmp_path / "r", steps=2))
     train(tiny_config(token_dir, tmp_path / "r", steps=4))  # continued, as with --set train.steps=4

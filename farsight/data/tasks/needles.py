@@ -136,9 +136,7 @@ class NeedleTask:
         needed = sum(len(n) for n in needles)
         if haystack < needed:
             # the question head must end on a multiple of `align` at or after needles + head
-            shortest = round_up(needed + len(head), self.align) + tail_len + shift
-            moved = f" with the question {shift} tokens earlier" if shift else ""
-            raise InputError(f"length {length} is too short for the {self.name} task; it needs at least {shortest} tokens{moved}")
+            raise too_short(self.name, length, round_up(needed + len(head), self.align) + tail_len + shift, shift)
         filler = self.filler.take(haystack - needed, rng)
         # the first needle (the one asked about) sits at `depth`; any others at random places
         positions = [int(round(depth * len(filler)))]
@@ -170,6 +168,12 @@ class NeedleTask:
 def round_up(n: int, multiple: int) -> int:
     """The smallest multiple of `multiple` that is >= n."""
     return -(-n // multiple) * multiple
+
+
+def too_short(task: str, length: int, shortest: int, shift: int, fix: str = "raise --lengths") -> InputError:
+    """The error for a sample length below `shortest`, the exact minimum for this draw and shift."""
+    moved = f" with the question {shift} tokens earlier" if shift else ""
+    return InputError(f"length {length} is too short for the {task} task: it needs at least {shortest} tokens{moved}; {fix}")
 
 
 def whole_option(task: str, option: str, value: Any, minimum: int) -> int:

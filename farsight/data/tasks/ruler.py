@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from farsight.data.tasks.filler import Filler, RepeatedFiller, make_filler
-from farsight.data.tasks.needles import NeedleSample, NeedleTask, round_up, whole_option
+from farsight.data.tasks.needles import NeedleSample, NeedleTask, round_up, too_short, whole_option
 from farsight.errors import InputError
 
 ANSWER_SEPARATOR = ", "
@@ -132,11 +132,7 @@ class RulerTask(NeedleTask):
         if budget < shortest:
             # the question must end on a multiple of `align` at or after context + intro + question
             needed = round_up(shortest + len(draw.intro) + len(draw.question), self.align) + tail + shift
-            moved = f" with the question {shift} tokens earlier" if shift else ""
-            raise InputError(
-                f"length {length} is too short for the {self.name} task: it needs at least {needed} tokens here{moved}; "
-                "raise --lengths or lower the task's counts (--task-option)"
-            )
+            raise too_short(self.name, length, needed, shift, "raise --lengths or lower the task's counts (--task-option)")
         context, placed = self.context(draw, budget, depth, rng)
         assert len(context) == budget
         start = len(draw.intro)
