@@ -18,7 +18,7 @@ $F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 -
 RUNS=(runs/r5-causal-s{0,1,2} runs/r5-castle-s{0,1,2} runs/r5-castle-swl-s{0,1,2})
 $F eval runs "${RUNS[@]}" --out "$OUT/runs.json" --plot docs/figures/r5-loss-curves.png \
     --labels causal,causal,causal,CASTLE,CASTLE,CASTLE,CASTLE-SWL,CASTLE-SWL,CASTLE-SWL \
-    --title "R5: CASTLE vs causal attention, 0.38M parameters, 8.19M tokens, 3 seeds"
+    --title "R5: CASTLE vs causal attention, 0.38M parameters, 8.19M tokens, 3 seeds" --relative-to causal
 .venv/bin/python - "$OUT/loss.json" <<'PY'
 import json, statistics, sys
 results = json.load(open(sys.argv[1]))["results"]
@@ -26,7 +26,11 @@ groups = {}
 for path, out in results.items():
     kind = path.split("r5-", 1)[1].rsplit("-s", 1)[0]
     groups.setdefault(kind, []).append(out["by_length"]["256"]["nll"])
-print("attention    seeds  held-out loss (nats/token)  spread (std)  min     max")
+print("attention    seeds  held-out loss (nats/token)  spread (std)  min     max     minus causal, same seed (mean ± std)")
 for kind, losses in groups.items():
-    print(f"{kind:11s}  {len(losses):5d}  {statistics.mean(losses):26.4f}  {statistics.stdev(losses):12.4f}  {min(losses):.4f}  {max(losses):.4f}")
+    gaps = [x - c for x, c in zip(losses, groups["causal"])]
+    print(
+        f"{kind:11s}  {len(losses):5d}  {statistics.mean(losses):26.4f}  {statistics.stdev(losses):12.4f}  {min(losses):.4f}  {max(losses):.4f}"
+        f"  {statistics.mean(gaps):+.4f} ± {statistics.stdev(gaps):.4f}"
+    )
 PY

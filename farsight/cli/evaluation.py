@@ -100,6 +100,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     runs.add_argument("--plot", help="write the loss curves (train and held-out loss vs tokens) as a PNG")
     runs.add_argument("--labels", help="comma-separated legend names, one per run; runs with the same name (seeds) share a colour")
     runs.add_argument("--title", default="training loss")
+    runs.add_argument(
+        "--relative-to",
+        metavar="LABEL",
+        help="with --plot, add a panel of each run's held-out loss minus the mean of the runs with this label (e.g. the baseline's seeds)",
+    )
     runs.set_defaults(func=_runs)
 
     bench = evaluations.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
@@ -327,6 +332,8 @@ def _runs(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
     labels = parse_labels(args.labels, args.run, "run directories", lambda path: path.resolve().name, unique=False)
+    if args.relative_to is not None and (not args.plot or args.relative_to not in labels):
+        raise InputError(f"--relative-to needs --plot and one of the labels {sorted(set(labels))}, got {args.relative_to!r}")
     rows = [summarize_run(run) for run in args.run]
     print(runs_table(rows))
     write_json(args.out, {"runs": rows})
@@ -335,7 +342,7 @@ def _runs(args: argparse.Namespace) -> int:
         from farsight.train.metrics import read_metrics
 
         curves = [(label, read_metrics(Path(run) / "metrics.jsonl")) for label, run in zip(labels, args.run)]
-        print(f"wrote {loss_curves(curves, args.plot, args.title)}")
+        print(f"wrote {loss_curves(curves, args.plot, args.title, relative_to=args.relative_to)}")
     return 0
 
 

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from farsight.cli import main
-from farsight.errors import MissingFileError
-from farsight.eval.plots import loss_curve_points
+from farsight.errors import InputError, MissingFileError
+from farsight.eval.plots import held_out_gaps, loss_curve_points
 from farsight.eval.runs import architecture, summarize_run
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
@@ -77,3 +77,34 @@ def test_cli_plots_loss_curves_and_checks_the_labels(tmp_path, capsys):
     assert "--labels names 1 for 2 run directories" in capsys.readouterr().err
     assert main(["eval", "runs", *runs, "--labels", "causal, "]) == 2
     assert "has an empty name" in capsys.readouterr().err
+
+
+def _with_val(losses, steps=(20, 40, 60)):
+    records = [{"step": step, "loss": 3.0, "tokens": 100 * step} for step in steps]
+    return records + [{"step": step, "val_loss": loss} for step, loss in zip(steps, losses)]
+
+
+def test_held_out_gaps_subtract_the_reference_seeds_mean_at_the_same_tokens():
+    runs = [
+        ("causal", _with_val([3.0, 2.0, 1.5])),
+        ("causal", _with_val([3.2, 2.2, 1.7])),
+        ("castle", _with_val([2.9, 2.0, 1.4])),
+        ("castle", _with_val([2.5, 1.8], steps=(30, 80))),  # between the reference's evaluations, then past them
+    ]
+    gaps = held_out_gaps(runs, "causal")
+    assert [label for label, _, _ in gaps] == ["castle", "castle"]
+    assert gaps[0][1] == [0.002, 0.004, 0.006] and gaps[0][2] == pytest.approx([-0.2, -0.1, -0.2])
+    assert gaps[1][1] == [0.003] and gaps[1][2] == pytest.approx([2.5 - 2.6])  # 80 is past step 60: left out
+    with pytest.raises(InputError, match="names no run with held-out losses"):
+        held_out_gaps(runs, "swl")
+
+
+def test_cli_plots_the_gap_to_a_reference_label(tmp_path, capsys):
+    model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2))
+    runs = [str(make_run(tmp_path / name, model, _with_val(losses))) for name, losses in [("a", [3.0, 2.0, 1.5]), ("b", [2.9, 1.9, 1.45])]]
+    plot = tmp_path / "gap.png"
+    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "causal"]) == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "swl"]) == 2
+    assert "--relative-to needs --plot and one of the labels ['castle', 'causal'], got 'swl'" in capsys.readouterr().err
+    assert main(["eval", "runs", *runs, "--relative-to", "a"]) == 2
