@@ -18,7 +18,7 @@ $F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 -
 RUNS=(runs/r5-causal-s{0,1,2} runs/r5-castle-s{0,1,2} runs/r5-castle-swl-s{0,1,2})
 $F eval runs "${RUNS[@]}" --out "$OUT/runs.json" --plot docs/figures/r5-loss-curves.png \
     --labels causal,causal,causal,CASTLE,CASTLE,CASTLE,CASTLE-SWL,CASTLE-SWL,CASTLE-SWL \
-    --title "R5: CASTLE vs causal attention, 0.38M parameters, 8.19M tokens, 3 seeds" --relative-to causal
+    --title "R5: 0.38M parameters, 8.19M tokens, 3 seeds" --relative-to causal
 .venv/bin/python - "$OUT/loss.json" <<'PY'
 import json, statistics, sys
 results = json.load(open(sys.argv[1]))["results"]

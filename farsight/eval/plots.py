@@ -102,25 +102,36 @@ def loss_curve_points(records: list[dict[str, Any]], smooth: int = 10) -> dict[s
 
 
 def held_out_gaps(runs: list[tuple[str, list[dict[str, Any]]]], reference: str, smooth: int = 10) -> list[tuple[str, list[float], list[float]]]:
-    """Each run's held-out loss minus the mean held-out loss of the runs labelled `reference`
-    (its seeds), at the run's own tokens seen: (label, tokens in millions, gap) for every run that
-    is not a reference run. The reference curve is interpolated between its evaluations, and a
-    run's evaluations beyond the reference's last one are left out rather than extrapolated."""
+    """Each run's held-out loss minus that of its reference run, at the run's own tokens seen:
+    (label, tokens in millions, gap) for every run not labelled `reference`. With one reference
+    run every run is compared with it; with several (seeds), the i-th run of each label is compared
+    with the i-th reference run, which saw the same data and the same held-out batches (a seed's
+    batches move its loss by more than the models differ). The reference curve is interpolated
+    between its evaluations; evaluations past its last one are left out, not extrapolated."""
     import numpy as np
 
     points = [(label, loss_curve_points(records, smooth)) for label, records in runs]
-    base = [p for label, p in points if label == reference and p["val_x"]]
+    base = [p for label, p in points if label == reference]
+    labels = list(dict.fromkeys(label for label, _ in runs))
     if not base:
-        labels = sorted({label for label, _ in runs})
-        raise InputError(f"--relative-to {reference!r} names no run with held-out losses; use one of the labels {labels}")
-    grid = base[0]["val_x"]
-    mean = np.mean([np.interp(grid, p["val_x"], p["val_y"]) for p in base], axis=0)
-    gaps = []
+        raise InputError(f"--relative-to {reference!r} names no run; use one of the labels {labels}")
+    counts = {label: sum(1 for other, _ in runs if other == label) for label in labels}
+    unpaired = [label for label in labels if len(base) > 1 and counts[label] != len(base)]
+    if unpaired:
+        raise InputError(
+            f"{reference!r} has {len(base)} runs but {unpaired[0]!r} has {counts[unpaired[0]]}; give each label as many runs "
+            f"(seeds in the same order) or a single {reference!r} run"
+        )
+    gaps, seen = [], dict.fromkeys(labels, 0)
     for label, p in points:
+        index, seen[label] = seen[label], seen[label] + 1
         if label == reference:
             continue
-        kept = [(x, y) for x, y in zip(p["val_x"], p["val_y"]) if grid[0] <= x <= grid[-1]]
-        gaps.append((label, [x for x, _ in kept], [y - float(np.interp(x, grid, mean)) for x, y in kept]))
+        ref = base[index if len(base) > 1 else 0]
+        if not ref["val_x"]:
+            raise InputError(f"the {reference!r} run it is compared with has no held-out losses in its metrics.jsonl")
+        kept = [(x, y) for x, y in zip(p["val_x"], p["val_y"]) if ref["val_x"][0] <= x <= ref["val_x"][-1]]
+        gaps.append((label, [x for x, _ in kept], [y - float(np.interp(x, ref["val_x"], ref["val_y"])) for x, y in kept]))
     return gaps
 
 
@@ -130,8 +141,9 @@ def loss_curves(
     """Training curves of runs, (label, metrics.jsonl records) each: the train loss faint, the
     held-out loss with markers, vs tokens seen. Runs that share a label (the seeds of one model)
     share a colour and one legend entry. With `relative_to` (a label), a second panel shows each
-    other run's held-out loss minus that label's mean, zoomed to the last three quarters of
-    training: gaps of a hundredth of a nat vanish beside a loss that falls from 5 to 1."""
+    other run's held-out loss minus its reference run's (held_out_gaps: seeds paired in order),
+    faint per run and bold as the label's mean, zoomed to the last three quarters of training:
+    gaps of a hundredth of a nat vanish beside a loss that falls from 5 to 1."""
     plt = _pyplot()
     gaps = held_out_gaps(runs, relative_to, smooth) if relative_to is not None else None
     if gaps is None:
@@ -152,16 +164,24 @@ def loss_curves(
     if gaps is None:
         ax.set_xlabel("tokens seen (millions)")
         return _save(plt, fig, path)
+    import numpy as np
+
     gap_ax.axhline(0.0, color=colours[relative_to], linewidth=1.5)
     late = []
-    for label, xs, ys in gaps:
-        gap_ax.plot(xs, ys, color=colours[label], marker="o", markersize=3, linewidth=1)
-        late += [y for x, y in zip(xs, ys) if x >= 0.25 * xs[-1]]
+    for label in dict.fromkeys(label for label, _, _ in gaps):
+        mine = [(xs, ys) for other, xs, ys in gaps if other == label and xs]
+        for xs, ys in mine:
+            gap_ax.plot(xs, ys, color=colours[label], alpha=0.35, linewidth=1)
+            late += [y for x, y in zip(xs, ys) if x >= 0.25 * xs[-1]]
+        if mine:  # the mean over the label's runs, at the first run's evaluations
+            grid = mine[0][0]
+            mean = np.mean([np.interp(grid, xs, ys) for xs, ys in mine], axis=0)
+            gap_ax.plot(grid, mean, color=colours[label], marker="o", markersize=3, linewidth=2)
     if late:
         low, high = min(late + [0.0]), max(late + [0.0])
         pad = 0.15 * (high - low) or 0.01
         gap_ax.set_ylim(low - pad, high + pad)
     gap_ax.set_xlabel("tokens seen (millions)")
-    gap_ax.set_ylabel(f"held-out loss minus {relative_to}\n(nats/token, mean over its runs)")
+    gap_ax.set_ylabel(f"held-out loss minus {relative_to}\n(nats/token; bold: mean over runs)")
     gap_ax.grid(alpha=0.3)
     return _save(plt, fig, path)

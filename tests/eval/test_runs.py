@@ -84,7 +84,7 @@ def _with_val(losses, steps=(20, 40, 60)):
     return records + [{"step": step, "val_loss": loss} for step, loss in zip(steps, losses)]
 
 
-def test_held_out_gaps_subtract_the_reference_seeds_mean_at_the_same_tokens():
+def test_held_out_gaps_pair_each_seed_with_the_reference_seed_in_the_same_order():
     runs = [
         ("causal", _with_val([3.0, 2.0, 1.5])),
         ("causal", _with_val([3.2, 2.2, 1.7])),
@@ -93,10 +93,14 @@ def test_held_out_gaps_subtract_the_reference_seeds_mean_at_the_same_tokens():
     ]
     gaps = held_out_gaps(runs, "causal")
     assert [label for label, _, _ in gaps] == ["castle", "castle"]
-    assert gaps[0][1] == [0.002, 0.004, 0.006] and gaps[0][2] == pytest.approx([-0.2, -0.1, -0.2])
-    assert gaps[1][1] == [0.003] and gaps[1][2] == pytest.approx([2.5 - 2.6])  # 80 is past step 60: left out
-    with pytest.raises(InputError, match="names no run with held-out losses"):
+    assert gaps[0][1] == [0.002, 0.004, 0.006] and gaps[0][2] == pytest.approx([-0.1, 0.0, -0.1])
+    assert gaps[1][1] == [0.003] and gaps[1][2] == pytest.approx([2.5 - 2.7])  # step 80 is past the reference's last: left out
+    single = held_out_gaps([("castle", _with_val([2.9, 2.0, 1.4])), ("causal", _with_val([3.0, 2.5, 1.5])), ("swl", _with_val([3.1, 2.5, 1.5]))], "causal")
+    assert [(label, pytest.approx(ys)) for label, _, ys in single] == [("castle", [-0.1, -0.5, -0.1]), ("swl", [0.1, 0.0, 0.0])]
+    with pytest.raises(InputError, match="names no run"):
         held_out_gaps(runs, "swl")
+    with pytest.raises(InputError, match="'causal' has 2 runs but 'swl' has 1; give each label as many runs"):
+        held_out_gaps(runs + [("swl", _with_val([3.0, 2.0, 1.5]))], "causal")
 
 
 def test_cli_plots_the_gap_to_a_reference_label(tmp_path, capsys):
