@@ -103,7 +103,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     runs.add_argument(
         "--relative-to",
         metavar="LABEL",
-        help="with --plot, add a panel of each run's held-out loss minus the mean of the runs with this label (e.g. the baseline's seeds)",
+        help="with --plot, add a panel of each run's held-out loss minus that of the run with this label and the same seed "
+        "(the i-th of each label's runs pairs with the i-th LABEL run; a single LABEL run serves all)",
     )
     runs.set_defaults(func=_runs)
 
