@@ -333,17 +333,17 @@ def _runs(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_output_file(args.plot, "--plot")
     labels = parse_labels(args.labels, args.run, "run directories", lambda path: path.resolve().name, unique=False)
-    if args.relative_to is not None and (not args.plot or args.relative_to not in labels):
-        raise InputError(f"--relative-to needs --plot and one of the labels {sorted(set(labels))}, got {args.relative_to!r}")
+    if args.relative_to is not None and not args.plot:
+        raise InputError(f"--relative-to needs --plot (the gaps are drawn, not printed), got --relative-to {args.relative_to!r} alone")
     rows = [summarize_run(run) for run in args.run]
-    print(runs_table(rows))
-    write_json(args.out, {"runs": rows})
-    if args.plot:
+    if args.plot:  # first: a bad --relative-to label fails before anything is printed or written
         from farsight.eval.plots import loss_curves
         from farsight.train.metrics import read_metrics
 
         curves = [(label, read_metrics(Path(run) / "metrics.jsonl")) for label, run in zip(labels, args.run)]
         print(f"wrote {loss_curves(curves, args.plot, args.title, relative_to=args.relative_to)}")
+    print(runs_table(rows))
+    write_json(args.out, {"runs": rows})
     return 0
 
 

@@ -108,14 +108,18 @@ def held_out_gaps(runs: list[tuple[str, list[dict[str, Any]]]], reference: str, 
     with the i-th reference run, which saw the same data and the same held-out batches (a seed's
     batches move its loss by more than the models differ). The reference curve is interpolated
     between its evaluations; evaluations past its last one are left out, not extrapolated."""
+    return _paired_gaps([(label, loss_curve_points(records, smooth)) for label, records in runs], reference)
+
+
+def _paired_gaps(points: list[tuple[str, dict[str, list[float]]]], reference: str) -> list[tuple[str, list[float], list[float]]]:
+    """held_out_gaps on runs already reduced to loss_curve_points, (label, points) each."""
     import numpy as np
 
-    points = [(label, loss_curve_points(records, smooth)) for label, records in runs]
     base = [p for label, p in points if label == reference]
-    labels = list(dict.fromkeys(label for label, _ in runs))
+    labels = list(dict.fromkeys(label for label, _ in points))
     if not base:
         raise InputError(f"--relative-to {reference!r} names no run; use one of the labels {labels}")
-    counts = {label: sum(1 for other, _ in runs if other == label) for label in labels}
+    counts = {label: sum(1 for other, _ in points if other == label) for label in labels}
     unpaired = [label for label in labels if len(base) > 1 and counts[label] != len(base)]
     if unpaired:
         raise InputError(
@@ -145,18 +149,18 @@ def loss_curves(
     faint per run and bold as the label's mean, zoomed to the last three quarters of training:
     gaps of a hundredth of a nat vanish beside a loss that falls from 5 to 1."""
     plt = _pyplot()
-    gaps = held_out_gaps(runs, relative_to, smooth) if relative_to is not None else None
+    points = [(label, loss_curve_points(records, smooth)) for label, records in runs]
+    gaps = _paired_gaps(points, relative_to) if relative_to is not None else None
     if gaps is None:
         fig, ax = plt.subplots(figsize=(7, 4.2))
     else:
         fig, (ax, gap_ax) = plt.subplots(2, 1, figsize=(7, 6.8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     colours: dict[str, str] = {}
-    for label, records in runs:
-        points = loss_curve_points(records, smooth)
+    for label, run in points:
         first = label not in colours
         colour = colours.setdefault(label, f"C{len(colours) % 10}")
-        ax.plot(points["train_x"], points["train_y"], color=colour, alpha=0.35, linewidth=1)
-        ax.plot(points["val_x"], points["val_y"], color=colour, marker="o", markersize=3, label=label if first else None)
+        ax.plot(run["train_x"], run["train_y"], color=colour, alpha=0.35, linewidth=1)
+        ax.plot(run["val_x"], run["val_y"], color=colour, marker="o", markersize=3, label=label if first else None)
     ax.set_ylabel("loss: held-out (markers), train (faint)")
     ax.set_title(title)
     ax.grid(alpha=0.3)

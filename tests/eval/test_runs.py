@@ -109,6 +109,11 @@ def test_cli_plots_the_gap_to_a_reference_label(tmp_path, capsys):
     plot = tmp_path / "gap.png"
     assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "causal"]) == 0
     assert plot.read_bytes()[:4] == b"\x89PNG"
-    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "swl"]) == 2
-    assert "--relative-to needs --plot and one of the labels ['castle', 'causal'], got 'swl'" in capsys.readouterr().err
+    capsys.readouterr()
+    out = tmp_path / "runs.json"
+    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "swl", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "--relative-to 'swl' names no run; use one of the labels ['causal', 'castle']" in captured.err
+    assert captured.out == "" and not out.exists()  # nothing printed or written before the error
     assert main(["eval", "runs", *runs, "--relative-to", "a"]) == 2
+    assert "--relative-to needs --plot" in capsys.readouterr().err
