@@ -33,27 +33,22 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="store the weights in this dtype (default: as trained; bf16 halves an fp32 model)")
     export.add_argument("--card", action="store_true", help="write a model card, README.md: the stages of training along train.init_from, from a run")
     export.add_argument("--results", nargs="+", default=[], metavar="JSON", help="with --card: results files (`farsight eval ... --out`) to tabulate")
+    export.add_argument(
+        "--sample",
+        action="append",
+        default=[],
+        metavar="PROMPT",
+        help="with --card: show what the exported model writes after PROMPT (`farsight generate` defaults, seed 0; repeatable)",
+    )
     export.set_defaults(func=_export)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from farsight.models.generation import continue_text
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
-    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if ids.shape[1] == 0:
-        ids = torch.tensor([[tokenizer.bos_id]])
-    generator = torch.Generator().manual_seed(args.seed)
-    out = model.generate(
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=tokenizer.eos_id,
-        generator=generator,
-    )
-    print(args.prompt + tokenizer.decode(out[0, ids.shape[1] :].tolist()))
+    text = continue_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    print(args.prompt + text)
     return 0
 
 
@@ -63,8 +58,8 @@ def _export(args: argparse.Namespace) -> int:
     from farsight.errors import InputError
     from farsight.models import export_model
 
-    if args.results and not args.card:
-        raise InputError("--results goes into the model card; add --card")
+    if (args.results or args.sample) and not args.card:
+        raise InputError(f"{'--results' if args.results else '--sample'} goes into the model card; add --card")
     out = Path(args.out)
     readme = None
     if args.card:
@@ -73,7 +68,7 @@ def _export(args: argparse.Namespace) -> int:
         from farsight.eval.card import model_card
 
         # written from the source model that export_model loads to verify it
-        readme = partial(model_card, args.source, name=out.resolve().name, results=args.results, weights_dtype=args.dtype, exported_to=out)
+        readme = partial(model_card, args.source, name=out.resolve().name, results=args.results, samples=args.sample, weights_dtype=args.dtype, exported_to=out)
     source = export_model(args.source, out, args.dtype, readme)
     print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if readme else ""))
     return 0

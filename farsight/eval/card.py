@@ -133,9 +133,45 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
     raise InputError(f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`")
 
 
-def model_card(source: str | Path, model: Any, name: str, results: list[str | Path] = (), weights_dtype: str | None = None, exported_to: Path | None = None) -> str:
+def samples_section(source: str | Path, model: Any, name: str, prompts: list[str], weights_dtype: str | None = None) -> list[str]:
+    """Markdown: what `model` (loaded from `source`) writes after each prompt, with the
+    `farsight generate` command (its defaults) that prints the same text from the exported `name`,
+    whose weights are stored in `weights_dtype`."""
+    import copy
+    import re
+    import shlex
+
+    import torch
+
+    from farsight.data.tokenizers import load_tokenizer
+    from farsight.models import MODEL_DTYPES, resolve_model_dir
+    from farsight.models.generation import continue_text
+
+    tokenizer = load_tokenizer(resolve_model_dir(str(source)))
+    exported = copy.deepcopy(model).float().eval()
+    if weights_dtype is not None:  # the export rounds the stored weights; `farsight generate` loads them back in fp32
+        rounded = {k: v.to(MODEL_DTYPES[weights_dtype]).float() if v.is_floating_point() else v for k, v in exported.state_dict().items()}
+        exported.load_state_dict(rounded)
+    lines = ["## Samples", "", "Sampled with `farsight generate`'s defaults (200 new tokens, temperature 0.8, seed 0); each command prints the same text.", ""]
+    for prompt in prompts:
+        with torch.no_grad():
+            text = prompt + continue_text(exported, tokenizer, prompt)
+        fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
+        lines += ["```bash", f"farsight generate --model {name} --prompt {shlex.quote(prompt)}", "```", "", fence + "text", text, fence, ""]
+    return lines
+
+
+def model_card(
+    source: str | Path,
+    model: Any,
+    name: str,
+    results: list[str | Path] = (),
+    samples: list[str] = (),
+    weights_dtype: str | None = None,
+    exported_to: Path | None = None,
+) -> str:
     """The README.md of `model` (loaded from `source`, a run or one of its checkpoints), exported
-    as `name`, with a section per results file."""
+    as `name`, with a section per results file and what it writes after each prompt of `samples`."""
     stages, origin = training_chain(source)
     total = sum(stage.record["tokens"] or 0 for stage in stages)
     # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
@@ -172,6 +208,8 @@ def model_card(source: str | Path, model: Any, name: str, results: list[str | Pa
         lines += ["", "## Results", ""]
         for path in results:
             lines += results_section(path, names)
+    if samples:
+        lines += [""] + samples_section(source, model, name, list(samples), weights_dtype)
     lines += [
         "",
         "## Use",

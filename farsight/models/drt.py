@@ -504,6 +504,9 @@ class DRTForCausalLM(PretrainedLM):
     def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
 
+    def unsampled_ids(self) -> list[int]:
+        return [self.config.landmark_id]
+
     def new_session(
         self,
         batch_size: int = 1,

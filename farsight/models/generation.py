@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -76,8 +76,11 @@ def generate(
     logits = session.prefill(input_ids, attention_mask)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=logits.device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=logits.device)
+    unsampled = torch.tensor(session.model.unsampled_ids(), dtype=torch.long, device=logits.device)
     new_tokens = []
     for i in range(max_new_tokens):
+        if unsampled.numel():
+            logits = logits.index_fill(-1, unsampled, float("-inf"))
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
         if eos_ids:
             token = token.masked_fill(finished, pad_token_id)
@@ -89,3 +92,24 @@ def generate(
     if not new_tokens:
         return input_ids
     return torch.cat([input_ids.to(logits.device), torch.stack(new_tokens, dim=1)], dim=1)
+
+
+def continue_text(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> str:
+    """The text `model` writes after `prompt` (farsight.data tokenizer; an empty prompt starts from
+    the BOS token), sampled with a generator seeded by `seed`: `farsight generate` with the same
+    arguments prints the prompt followed by this text."""
+    ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.bos_id]], dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(
+        ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_id, generator=generator
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :].tolist())

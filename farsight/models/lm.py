@@ -102,6 +102,11 @@ class PretrainedLM(nn.Module):
         """[B, T] or [T] token ids -> [B, T] long; refuses ids the model does not take."""
         return check_input_ids(input_ids, self.config.vocab_size)
 
+    def unsampled_ids(self) -> list[int]:
+        """Ids of the vocabulary that check_input_ids refuses (a DRT's landmark), so generation
+        never samples them: the next step would be refused."""
+        return []
+
     def new_session(self, batch_size: int = 1, **options: Any) -> Session:
         """A decoding session over this model (farsight.models.session.Session)."""
         raise NotImplementedError

@@ -8,6 +8,7 @@ import yaml
 from safetensors.torch import load_file
 
 from farsight.cli import main
+from farsight.data.tokenizers import ByteTokenizer
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.card import model_card, training_chain
 from farsight.models import DRTConfig, DRTForCausalLM, export_model, load_model
@@ -22,6 +23,7 @@ def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
     model = DRTForCausalLM(DRTConfig(**{k: v for k, v in CONFIG.items() if k != "type"}))
     for step in checkpoints:
         model.save_pretrained(root / "checkpoints" / f"step_{step:08d}")
+        ByteTokenizer().save(root / "checkpoints" / f"step_{step:08d}")
     config = {"model": CONFIG, "data": data, "optim": {"lr": 0.001}, "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from}}
     (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     records = []
@@ -128,13 +130,32 @@ def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_dire
     assert (out / "README.md").read_text().startswith("# exported\n")
     # exported again without a card: the directory is replaced whole, no stale README.md
     assert main(["export", str(ft), str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(InputError, match="is not a model directory"):
         export_model(ft, tmp_path / "notes")
     assert main(["export", str(ft), str(tmp_path / "x"), "--results", "r.json"]) == 2
+
+
+def test_card_samples_are_what_farsight_generate_prints_from_the_exported_model(project, tmp_path, capsys):
+    ft = project / "runs" / "ft"
+    out = tmp_path / "exported"
+    prompts = ['def read(path):\n    """It\'s the text."""\n', ""]
+    args = ["export", str(ft), str(out), "--dtype", "bf16", "--card"]
+    assert main(args + [arg for prompt in prompts for arg in ("--sample", prompt)]) == 0
+    card = (out / "README.md").read_text()
+    assert card.index("## Samples") < card.index("## Use")
+    for prompt in prompts:
+        capsys.readouterr()
+        assert main(["generate", "--model", str(out), "--prompt", prompt]) == 0
+        printed = capsys.readouterr().out[:-1]  # less print's newline
+        assert len(printed) > len(prompt) and f"\n{printed}\n```" in card
+    # the command is quoted for a shell, newlines and quotes included
+    assert "farsight generate --model exported --prompt 'def read(path):\n    \"\"\"It'\"'\"'s the text.\"\"\"\n'" in card
+    assert main(["export", str(ft), str(tmp_path / "y"), "--sample", "def"]) == 2
+    assert "--sample goes into the model card; add --card" in capsys.readouterr().err
 
 
 def test_an_fp16_export_refuses_weights_beyond_fp16_and_leaves_no_directory(project, tmp_path):

@@ -2,6 +2,8 @@
 score == log-softmax of the forward, one generate code path, and DRT fetching retrieved chunks
 once per chunk."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -146,8 +148,9 @@ def test_drt_decode_fetches_retrieved_chunks_once_per_chunk(memory):
 class ScriptedSession:
     """Stands in for a session: its logits put all mass on the next token of a script per row."""
 
-    def __init__(self, script):
+    def __init__(self, script, unsampled=()):
         self.script, self.t = torch.tensor(script), 0
+        self.model = SimpleNamespace(unsampled_ids=lambda: list(unsampled))
 
     def _logits(self):
         return torch.nn.functional.one_hot(self.script[:, self.t], V).double() * 50
@@ -172,6 +175,21 @@ def test_generate_stops_rows_at_any_of_several_eos_ids_and_pads_after():
     assert out[:, 2:].tolist() == [[5, 9, 7, 7, 7], [5, 6, 8, 8, 8]]
     out = generate(ScriptedSession([[9, 1, 1], [8, 1, 1]]), prompt[:2], 3, temperature=0, eos_token_id=[8, 9])
     assert out.shape == (2, 3)
+
+
+def test_generate_never_samples_an_id_the_model_refuses_as_input():
+    from farsight.models.generation import generate
+
+    out = generate(ScriptedSession([[9, 9, 9]], unsampled=[9]), torch.zeros(1, 1, dtype=torch.long), 3, temperature=0)
+    assert 9 not in out[0, 1:].tolist()
+    # a DRT whose head favours its landmark id: sampling it would make the next step fail
+    model = make("drt")
+    lmk = model.config.landmark_id
+    model.lm_head.register_forward_hook(lambda module, inputs, out: out.index_fill(-1, torch.tensor([lmk]), 1e4))
+    assert model(ids(1, 9)).logits[0, -1].argmax() == lmk
+    for temperature in (0.0, 1.0):
+        out = model.generate(ids(1, 9), 12, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        assert out.shape == (1, 21) and lmk not in out[0, 9:].tolist()
 
 
 def test_score_each_rewinds_between_alternatives():
