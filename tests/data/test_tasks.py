@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from farsight.data.tasks import CorpusFiller, RepeatedFiller, make_task
+from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
 from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
 from farsight.data.tokenizers import load_tokenizer
 from farsight.errors import InputError
@@ -124,6 +125,38 @@ def test_training_batches_follow_the_curriculum_and_weight_answers():
     weights = early["loss_weights"]
     assert set(weights.unique().tolist()) == {1.0, 10.0} and int((weights == 10).sum(1)[0]) == 6
     assert source.eval_batch(0)["input_ids"].shape[1] == 256
+
+
+@pytest.mark.parametrize("task", ["passkey", "multikey", "niah2hop", "niah_multikey_1"])
+def test_needle_weight_covers_the_needles_and_the_question_not_the_haystack(task):
+    if task in RULER_TASKS:
+        made = make_ruler_tasks([task], TOK, 1, haystack="noise")[0]
+    else:
+        made = make_task(task, TOK, RepeatedFiller(TOK), 1)
+    sample = made.sample(1500, 0.3, rng(2))
+    weights = sample.loss_weights(answer_weight=10.0, needle_weight=0.0)
+    text = lambda mask: TOK.decode(sample.input_ids[mask].tolist())  # noqa: E731
+    start, end = sample.answer_start, sample.answer_start + sample.answer_length
+    assert (weights[start:end] == 10).all() and text(weights == 10) == TOK.decode(sample.answer.tolist())
+    for position, length in zip(sample.needle_positions, sample.needle_lengths):
+        assert (weights[position : position + length] == 0).all()
+    # the question up to the answer is weighted 0 too: the text that asks, whole
+    question = TOK.decode(sample.input_ids[sample.question_start : start].tolist())
+    assert (weights[sample.question_start : start] == 0).all() and question.endswith(" is")
+    assert question.lstrip().startswith(("What", "The path", "Question:")), question
+    assert weights[end:].min() == 1
+    zero = int((weights == 0).sum())
+    assert zero == sum(sample.needle_lengths) + start - sample.question_start
+    assert np.array_equal(sample.loss_weights(10.0), np.where(weights == 10, 10.0, 1.0).astype(np.float32))
+
+
+def test_training_batches_weight_needles_as_configured():
+    cfg = NeedleBatchConfig(filler="repeat", seq_len=256, batch_tokens=1024, answer_weight=10.0, needle_weight=0.0)
+    weights = NeedleBatches(cfg, seed=0, model={"chunk_size": 16}).train_batch(0, 0, 0)["loss_weights"]
+    assert set(weights.unique().tolist()) == {0.0, 1.0, 10.0}
+    assert "needles and questions weighted 0x" in cfg.describe()
+    with pytest.raises(Exception, match="data.needle_weight must be >= 0"):
+        NeedleBatchConfig(filler="repeat", needle_weight=-1.0).validate()
 
 
 @pytest.mark.parametrize("align, offsets", [(None, {0}), (32, {0}), (8, {0, 8, 16, 24}), (1, set(range(32)))])

@@ -38,7 +38,8 @@ class NeedleSample:
     """input_ids [length] (prompt + answer + tail); answer_start: index of the first answer token;
     needle_positions / needle_lengths: where each needle sits, the asked one first; answer_lead:
     how many answer tokens come before the first one with a letter or digit (the byte tokenizer's
-    " " before the digits, the 2-hop answer's ": "), which first-token accuracy skips."""
+    " " before the digits, the 2-hop answer's ": "), which first-token accuracy skips;
+    question_start / question_end: the question's first token and the end of its head."""
 
     input_ids: np.ndarray
     answer_start: int
@@ -50,6 +51,7 @@ class NeedleSample:
     info: dict[str, Any] = field(default_factory=dict)
     answer_lead: int = 0
     question_end: int | None = None
+    question_start: int | None = None
 
     @property
     def prompt(self) -> np.ndarray:
@@ -76,9 +78,15 @@ class NeedleSample:
         spans = [(offset + start, n) for start, n in self.evidence]
         return {c for start, n in spans for c in range(start // chunk_size, (start + n - 1) // chunk_size + 1)}
 
-    def loss_weights(self, answer_weight: float) -> np.ndarray:
-        """1 for every token, `answer_weight` for the answer tokens (float32 [length])."""
+    def loss_weights(self, answer_weight: float, needle_weight: float = 1.0) -> np.ndarray:
+        """Per-token loss weights (float32 [length]): `answer_weight` for the answer tokens,
+        `needle_weight` for the needles' tokens and the question's up to the answer (0 keeps a
+        model from learning to write needle sentences into its text), 1 for the haystack."""
         weights = np.ones(len(self.input_ids), dtype=np.float32)
+        for position, length in zip(self.needle_positions, self.needle_lengths):
+            weights[position : position + length] = needle_weight
+        if self.question_start is not None:
+            weights[self.question_start : self.answer_start] = needle_weight
         weights[self.answer_start : self.answer_start + self.answer_length] = answer_weight
         return weights
 
@@ -161,7 +169,7 @@ class NeedleTask:
         # with ": ", which any model gets right and would make the metric say nothing
         lead = next((i for i, t in enumerate(answer.tolist()) if any(ch.isalnum() for ch in self.tokenizer.decode([t]))), 0)
         return NeedleSample(
-            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix
+            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix, haystack
         )
 
 

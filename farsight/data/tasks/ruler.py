@@ -147,7 +147,8 @@ class RulerTask(NeedleTask):
         lead = next((i for i, t in enumerate(draw.answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
         info = {**draw.info, "references": draw.references, "prompt_tokens": prefix + len(draw.link)}
         return NeedleSample(
-            ids, prefix + len(draw.link), len(draw.answer), positions, [len(n) for n in draw.needles], depth, evidence, info, lead, prefix
+            ids, prefix + len(draw.link), len(draw.answer), positions, [len(n) for n in draw.needles], depth, evidence, info, lead, prefix,
+            prefix - len(draw.question),
         )
 
     def shortest_context(self, draw: RulerDraw) -> int:

@@ -31,6 +31,7 @@ class NeedleBatchConfig(ConfigBase):
     batch_tokens: int = 16384
     curriculum: list[list[int]] | None = None
     answer_weight: float = 10.0
+    needle_weight: float = 1.0
     lm_fraction: float = 0.0
     align: int | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +47,7 @@ class NeedleBatchConfig(ConfigBase):
         require(self.seq_len >= 16, f"data.seq_len must be >= 16, got {self.seq_len}")
         require(self.batch_tokens >= self.seq_len, "data.batch_tokens must be >= data.seq_len")
         require(self.answer_weight > 0, f"data.answer_weight must be > 0, got {self.answer_weight}")
+        require(self.needle_weight >= 0, f"data.needle_weight must be >= 0, got {self.needle_weight}")
         require(0 <= self.lm_fraction < 1, f"data.lm_fraction must be in [0, 1), got {self.lm_fraction}")
         if self.curriculum is not None:
             steps = [int(s) for s, _ in self.curriculum]
@@ -60,6 +62,7 @@ class NeedleBatchConfig(ConfigBase):
         reached = [int(n) for start, n in self.curriculum if steps is None or int(start) < steps] if self.curriculum else [self.seq_len]
         text = f"needle tasks ({tasks}{'; ' + options if options else ''}) in haystacks of {haystack}, "
         text += f"lengths {' → '.join(f'{n:,}' for n in reached)} tokens, answer tokens weighted {self.answer_weight:g}x"
+        text += f", needles and questions weighted {self.needle_weight:g}x" if self.needle_weight != 1 else ""
         text += f", {self.lm_fraction:.0%} plain-text rows" if self.lm_fraction else ""
         where = {None: "at chunk boundaries", 1: "at any offset"}.get(self.align, f"at multiples of {self.align} tokens")
         return text + f", question {where}"
@@ -113,7 +116,7 @@ class NeedleBatches:
             shift = self.config.align * int(rng.integers(0, self.offsets)) if self.offsets > 1 else 0
             sample = task.sample(length, float(rng.random()), rng, shift)
             ids[i] = sample.input_ids
-            weights[i] = sample.loss_weights(self.config.answer_weight)
+            weights[i] = sample.loss_weights(self.config.answer_weight, self.config.needle_weight)
         ids_t = torch.from_numpy(ids)
         return {"input_ids": ids_t, "labels": ids_t, "loss_weights": torch.from_numpy(weights)}
 
