@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # R2 (issue 18): multi-key and 2-hop NIAH (with distractor chains) vs context length, DRT x2 vs
-# DRT x1 vs the baselines, each fine-tuned from its R1 passkey model (`make r1`) on the task mix of
-# configs/lm-*-niah.yaml (passkey 2 : multi-key 1 : 2-hop 1, lengths 256 -> 1K, answer weight 1000,
-# 5.2M tokens). Run from the repository root: `make r2`. Not yet run end to end: docs/results.md
-# reports DRT x1's stage 2 on 12 samples per length, where neither task is learnt.
+# DRT x1 vs full attention, each fine-tuned from its R1 passkey model (`make r1`) on one curriculum:
+# multi-key with two keys, then four, then 2-hop with 0, 1 and 2 distractor chains (1000-1500 steps
+# of 8192 tokens each, lengths 256 -> 1K, answer weight 1000; configs/lm-<model>-multikey2-1500.yaml
+# ... lm-<model>-niah2hop-d2.yaml). Run from the repository root: `make r2`; a finished run is
+# reused. BaseLM and BaseLM+2L have not been taken through the curriculum.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r2
@@ -25,8 +26,8 @@ done
 # the four-key model from 1K to 1M (24 samples per length to 64K, 6 beyond)
 $F eval multikey --model runs/lm-drt-g2-multikey4 --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.5,1 --trials 8 --long-trials 2 \
     --task-option keys=4 "${SMALL[@]}" --out "$OUT/lm-drt-g2-multikey4/multikey4-1m.json" --plot "$FIG/r2-lm-multikey4-drt-g2.png"
-# 2-hop after the multi-key curriculum: no distractor chains, then one; DRT x2, then DRT x1
-for run in drt-g2-niah2hop drt-g2-niah2hop-d1 drt-niah2hop drt-niah2hop-d1; do
+# 2-hop after the multi-key curriculum: no distractor chains, then one, then two; DRT x2, then DRT x1
+for run in drt-g2-niah2hop drt-g2-niah2hop-d1 drt-g2-niah2hop-d2 drt-niah2hop drt-niah2hop-d1 drt-niah2hop-d2; do
     $F train "configs/lm-$run.yaml" --no-progress
     mkdir -p "$OUT/lm-$run"
     for distractors in 0 1 2; do
@@ -37,24 +38,26 @@ for run in drt-g2-niah2hop drt-g2-niah2hop-d1 drt-niah2hop drt-niah2hop-d1; do
         --out "$OUT/lm-$run/multikey4.json"
     $F eval passkey --model "runs/lm-$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-$run/passkey.json"
 done
-# the full R2 grid (not yet run end to end)
-MODELS=(drt-g2 drt baselm baselm-2l causal)
-LABELS="DRT x2,DRT x1,BaseLM,BaseLM+2L,full attention"
-for model in "${MODELS[@]}"; do
-    $F train "configs/lm-$model-niah.yaml" --no-progress
-done
-COMMON=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2 --depths 0,0.25,0.5,0.75,1 --trials 10 --long-trials 4)
-for task in multikey niah2hop; do
-    OPTIONS=()
-    [ "$task" = niah2hop ] && OPTIONS=(--task-option distractors=2)
-    for model in drt-g2 drt; do
-        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k,256k,1m "${COMMON[@]}" "${OPTIONS[@]}" \
-            --out "$OUT/lm-$task-$model.json" --plot "$FIG/r2-lm-$task-$model.png"
+# full attention on the same curriculum from its passkey model (every needle of 1K and 4K in its span)
+for run in causal-multikey2-1500 causal-multikey4 causal-niah2hop causal-niah2hop-d1 causal-niah2hop-d2; do
+    $F train "configs/lm-$run.yaml" --no-progress
+    mkdir -p "$OUT/lm-$run"
+    for distractors in 0 1 2; do
+        $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option distractors=$distractors \
+            "${SMALL[@]}" --out "$OUT/lm-$run/niah2hop-distractors$distractors.json"
     done
-    for model in baselm baselm-2l; do
-        $F eval "$task" --model "runs/lm-$model-niah" --lengths 1k,4k,16k,64k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/lm-$task-$model.json"
+    for keys in 2 4; do
+        $F eval multikey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 8 --task-option keys=$keys "${SMALL[@]}" \
+            --out "$OUT/lm-$run/multikey$keys.json"
     done
-    $F eval "$task" --model runs/lm-causal-niah --lengths 1k,4k,16k "${COMMON[@]}" "${OPTIONS[@]}" --out "$OUT/lm-$task-causal.json"
-    $F eval compare "$OUT/lm-$task"-{drt-g2,drt,baselm,baselm-2l,causal}.json --labels "$LABELS" \
-        --plot "$FIG/r2-lm-$task.png" --title "R2: $task exact match vs length" | tee "$OUT/lm-$task.txt"
+    $F eval passkey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-$run/passkey.json"
 done
+# the last step's models on the paper's setting (two distractor chains) past the fine-tune length
+LONG=(--depths 0,0.5,1 --trials 8 --long-trials 4 --task-option distractors=2 "${SMALL[@]}")
+for run in drt-g2-niah2hop-d2 drt-niah2hop-d2; do
+    $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k,64k "${LONG[@]}" --out "$OUT/lm-$run/niah2hop-distractors2-64k.json"
+done
+$F eval niah2hop --model runs/lm-causal-niah2hop-d2 --lengths 1k,4k,16k "${LONG[@]}" --batch-size 1 --out "$OUT/lm-causal-niah2hop-d2/niah2hop-distractors2-16k.json"
+$F eval compare "$OUT/lm-drt-g2-niah2hop-d2/niah2hop-distractors2-64k.json" "$OUT/lm-drt-niah2hop-d2/niah2hop-distractors2-64k.json" \
+    "$OUT/lm-causal-niah2hop-d2/niah2hop-distractors2-16k.json" --labels "DRT x2,DRT x1,full attention" \
+    --plot "$FIG/r2-lm-niah2hop.png" --title "R2: 2-hop NIAH, two distractor chains, after the curriculum" | tee "$OUT/lm-niah2hop.txt"
