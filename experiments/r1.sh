@@ -44,6 +44,11 @@ $F eval passkey --model runs/lm-causal-passkey --lengths 1k,4k,16k "${GRID[@]}" 
 $F eval compare "$OUT"/lm-{drt,drt-g2,baselm,baselm-2l,causal}.json \
     --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" --plot "$FIG/r1-lm-passkey.png" \
     --title "R1: passkey exact match vs length (pre-trained at 4K, fine-tuned to 1K)" | tee "$OUT/lm-passkey.txt"
+# the shipped demo model (models/demo-drt): DRT x2's passkey fine-tune with the needle sentences and
+# questions out of the loss (data.needle_weight 0), scored as above
+$F train configs/lm-drt-g2-passkey-nw0.yaml --no-progress
+$F eval passkey --model runs/lm-drt-g2-passkey-nw0 --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" --out "$OUT/lm-inspan-drt-g2-nw0.json"
+$F eval passkey --model runs/lm-drt-g2-passkey-nw0 --lengths 1k,4k,16k,64k,256k,1m "${GRID[@]}" --out "$OUT/lm-drt-g2-nw0.json"
 # 16M tokens (16384x the fine-tune length), DRT x2: one trial per depth (about 8 minutes each on a 2-core CPU)
 $F eval passkey --model runs/lm-drt-g2-passkey --lengths 16m --depths 0.1,0.5,0.9 --trials 1 --memory disk \
     "${COMMON[@]}" --batch-size 1 --out "$OUT/lm-drt-g2-16m.json"
