@@ -141,8 +141,6 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
     import re
     import shlex
 
-    import torch
-
     from farsight.data.tokenizers import load_tokenizer
     from farsight.models import MODEL_DTYPES, resolve_model_dir
     from farsight.models.generation import continue_text
@@ -154,8 +152,7 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
         exported.load_state_dict(rounded)
     lines = ["## Samples", "", "Sampled with `farsight generate`'s defaults (200 new tokens, temperature 0.8, seed 0); each command prints the same text.", ""]
     for prompt in prompts:
-        with torch.no_grad():
-            text = prompt + continue_text(exported, tokenizer, prompt)
+        text = prompt + continue_text(exported, tokenizer, prompt)
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
         lines += ["```bash", f"farsight generate --model {name} --prompt {shlex.quote(prompt)}", "```", "", fence + "text", text, fence, ""]
     return lines

@@ -32,7 +32,7 @@ from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, p
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
+from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss
 from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
 from farsight.ops.gca import gca
@@ -501,11 +501,8 @@ class DRTForCausalLM(PretrainedLM):
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
         return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
 
-    def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return check_input_ids(input_ids, self.config.vocab_size, {"landmark": self.config.landmark_id})
-
-    def unsampled_ids(self) -> list[int]:
-        return [self.config.landmark_id]
+    def reserved_ids(self) -> dict[str, int]:
+        return {"landmark": self.config.landmark_id}
 
     def new_session(
         self,

@@ -76,7 +76,7 @@ def generate(
     logits = session.prefill(input_ids, attention_mask)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=logits.device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=logits.device)
-    unsampled = torch.tensor(session.model.unsampled_ids(), dtype=torch.long, device=logits.device)
+    unsampled = torch.tensor(list(session.model.reserved_ids().values()), dtype=torch.long, device=logits.device)
     new_tokens = []
     for i in range(max_new_tokens):
         if unsampled.numel():

@@ -100,12 +100,12 @@ class PretrainedLM(nn.Module):
 
     def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] or [T] token ids -> [B, T] long; refuses ids the model does not take."""
-        return check_input_ids(input_ids, self.config.vocab_size)
+        return check_input_ids(input_ids, self.config.vocab_size, self.reserved_ids())
 
-    def unsampled_ids(self) -> list[int]:
-        """Ids of the vocabulary that check_input_ids refuses (a DRT's landmark), so generation
-        never samples them: the next step would be refused."""
-        return []
+    def reserved_ids(self) -> dict[str, int]:
+        """Ids of the vocabulary the model inserts itself (name -> id; a DRT's landmark): refused
+        as input, and never sampled by generation, whose next step would refuse them."""
+        return {}
 
     def new_session(self, batch_size: int = 1, **options: Any) -> Session:
         """A decoding session over this model (farsight.models.session.Session)."""

@@ -150,7 +150,7 @@ class ScriptedSession:
 
     def __init__(self, script, unsampled=()):
         self.script, self.t = torch.tensor(script), 0
-        self.model = SimpleNamespace(unsampled_ids=lambda: list(unsampled))
+        self.model = SimpleNamespace(reserved_ids=lambda: {f"reserved {i}": token for i, token in enumerate(unsampled)})
 
     def _logits(self):
         return torch.nn.functional.one_hot(self.script[:, self.t], V).double() * 50
