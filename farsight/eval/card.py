@@ -133,26 +133,21 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
     raise InputError(f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`")
 
 
-def samples_section(source: str | Path, model: Any, name: str, prompts: list[str], weights_dtype: str | None = None) -> list[str]:
+def samples_section(source: str | Path, model: Any, name: str, prompts: list[str]) -> list[str]:
     """Markdown: what `model` (loaded from `source`) writes after each prompt, with the
-    `farsight generate` command (its defaults) that prints the same text from the exported `name`,
-    whose weights are stored in `weights_dtype`."""
-    import copy
+    `farsight generate` command (its defaults) that prints the same text from `name` when `model`
+    is that export as `load_model` reads it (fp32, eval mode)."""
     import re
     import shlex
 
     from farsight.data.tokenizers import load_tokenizer
-    from farsight.models import MODEL_DTYPES, resolve_model_dir
+    from farsight.models import resolve_model_dir
     from farsight.models.generation import continue_text
 
     tokenizer = load_tokenizer(resolve_model_dir(str(source)))
-    exported = copy.deepcopy(model).float().eval()
-    if weights_dtype is not None:  # the export rounds the stored weights; `farsight generate` loads them back in fp32
-        rounded = {k: v.to(MODEL_DTYPES[weights_dtype]).float() if v.is_floating_point() else v for k, v in exported.state_dict().items()}
-        exported.load_state_dict(rounded)
     lines = ["## Samples", "", "Sampled with `farsight generate`'s defaults (200 new tokens, temperature 0.8, seed 0); each command prints the same text.", ""]
     for prompt in prompts:
-        text = prompt + continue_text(exported, tokenizer, prompt)
+        text = prompt + continue_text(model, tokenizer, prompt)
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
         lines += ["```bash", f"farsight generate --model {name} --prompt {shlex.quote(prompt)}", "```", "", fence + "text", text, fence, ""]
     return lines
@@ -167,8 +162,9 @@ def model_card(
     weights_dtype: str | None = None,
     exported_to: Path | None = None,
 ) -> str:
-    """The README.md of `model` (loaded from `source`, a run or one of its checkpoints), exported
-    as `name`, with a section per results file and what it writes after each prompt of `samples`."""
+    """The README.md of `model`, exported as `name` from `source` (a run or one of its checkpoints),
+    with a section per results file and what it writes after each prompt of `samples` (`model` as
+    `farsight generate` loads the export: `export_model` passes it so)."""
     stages, origin = training_chain(source)
     total = sum(stage.record["tokens"] or 0 for stage in stages)
     # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
@@ -206,7 +202,7 @@ def model_card(
         for path in results:
             lines += results_section(path, names)
     if samples:
-        lines += [""] + samples_section(source, model, name, list(samples), weights_dtype)
+        lines += [""] + samples_section(source, model, name, list(samples))
     lines += [
         "",
         "## Use",

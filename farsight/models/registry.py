@@ -63,15 +63,12 @@ def export_model(
 ) -> Path:
     """Write the model of `source` (a model directory, or a run's newest checkpoint) to the model
     directory `out`: config, weights (cast to `dtype`, e.g. "bf16", if given), tokenizer, README.md
-    (if given: its text, or a function of the loaded source model that writes it, so a model card
-    reuses the load that verifies the source) and a new checksums.json. The copy is built beside
-    `out` and loaded to verify it before it replaces `out`, so a failed export leaves `out` as it
-    was; an existing `out` must be a model directory or empty. Returns the model directory exported."""
+    (if given: its text, or a function that writes it from the exported model as `load_model` reads
+    it back, in eval mode) and a new checksums.json. The copy is built beside `out` and loaded to
+    verify it before it replaces `out`, so a failed export leaves `out` as it was; an existing `out`
+    must be a model directory or empty. Returns the model directory exported."""
     source, out = resolve_model_dir(source), Path(out)
-    model = load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
-    if callable(readme):
-        readme = readme(model)
-    del model
+    load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
     if out.exists() and not (out / CONFIG_FILE).is_file() and (not out.is_dir() or any(out.iterdir())):
         raise InputError(f"{out} exists and is not a model directory; export to a new or empty directory")
     recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
@@ -84,13 +81,13 @@ def export_model(
                 recorded.pop(name, None)
             else:
                 shutil.copyfile(source / name, staging / name)
-        if readme is not None:
-            (staging / "README.md").write_text(readme)
         copied = write_checksums(staging, names)
         for name, entry in recorded.items():
             if name in copied and copied[name] != entry:
                 raise ModelFileError(f"the copy of {source / name} differs from it; check the disk under {out.parent} and export again")
-        load_model(staging)
+        exported = load_model(staging)
+        if readme is not None:  # not in checksums.json: a card can be rewritten without touching the weights
+            (staging / "README.md").write_text(readme(exported.eval()) if callable(readme) else readme)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_directory(out, fill)
