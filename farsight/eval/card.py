@@ -134,7 +134,7 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
 
 
 def samples_section(source: str | Path, model: Any, name: str, prompts: list[str]) -> list[str]:
-    """Markdown: what `model` (loaded from `source`) writes after each prompt, with the
+    """Markdown: what `model` writes after each prompt (tokenizer from `source`), with the
     `farsight generate` command (its defaults) that prints the same text from `name` when `model`
     is that export as `load_model` reads it (fp32, eval mode)."""
     import re
