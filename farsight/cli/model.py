@@ -63,12 +63,10 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     readme = None
     if args.card:
-        from functools import partial
-
         from farsight.eval.card import model_card
 
-        # written from the source model that export_model loads to verify it
-        readme = partial(model_card, args.source, name=out.resolve().name, results=args.results, samples=args.sample, weights_dtype=args.dtype, exported_to=out)
+        # reads the training chain and the results now; export_model hands it the exported model
+        readme = model_card(args.source, out.resolve().name, args.results, args.sample, args.dtype, exported_to=out)
     source = export_model(args.source, out, args.dtype, readme)
     print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if readme else ""))
     return 0

@@ -4,6 +4,7 @@ trained, stage by stage along its train.init_from chain, and the results measure
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,16 +156,17 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
 
 def model_card(
     source: str | Path,
-    model: Any,
     name: str,
     results: list[str | Path] = (),
     samples: list[str] = (),
     weights_dtype: str | None = None,
     exported_to: Path | None = None,
-) -> str:
-    """The README.md of `model`, exported as `name` from `source` (a run or one of its checkpoints),
-    with a section per results file and what it writes after each prompt of `samples` (`model` as
-    `farsight generate` loads the export: `export_model` passes it so)."""
+) -> Callable[[Any], str]:
+    """The README.md of a model exported as `name` from `source` (a run or one of its checkpoints),
+    with a section per results file and what it writes after each prompt of `samples`, as a
+    function of the exported model (as `farsight generate` loads it: `export_model` passes it so).
+    The training chain and the results files are read here, so bad input fails before an export
+    starts."""
     stages, origin = training_chain(source)
     total = sum(stage.record["tokens"] or 0 for stage in stages)
     # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
@@ -174,36 +176,23 @@ def model_card(
         names[stage.run.resolve()] = label
         if stage.until is not None:
             names[(stage.run / "checkpoints" / f"step_{stage.until:08d}").resolve()] = label
-    lines = [
-        f"# {name}",
-        "",
-        f"A farsight `{model.model_type}` model: {architecture(model.config)}, {model.num_parameters() / 1e6:.3f}M parameters, "
-        f"trained on {total / 1e6:.1f}M tokens in {len(stages)} stage{'s' if len(stages) > 1 else ''}"
-        + (f", weights stored in {weights_dtype}" if weights_dtype else "")
-        + ".",
-        "",
-        "## Training",
-        "",
-    ]
+    training = ["## Training", ""]
     if origin is not None:
-        lines += [f"Stage 1 started from the weights of `{origin}`, whose training is not described here.", ""]
-    lines += ["| stage | run | data | steps | tokens | precision | held-out loss |", "|---|---|---|---|---|---|---|"]
+        training += [f"Stage 1 started from the weights of `{origin}`, whose training is not described here.", ""]
+    training += ["| stage | run | data | steps | tokens | precision | held-out loss |", "|---|---|---|---|---|---|---|"]
     for number, stage in enumerate(stages, 1):
         record = stage.record
         val = f"{record['val_loss']:.4f} (step {record['val_step']})" if record["val_loss"] is not None else "-"
-        lines.append(
+        training.append(
             f"| {number} | `{stage.run.name}` | {describe_data(stage.config.data, record['steps'])} | {record['steps']} "
             f"| {(record['tokens'] or 0) / 1e6:.2f}M | {record['precision'] or '-'} | {val} |"
         )
     optim = stages[-1].config.optim.to_dict()
-    lines += ["", "Each stage's full configuration is its run's `config.yaml`. The last stage's optimiser: AdamW, " + ", ".join(f"{k} {v}" for k, v in optim.items()) + "."]
-    if results:
-        lines += ["", "## Results", ""]
-        for path in results:
-            lines += results_section(path, names)
-    if samples:
-        lines += [""] + samples_section(source, model, name, list(samples))
-    lines += [
+    training += ["", "Each stage's full configuration is its run's `config.yaml`. The last stage's optimiser: AdamW, " + ", ".join(f"{k} {v}" for k, v in optim.items()) + "."]
+    results_lines = ["", "## Results", ""] if results else []
+    for path in results:
+        results_lines += results_section(path, names)
+    use = [
         "",
         "## Use",
         "",
@@ -220,4 +209,18 @@ def model_card(
         "```",
         "",
     ]
-    return "\n".join(lines)
+
+    def write(model: Any) -> str:
+        head = [
+            f"# {name}",
+            "",
+            f"A farsight `{model.model_type}` model: {architecture(model.config)}, {model.num_parameters() / 1e6:.3f}M parameters, "
+            f"trained on {total / 1e6:.1f}M tokens in {len(stages)} stage{'s' if len(stages) > 1 else ''}"
+            + (f", weights stored in {weights_dtype}" if weights_dtype else "")
+            + ".",
+            "",
+        ]
+        sample_lines = [""] + samples_section(source, model, name, list(samples)) if samples else []
+        return "\n".join(head + training + results_lines + sample_lines + use)
+
+    return write

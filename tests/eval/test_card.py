@@ -63,7 +63,7 @@ def test_a_chain_that_leaves_the_runs_says_where_it_started(project):
     stages, origin = training_chain(project / "runs" / "ft")
     assert len(stages) == 1 and origin == "models/demo-drt"
     model = load_model(project / "runs" / "ft")
-    assert "Stage 1 started from the weights of `models/demo-drt`" in model_card(project / "runs" / "ft", model, "ft")
+    assert "Stage 1 started from the weights of `models/demo-drt`" in model_card(project / "runs" / "ft", "ft")(model)
 
 
 def write(path, payload):
@@ -82,7 +82,7 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
         str(project / "runs" / "lm"): {"by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}}},
         "runs/other": {"by_length": {"4096": {"nll": 9.0, "nll_sem": 0.01, "windows": 12}}}}}
     files = [write(tmp_path / "n.json", needle_summary(str(ft))), write(tmp_path / "p.json", ppl)]
-    card = model_card(ft, load_model(ft), "my-drt", files, weights_dtype="bf16")
+    card = model_card(ft, "my-drt", files, weights_dtype="bf16")(load_model(ft))
     assert "trained on 0.0M tokens in 2 stages, weights stored in bf16" in card
     assert "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed | 2.9600 (step 40) |" in card
     # the curriculum's 1K stage starts at step 100, after the 20 steps trained; answer weight: the default
@@ -90,11 +90,11 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
     assert "| 1K | 50 | 98 | 90-100 | 100 | 100 | 1.5 |" in card
     assert "haystacks of text of data/lm-byte (val split), question padded to end on a chunk boundary, run in bf16" in card  # no question_offsets: an older file
     unaligned = write(tmp_path / "u.json", {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk"})
-    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, load_model(ft), "my-drt", [unaligned])
+    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, "my-drt", [unaligned])(load_model(ft))
     assert "perplexity of stage 1 (`lm`, before the later stages)" in card and "| 4K | 12 | 1.2000 | 0.0100 |" in card and "9.0000" not in card
     other = write(tmp_path / "o.json", needle_summary("runs/unrelated"))
     with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):
-        model_card(ft, load_model(ft), "my-drt", [other])
+        model_card(ft, "my-drt", [other])  # read before any model is at hand
 
 
 @pytest.mark.parametrize("payload, problem", [
@@ -107,7 +107,7 @@ def test_results_of_another_shape_are_named(project, tmp_path, payload, problem)
     ft = project / "runs" / "ft"
     (tmp_path / "r.json").write_text(payload)
     with pytest.raises(InputError, match=problem):
-        model_card(ft, load_model(ft), "my-drt", [tmp_path / "r.json"])
+        model_card(ft, "my-drt", [tmp_path / "r.json"])
 
 
 def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_directory(project, tmp_path):
@@ -156,6 +156,19 @@ def test_card_samples_are_what_farsight_generate_prints_from_the_exported_model(
     assert "farsight generate --model exported --prompt 'def read(path):\n    \"\"\"It'\"'\"'s the text.\"\"\"\n'" in card
     assert main(["export", str(ft), str(tmp_path / "y"), "--sample", "def"]) == 2
     assert "--sample goes into the model card; add --card" in capsys.readouterr().err
+
+
+def test_a_bad_results_file_stops_the_export_before_it_starts(project, tmp_path, monkeypatch, capsys):
+    import farsight.models
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("the export started before the card's input was read")
+
+    monkeypatch.setattr(farsight.models, "export_model", no_export)
+    (tmp_path / "r.json").write_text("[]")
+    args = ["export", str(project / "runs" / "ft"), str(tmp_path / "out"), "--card", "--results", str(tmp_path / "r.json")]
+    assert main(args) == 2
+    assert "holds a JSON list" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_an_fp16_export_refuses_weights_beyond_fp16_and_leaves_no_directory(project, tmp_path):
