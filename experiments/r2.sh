@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # R2 (issue 18): multi-key and 2-hop NIAH (with distractor chains) vs context length, DRT x2 vs
-# DRT x1 vs full attention vs BaseLM, each fine-tuned from its R1 passkey model (`make r1`) on one
+# DRT x1 vs full attention vs BaseLM vs BaseLM+2L, each fine-tuned from its R1 passkey model (`make r1`) on one
 # curriculum: multi-key with two keys, then four, then 2-hop with 0, 1 and 2 distractor chains
-# (1000-1500 steps of 8192 tokens each, lengths 256 -> 1K, answer weight 1000, BaseLM 10;
+# (1000-1500 steps of 8192 tokens each, lengths 256 -> 1K, answer weight 1000, BaseLM and BaseLM+2L 10;
 # configs/lm-<model>-multikey2-1500.yaml ... lm-<model>-niah2hop-d2.yaml); full attention goes on
 # with two more steps at 4K. Run from the repository root: `make r2`; a finished run is reused.
-# BaseLM+2L has not been taken through the curriculum.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r2
@@ -40,7 +39,7 @@ for run in drt-g2-niah2hop drt-g2-niah2hop-d1 drt-g2-niah2hop-d2 drt-niah2hop dr
     $F eval passkey --model "runs/lm-$run" --lengths 1k,16k --depths 0,0.5,1 --trials 4 "${SMALL[@]}" --out "$OUT/lm-$run/passkey.json"
 done
 # the baselines on the same curriculum from their passkey models: full attention (every needle of 1K
-# and 4K in its span), then two more steps with haystacks to 4K; BaseLM (window 64)
+# and 4K in its span), then two more steps with haystacks to 4K; BaseLM (window 64) and BaseLM+2L
 step_evals() {  # run, passkey lengths
     mkdir -p "$OUT/lm-$1"
     for distractors in 0 1 2; do
@@ -57,27 +56,35 @@ for run in causal-multikey2-1500 causal-multikey4 causal-niah2hop causal-niah2ho
     $F train "configs/lm-$run.yaml" --no-progress
     step_evals $run 1k,4k
 done
-for step in multikey2-1500 multikey4 niah2hop niah2hop-d1 niah2hop-d2; do
-    $F train "configs/lm-baselm-$step.yaml" --no-progress
-    step_evals "baselm-$step" 1k,16k
+for model in baselm baselm-2l; do
+    for step in multikey2-1500 multikey4 niah2hop niah2hop-d1 niah2hop-d2; do
+        $F train "configs/lm-$model-$step.yaml" --no-progress
+        step_evals "$model-$step" 1k,16k
+    done
 done
 # the baselines' in-span check after the curriculum, as R1's (the needle at depth 1 for BaseLM,
 # anywhere in 4K for full attention)
 COMMON=(--corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2)
-$F eval passkey --model runs/lm-baselm-niah2hop-d2 --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" --out "$OUT/lm-baselm-niah2hop-d2/inspan.json"
+for run in baselm-niah2hop-d2 baselm-2l-niah2hop-d2; do
+    $F eval passkey --model "runs/lm-$run" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" --out "$OUT/lm-$run/inspan.json"
+done
 for run in causal-niah2hop-d2 causal-niah2hop-d2-4k2; do
     $F eval passkey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.25,0.5,0.75,1 --trials 10 "${COMMON[@]}" --out "$OUT/lm-$run/inspan.json"
 done
-# the last step's models on the paper's setting (two distractor chains) past the fine-tune length
-LONG=(--depths 0,0.5,1 --trials 8 --long-trials 4 --task-option distractors=2 "${SMALL[@]}")
-for run in drt-g2-niah2hop-d2 drt-niah2hop-d2; do
-    $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k,64k,256k,1m "${LONG[@]}" --out "$OUT/lm-$run/niah2hop-distractors2-1m.json"
+# the last step's models on the paper's setting (two distractor chains) past the fine-tune length,
+# 96 samples per length to 64K (a 95% interval of at most +-10 points), 24 beyond
+LONG=(--depths 0,0.5,1 --trials 32 --long-trials 8 --task-option distractors=2 "${SMALL[@]}")
+for model in drt-g2 drt; do
+    $F eval niah2hop --model "runs/lm-$model-niah2hop-d2" --lengths 1k,4k,16k,64k,256k,1m "${LONG[@]}" \
+        --out "$OUT/lm-$model-niah2hop-d2/niah2hop-distractors2-1m.json" --plot "$FIG/r2-lm-niah2hop-$model.png"
 done
-$F eval niah2hop --model runs/lm-baselm-niah2hop-d2 --lengths 1k,4k,16k,64k "${LONG[@]}" --out "$OUT/lm-baselm-niah2hop-d2/niah2hop-distractors2-64k.json"
-for run in causal-niah2hop-d2 causal-niah2hop-d2-4k causal-niah2hop-d2-4k2; do
+for run in baselm-niah2hop-d2 baselm-2l-niah2hop-d2; do
+    $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k,64k "${LONG[@]}" --out "$OUT/lm-$run/niah2hop-distractors2-64k.json"
+done
+for run in causal-niah2hop-d2 causal-niah2hop-d2-4k2; do
     $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k "${LONG[@]}" --batch-size 1 --out "$OUT/lm-$run/niah2hop-distractors2-16k.json"
 done
 $F eval compare "$OUT"/lm-drt-{g2-,}niah2hop-d2/niah2hop-distractors2-1m.json "$OUT"/lm-causal-niah2hop-d2{,-4k2}/niah2hop-distractors2-16k.json \
-    "$OUT"/lm-baselm-niah2hop-d2/niah2hop-distractors2-64k.json \
-    --labels "DRT x2,DRT x1,full attention (to 1K),full attention (then 4K),BaseLM" \
+    "$OUT"/lm-baselm{,-2l}-niah2hop-d2/niah2hop-distractors2-64k.json \
+    --labels "DRT x2,DRT x1,full attention (to 1K),full attention (then 4K),BaseLM,BaseLM+2L" \
     --plot "$FIG/r2-lm-niah2hop.png" --title "R2: 2-hop NIAH, two distractor chains, after the curriculum" | tee "$OUT/lm-niah2hop.txt"
