@@ -4,8 +4,9 @@
 # each pre-trained at 4K tokens on the same 52M byte tokens in the same order (configs/lm-*.yaml;
 # corpus: experiments/lm-data.sh), then scored on the same held-out 128K-token windows from 4K
 # (1x) to 128K (32x). The held-out split has only two documents of 128K tokens, so those windows
-# run across document boundaries; a second table scores 8 whole documents to 64K (16x). Full attention is scored to 32K: its cost grows as L^2 and RoPE does not
-# extrapolate past its 4K training context. Run from the repository root: `make r3`. A run that
+# run across document boundaries; a second table scores 8 whole documents to 64K (16x). Full
+# attention is scored on the same windows in a run of its own beside DRT x1 (its cost grows as L^2,
+# about 44 min). Run from the repository root: `make r3`. A run that
 # is interrupted resumes where it stopped; a finished run is reused.
 set -euo pipefail
 F=.venv/bin/farsight
@@ -22,7 +23,7 @@ $F eval ppl --model runs/lm-drt --model runs/lm-drt-g2 --model runs/lm-baselm --
 $F eval ppl --model runs/lm-drt --model runs/lm-drt-g2 --model runs/lm-baselm --model runs/lm-baselm-2l \
     --lengths 4k,8k,16k,32k,64k "${PPL[@]}" --windows 8 --window-length 64k --out "$OUT/lm-ppl-documents.json" \
     --plot "$FIG/r3-lm-ppl-documents.png"
-$F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k "${PPL[@]}" --out "$OUT/lm-ppl-causal.json"
+$F eval ppl --model runs/lm-drt --model runs/lm-causal --lengths 4k,8k,16k,32k,64k,128k "${PPL[@]}" --out "$OUT/lm-ppl-causal.json"
 $F eval runs runs/lm-drt runs/lm-drt-g2 runs/lm-baselm runs/lm-baselm-2l runs/lm-causal --out "$OUT/lm-models.json" \
     --labels "DRT x1,DRT x2,BaseLM,BaseLM+2L,full attention" --plot "$FIG/r3-lm-loss.png" \
     --title "pre-training: 52M byte tokens, 4K windows, same order"
