@@ -150,6 +150,19 @@ def check_output_file(path: str | None, flag: str) -> None:
         _check_writable_folder(Path(path).parent, flag, path)
 
 
+def check_plot_file(path: str | None, flag: str = "--plot") -> None:
+    """Like check_output_file, and the file's extension is an image format matplotlib writes
+    (no extension: PNG), so a long evaluation does not end in matplotlib's traceback."""
+    check_output_file(path, flag)
+    suffix = Path(path).suffix.lstrip(".").lower() if path is not None else ""
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        if suffix not in formats:
+            raise InputError(f"{flag} {path}: matplotlib cannot write .{suffix} files; use one of .{', .'.join(formats)}")
+
+
 def check_output_folder(path: str, flag: str) -> None:
     """The folder `flag` names is, or can be made as, a writable folder."""
     _check_writable_folder(Path(path), flag, path)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from farsight.cli.arguments import check_output_folder
+from farsight.cli.arguments import check_output_folder, model_tokenizer
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -17,7 +18,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "shakespeare, hf:NAME[:CONFIG][@SPLIT], jsonl:PATH or *.jsonl, a text file or a folder.",
     )
     prepare.add_argument("--source", action="append", required=True, help="a text source (repeatable)")
-    prepare.add_argument("--tokenizer", default="byte", help="byte, gpt2, or a directory/file with tokenizer.json")
+    prepare.add_argument("--tokenizer", default="byte", help="byte, gpt2, a directory/file with tokenizer.json, or a training run (its newest checkpoint's tokenizer)")
     prepare.add_argument("--out", required=True, help="output directory")
     prepare.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)")
     prepare.add_argument("--seed", type=int, default=0, help="seed of the document split")
@@ -32,7 +33,8 @@ def _prepare(args: argparse.Namespace) -> int:
     from farsight.data.tokenizers import load_tokenizer
 
     check_output_folder(args.out, "--out")
-    tokenizer = load_tokenizer(args.tokenizer)
+    run = Path(args.tokenizer)
+    tokenizer = model_tokenizer(args.tokenizer) if (run / "checkpoints").is_dir() else load_tokenizer(args.tokenizer)
     meta = prepare_corpus(args.source, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
     return 0

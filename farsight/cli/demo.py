@@ -51,7 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     check_output_folder(args.out, "--out")
-    check_at_least(args, {"--batch-size": 1, "--align": 1})
+    check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     if not isinstance(model, DRTForCausalLM):

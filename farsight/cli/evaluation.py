@@ -14,6 +14,7 @@ from farsight.cli.arguments import (
     check_at_least,
     check_output_file,
     check_output_folder,
+    check_plot_file,
     load_model_and_tokenizer,
     model_chunk_size,
     model_tokenizer,
@@ -149,8 +150,8 @@ def _needle(args: argparse.Namespace) -> int:
     from farsight.eval.needle import evaluate_needle_task, results_table
 
     check_output_file(args.out, "--out")
-    check_output_file(args.plot, "--plot")
-    check_at_least(args, {"--batch-size": 1, "--align": 1})
+    check_plot_file(args.plot)
+    check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
     options = parse_task_options(args.task_option)
     if args.export_choice:
@@ -193,8 +194,8 @@ def _perplexity(args: argparse.Namespace) -> int:
     from farsight.eval.perplexity import MIN_LENGTH, evaluate_perplexity
 
     check_output_file(args.out, "--out")
-    check_output_file(args.plot, "--plot")
-    check_at_least(args, {"--windows": 1, "--batch-size": 1})
+    check_plot_file(args.plot)
+    check_at_least(args, {"--windows": 1, "--batch-size": 1, "--seed": 0})
     lengths = parse_lengths(args, minimum=MIN_LENGTH)
     if args.window_length is not None:
         try:
@@ -242,7 +243,7 @@ def _perplexity(args: argparse.Namespace) -> int:
 def _paired_rows(results: dict, models: list[str], lengths: list[int]) -> list[dict]:
     """Per length, two rows: the first L tokens and the tokens since the next shorter length."""
     from farsight.eval.needle import format_length
-    from farsight.eval.perplexity import paired_difference
+    from farsight.eval.perplexity import format_error, paired_difference
 
     rows = []
     for n in lengths:
@@ -251,13 +252,15 @@ def _paired_rows(results: dict, models: list[str], lengths: list[int]) -> list[d
             cells = {}
             for path in models[1:]:
                 mean, sem = paired_difference(results[path]["by_length"][str(n)][key], base[key])
-                cells[path] = f"{mean:+.4f} ± {sem:.4f}"
+                cells[path] = f"{mean:+.4f} ± {format_error(sem)}"
             rows.append({"length": format_length(n), "tokens": tokens, **cells})
     return rows
 
 
 def _ppl_cell(row: dict) -> str:
-    return f"{row['ppl']:.4g} ({row['nll']:.4f} ± {row['nll_sem']:.4f})"
+    from farsight.eval.perplexity import format_error
+
+    return f"{row['ppl']:.4g} ({row['nll']:.4f} ± {format_error(row['nll_sem'])})"
 
 
 def _retrieval(args: argparse.Namespace) -> int:
@@ -274,7 +277,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     tokenizer = model_tokenizer(args.model)
     if args.text:
         if not Path(args.text).is_file():
-            raise MissingFileError(f"--text {args.text} does not exist; pass a text file")
+            what = "is a folder" if Path(args.text).is_dir() else "is not a regular file" if Path(args.text).exists() else "does not exist"
+            raise MissingFileError(f"--text {args.text} {what}; pass a text file")
         ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
     else:
         data = open_corpus(args.corpus, args.split, [args.model])
@@ -303,7 +307,7 @@ def _compare(args: argparse.Namespace) -> int:
 
     from farsight.eval.needle import compare_summaries
 
-    check_output_file(args.plot, "--plot")
+    check_plot_file(args.plot)
     labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=True)
     summaries = {}
     for label, path in zip(labels, args.results):
@@ -331,7 +335,7 @@ def _runs(args: argparse.Namespace) -> int:
     from farsight.eval.runs import runs_table, summarize_run
 
     check_output_file(args.out, "--out")
-    check_output_file(args.plot, "--plot")
+    check_plot_file(args.plot)
     labels = parse_labels(args.labels, args.run, "run directories", lambda path: path.resolve().name, unique=False)
     if args.relative_to is not None and not args.plot:
         raise InputError(f"--relative-to needs --plot (the gaps are drawn, not printed), got --relative-to {args.relative_to!r} alone")

@@ -15,6 +15,7 @@ from farsight.cli.arguments import (
     check_at_least,
     check_output_file,
     check_output_folder,
+    check_plot_file,
     load_model_and_tokenizer,
     model_chunk_size,
     model_tokenizer,
@@ -58,8 +59,8 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.data.tasks.ruler import make_ruler_tasks, ruler_task_names
 
     check_output_file(args.out, "--out")
-    check_output_file(args.plot, "--plot")
-    check_at_least(args, {"--batch-size": 1, "--align": 1})
+    check_plot_file(args.plot)
+    check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
     names = ruler_task_names(args.tasks)
     options = parse_task_options(args.task_option)

@@ -13,6 +13,7 @@ from farsight.data.batches import describe_data
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.efficiency import format_table
 from farsight.eval.needle import format_length, results_table
+from farsight.eval.perplexity import format_error
 from farsight.eval.runs import architecture, training_record
 from farsight.train.checkpoint import checkpoint_step, list_checkpoints
 from farsight.train.metrics import read_metrics
@@ -123,7 +124,7 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
             if name is None:
                 continue
             rows = [
-                {"length": format_length(int(n)), "windows": c["windows"], "NLL (nats/token)": f"{c['nll']:.4f}", "± s.e.": f"{c['nll_sem']:.4f}"}
+                {"length": format_length(int(n)), "windows": c["windows"], "NLL (nats/token)": f"{c['nll']:.4f}", "± s.e.": format_error(c["nll_sem"])}
                 for n, c in sorted(entry["by_length"].items(), key=lambda item: int(item[0]))
             ]
             lines += [f"**perplexity of {name}** (`{path.name}`): {results.get('corpus')} ({results.get('split')} split), run in {results.get('dtype')}.", ""]

@@ -132,12 +132,12 @@ def evaluate_perplexity(
         start = previous[length]
         bucket = (cumulative[:, length - 1] - cumulative[:, start - 1]) / (length - start)
         mean = float(per_window.mean())
-        std = float(per_window.std()) if windows > 1 else 0.0
+        std = float(per_window.std()) if windows > 1 else None  # one window: no spread to estimate
         results[str(length)] = {
             "nll": mean,
             "ppl": math.exp(mean),
             "nll_std": std,
-            "nll_sem": std / math.sqrt(windows),
+            "nll_sem": None if std is None else std / math.sqrt(windows),
             "window_nll": per_window.tolist(),
             "bucket_start": start,
             "bucket_nll": float(bucket.mean()),
@@ -148,8 +148,13 @@ def evaluate_perplexity(
     return {"by_length": results, "window_length": window_length, "source": source}
 
 
-def paired_difference(values: list[float], baseline: list[float]) -> tuple[float, float]:
-    """Mean and standard error of values - baseline over the same windows (0 error for one window)."""
+def paired_difference(values: list[float], baseline: list[float]) -> tuple[float, float | None]:
+    """Mean and standard error of values - baseline over the same windows (no error for one window)."""
     diff = torch.tensor(values, dtype=torch.float64) - torch.tensor(baseline, dtype=torch.float64)
-    sem = float(diff.std()) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0
+    sem = float(diff.std()) / math.sqrt(len(diff)) if len(diff) > 1 else None
     return float(diff.mean()), sem
+
+
+def format_error(sem: float | None) -> str:
+    """A standard error for a table: "n/a" where one window gives none."""
+    return "n/a" if sem is None else f"{sem:.4f}"

@@ -219,7 +219,10 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
             raise InputError(f"generate got options farsight does not take: {sorted(unused)}; remove them")
         for name, off in _UNSUPPORTED_GENERATION.items():
             if getattr(config, name, off) not in (off, None):
-                raise InputError(f"generate does not support {name}={getattr(config, name)!r}; farsight samples one sequence per row")
+                raise InputError(
+                    f"generate does not support {name}={getattr(config, name)!r}; farsight's generate samples one sequence per row "
+                    f"with temperature, top_k and top_p only: leave {name} at {off!r}"
+                )
         if config.max_new_tokens is not None:
             max_new_tokens = config.max_new_tokens
         else:

@@ -180,7 +180,10 @@ class Trainer:
         self.data = build_batch_source(config.data, run.seed, config.model)
         self.tokenizer = self.data.tokenizer
         self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
-        if run.init_from:
+        # A run with checkpoints resumes (or is finished): its own weights win, so init_from is read
+        # only if fit starts it over (--restart), and a source deleted since is no obstacle.
+        self._deferred_init = run.init_from if run.init_from and list_checkpoints(self.ckpt_root) else None
+        if run.init_from and not self._deferred_init:
             self._init_weights(run.init_from)
         self.precision.cast_parameters(self.model)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
@@ -425,6 +428,12 @@ class Trainer:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"cannot create train.out_dir={run.out_dir} ({exc.strerror}); set train.out_dir to a directory you can write") from exc
+        if not resume and self._deferred_init:
+            # before the old checkpoints go, so a bad source leaves them; the parameters are the
+            # wrapped model's (DDP shares them) and load_weights casts to their precision
+            if self._sharded:
+                raise ConfigError(f"--restart of an FSDP run with train.init_from: delete {self.ckpt_root} and train again")
+            self._init_weights(self._deferred_init)
         if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
             # starting over: older checkpoints would otherwise look newer than the new run's
             print(f"starting over: removing {self.ckpt_root}")

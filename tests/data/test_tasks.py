@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from farsight.config import ConfigError
 from farsight.data.tasks import CorpusFiller, RepeatedFiller, make_task
 from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
 from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
@@ -157,6 +158,32 @@ def test_training_batches_weight_needles_as_configured():
     assert "needles and questions weighted 0x" in cfg.describe()
     with pytest.raises(Exception, match="data.needle_weight must be >= 0"):
         NeedleBatchConfig(filler="repeat", needle_weight=-1.0).validate()
+
+
+BAD_NEEDLE_DATA = [
+    ({"curriculum": "abc"}, "list of [step, length] pairs of integers"),
+    ({"curriculum": [1, 2]}, "list of [step, length] pairs of integers"),
+    ({"curriculum": [[0, "x"]]}, "list of [step, length] pairs of integers"),
+    ({"curriculum": [[0, 128, 3]]}, "list of [step, length] pairs of integers"),
+    ({"curriculum": 5}, "list of [step, length] pairs of integers"),
+    ({"curriculum": []}, "list of [step, length] pairs of integers"),
+    ({"curriculum": [[10, 128]]}, "increasing steps"),
+    ({"curriculum": [[0, 8]]}, "lengths must be in [16, seq_len]"),
+    ({"task_options": "abc"}, "data.task_options must map a task name to its options"),
+    ({"task_options": {"digits": 5}}, "data.task_options must map a task name to its options"),
+    ({"task_options": {"multikey": {"keys": 2}}}, "names 'multikey', which this run does not train; it trains passkey"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD_NEEDLE_DATA, ids=[str(c) for c, _ in BAD_NEEDLE_DATA])
+def test_malformed_needle_data_is_refused_with_its_shape(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        NeedleBatchConfig.from_dict({"filler": "repeat", "seq_len": 256, **change}, "data")
+
+
+def test_needle_batches_name_a_bad_chunk_size_as_the_models():
+    with pytest.raises(ConfigError, match=r"model.chunk_size must be an integer >= 1, got 0"):
+        NeedleBatches(NeedleBatchConfig(filler="repeat", seq_len=256), seed=0, model={"chunk_size": 0})
 
 
 @pytest.mark.parametrize("align, offsets", [(None, {0}), (32, {0}), (8, {0, 8, 16, 24}), (1, set(range(32)))])

@@ -4,7 +4,7 @@ import torch
 
 from farsight.data.token_files import load_token_dataset, prepare_corpus
 from farsight.data.tokenizers import load_tokenizer
-from farsight.eval.perplexity import draw_windows, evaluate_perplexity, paired_difference, token_nll
+from farsight.eval.perplexity import draw_windows, evaluate_perplexity, format_error, paired_difference, token_nll
 from farsight.eval.retrieval import format_retrieval, inspect_retrieval
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
@@ -84,6 +84,8 @@ def test_a_longer_window_length_scores_the_start_of_the_same_windows(split):
     short = evaluate_perplexity(model, split, [64], windows=2, batch_size=2, progress=False, window_length=128)
     assert short["window_length"] == 128
     assert short["by_length"]["64"]["nll"] == pytest.approx(full["by_length"]["64"]["nll"], rel=1e-6)
+    one = evaluate_perplexity(model, split, [64], windows=1, progress=False)["by_length"]["64"]
+    assert one["nll_std"] is None and one["nll_sem"] is None and format_error(one["nll_sem"]) == "n/a"  # no spread from one window
     alone = evaluate_perplexity(model, split, [64], windows=2, batch_size=2, progress=False)
     assert alone["window_length"] == 64
     with pytest.raises(ValueError, match="shorter than the longest evaluation length"):
@@ -103,7 +105,7 @@ def test_buckets_and_paired_differences(split):
     mean, sem = paired_difference(b["by_length"]["128"]["window_nll"], long["window_nll"])
     diff = np.array(b["by_length"]["128"]["window_nll"]) - np.array(long["window_nll"])
     assert mean == pytest.approx(diff.mean()) and sem == pytest.approx(diff.std(ddof=1) / np.sqrt(3))
-    assert paired_difference([1.5], [1.0]) == (0.5, 0.0)
+    assert paired_difference([1.5], [1.0]) == (0.5, None)
 
 
 def test_perplexity_rejects_no_lengths(split):

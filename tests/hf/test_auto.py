@@ -89,6 +89,8 @@ def test_generate_refuses_what_farsight_does_not_do(tiny_drt_dir):
     ids = prompt(load_tokenizer(tiny_drt_dir), 1)
     with pytest.raises(InputError, match="num_beams"):
         model.generate(ids, max_new_tokens=2, num_beams=2)
+    with pytest.raises(InputError, match=r"repetition_penalty=1\.2; .* temperature, top_k and top_p only: leave repetition_penalty at 1\.0"):
+        model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
     with pytest.raises(ConfigError, match="memory="):
         model.generate(ids, max_new_tokens=2, memory="floppy")
 

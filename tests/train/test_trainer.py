@@ -205,6 +205,28 @@ def test_init_from_starts_with_the_source_weights(token_dir, tmp_path):
         Trainer(other_type)
 
 
+def test_init_from_is_read_only_when_a_run_starts(token_dir, tmp_path, capsys):
+    """A finished or resumed run keeps its own weights and never reads init_from (its source may be
+    gone); --restart reads it again and trains exactly as a fresh run does."""
+    train(tiny_config(token_dir, tmp_path / "source", steps=2))
+    tuned = tiny_config(token_dir, tmp_path / "tuned", steps=2, init_from=str(tmp_path / "source"))
+    train(tuned)
+    assert "initialised the weights" in capsys.readouterr().out
+    fresh = load_model(tmp_path / "tuned")
+    (tmp_path / "source").rename(tmp_path / "moved")
+    assert train(tuned).status == "completed"
+    out = capsys.readouterr().out
+    assert "nothing to train" in out and "initialised" not in out
+    with pytest.raises(Exception, match="neither a model directory .* nor a training run"):
+        train(tuned, resume=False)  # the source is read before anything is removed
+    assert (tmp_path / "tuned" / "checkpoints" / "step_00000002").is_dir()
+    (tmp_path / "moved").rename(tmp_path / "source")
+    assert train(tuned, resume=False).status == "completed"
+    assert "initialised the weights" in capsys.readouterr().out
+    for name, tensor in load_model(tmp_path / "tuned").state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+
+
 def test_missing_data_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="farsight data prepare"):
         train(tiny_config(tmp_path / "nothing", tmp_path / "run"))

@@ -58,6 +58,9 @@ def out(p, name):
 CASES = [
     ("ppl --out in a file", lambda p: ppl(p, "--out", p["file"] + "/r.json"), "d0.txt is not a folder"),
     ("ppl --plot in a file", lambda p: ppl(p, "--plot", p["file"] + "/p.png"), "d0.txt is not a folder"),
+    ("ppl --plot .txt", lambda p: ppl(p, "--plot", out(p, "p.txt")), "matplotlib cannot write .txt files; use one of"),
+    ("passkey --plot .txt", lambda p: passkey(p, "--plot", out(p, "p.txt")), "matplotlib cannot write .txt files"),
+    ("compare --plot .foo", lambda p: ["eval", "compare", p["file"], "--plot", out(p, "c.foo")], "matplotlib cannot write .foo files"),
     ("ppl --out a folder", lambda p: ppl(p, "--out", str(p["root"])), "is a folder; pass a file path"),
     ("passkey --out in a file", lambda p: passkey(p, "--out", p["file"] + "/r.json"), "d0.txt is not a folder"),
     ("passkey --plot in a file", lambda p: passkey(p, "--plot", p["file"] + "/p.png"), "d0.txt is not a folder"),
@@ -74,6 +77,8 @@ CASES = [
     ("ppl --lengths 1", lambda p: ppl(p, "--lengths", "1", "--out", out(p, "r.json")), "at least 2 tokens"),
     ("--depths 0,2", lambda p: passkey(p, "--depths", "0,2", "--out", out(p, "r.json")), "--depths 2.0 is outside [0, 1]"),
     ("--trials 0", lambda p: passkey(p, "--trials", "0", "--out", out(p, "r.json")), "trials must be >= 1"),
+    ("passkey --seed -1", lambda p: passkey(p, "--seed", "-1", "--out", out(p, "r.json")), "--seed must be at least 0, got -1"),
+    ("ppl --seed -1", lambda p: ppl(p, "--seed", "-1", "--out", out(p, "r.json")), "--seed must be at least 0, got -1"),
     ("passkey --batch-size 0", lambda p: passkey(p, "--batch-size", "0", "--out", out(p, "r.json")), "--batch-size must be at least 1"),
     ("passkey --align -1", lambda p: passkey(p, "--align", "-1", "--out", out(p, "r.json")), "--align must be at least 1"),
     ("ppl --batch-size 0", lambda p: ppl(p, "--batch-size", "0", "--out", out(p, "r.json")), "--batch-size must be at least 1"),
@@ -89,6 +94,7 @@ CASES = [
     ("multikey keys=0", lambda p: passkey(p, "--task-option", "keys=0", "--out", out(p, "r.json"), task="multikey"), "keys must be a whole number >= 1"),
     ("niah2hop symbol=0", lambda p: passkey(p, "--task-option", "symbol=0", "--out", out(p, "r.json"), task="niah2hop"), "symbol must be a whole number >= 1"),
     ("niah2hop distractors=-1", lambda p: passkey(p, "--task-option", "distractors=-1", "--out", out(p, "r.json"), task="niah2hop"), "distractors must be"),
+    ("retrieval --text a folder", lambda p: ["eval", "retrieval", "--model", p["drt"], "--text", str(p["root"] / "docs"), "--out", out(p, "r.json")], "docs is a folder; pass a text file"),
     ("retrieval --document 99", lambda p: retrieval(p, "--document", "99", "--out", out(p, "r.json")), "--document 99 does not exist"),
     ("retrieval --document -1", lambda p: retrieval(p, "--document", "-1", "--out", out(p, "r.json")), "--document must be at least 0"),
     ("retrieval --max-tokens 0", lambda p: retrieval(p, "--max-tokens", "0", "--out", out(p, "r.json")), "--max-tokens must be at least 1"),
@@ -141,6 +147,25 @@ def test_prepare_reads_regular_files_inside_the_tree_only(tmp_path, capsys, setu
     assert notes == ([] if note is None else [line for line in notes if note in line]) and len(notes) == (note is not None)
     assert main(["data", "info", str(tmp_path / "out")]) == 0
     assert f'"documents": {documents}' in capsys.readouterr().out
+
+
+def test_the_tokenizer_fix_for_a_training_run_prepares_a_corpus_it_can_score(paths, capsys, tmp_path):
+    """A corpus of another tokenizer is refused with a `data prepare --tokenizer RUN` command, and
+    that command (a run directory, not a model directory) prepares one with the run's tokenizer."""
+    from farsight.data.token_files import load_token_dataset
+
+    bpe = load_token_dataset(paths["bpe"], "train").tokenizer
+    run = tmp_path / "run"
+    TransformerForCausalLM(TransformerConfig(vocab_size=300, d_model=32, n_layers=1, n_heads=2)).save_pretrained(
+        run / "checkpoints" / "step_00000002", tokenizer=bpe
+    )
+    score = ["eval", "ppl", "--model", str(run), "--lengths", "32", "--windows", "2", "--corpus"]
+    assert main([*score, paths["byte"]]) == 2
+    assert f"--tokenizer {run} ...`" in capsys.readouterr().err
+    corpus = tmp_path / "corpus"
+    assert main(["data", "prepare", "--source", str(paths["root"] / "docs"), "--tokenizer", str(run), "--out", str(corpus), "--val-fraction", "0.5"]) == 0
+    assert load_token_dataset(corpus, "val").tokenizer.to_spec() == bpe.to_spec()
+    assert main([*score, str(corpus)]) == 0
 
 
 def test_ppl_of_two_models_prints_paired_differences_and_writes_json(paths, capsys, tmp_path):

@@ -50,9 +50,21 @@ class NeedleBatchConfig(ConfigBase):
         require(self.needle_weight >= 0, f"data.needle_weight must be >= 0, got {self.needle_weight}")
         require(0 <= self.lm_fraction < 1, f"data.lm_fraction must be in [0, 1), got {self.lm_fraction}")
         if self.curriculum is not None:
-            steps = [int(s) for s, _ in self.curriculum]
-            require(steps == sorted(steps) and steps[0] == 0, "data.curriculum must be [[0, len0], [step1, len1], ...] with increasing steps")
-            require(all(16 <= int(n) <= self.seq_len for _, n in self.curriculum), "data.curriculum lengths must be in [16, seq_len]")
+            shape = "data.curriculum must be a list of [step, length] pairs of integers starting at step 0, e.g. [[0, 256], [500, 1024]]"
+            pairs = self.curriculum if isinstance(self.curriculum, list) else None
+            require(
+                bool(pairs) and all(isinstance(p, list) and len(p) == 2 and all(_is_int(x) for x in p) for p in pairs),
+                f"{shape}; got {self.curriculum!r}",
+            )
+            steps = [s for s, _ in self.curriculum]
+            require(steps == sorted(steps) and steps[0] == 0, f"{shape} and increasing steps; got {self.curriculum!r}")
+            require(all(16 <= n <= self.seq_len for _, n in self.curriculum), "data.curriculum lengths must be in [16, seq_len]")
+        require(
+            isinstance(self.task_options, dict) and all(isinstance(o, dict) for o in self.task_options.values()),
+            f"data.task_options must map a task name to its options, e.g. {{passkey: {{digits: 7}}}}; got {self.task_options!r}",
+        )
+        stray = sorted(set(self.task_options) - set(names))
+        require(not stray, f"data.task_options names {', '.join(map(repr, stray))}, which this run does not train; it trains {', '.join(names)}")
 
     def describe(self, steps: int | None = None) -> str:
         """One line for a model card: tasks, haystacks and the lengths reached in `steps` steps."""
@@ -77,6 +89,10 @@ class NeedleBatchConfig(ConfigBase):
         return current
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class NeedleBatches:
     def __init__(self, config: NeedleBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
         from farsight.data.tokenizers import load_tokenizer
@@ -89,7 +105,9 @@ class NeedleBatches:
             self.tokenizer = load_token_dataset(config.corpus, "train").tokenizer
         else:
             self.tokenizer = load_tokenizer("byte")
-        chunk = int((model or {}).get("chunk_size", 1))
+        chunk = (model or {}).get("chunk_size", 1)
+        # checked here, not only by the model's config: the model is built after its data (it needs the tokenizer)
+        require(_is_int(chunk) and chunk >= 1, f"model.chunk_size must be an integer >= 1, got {chunk!r}")
         align = config.align or chunk
         # questions at multiples of `align` inside a chunk: each sample draws its offset, else every
         # sample of one length would end its question at the same offset and the model would learn
