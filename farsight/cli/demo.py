@@ -65,7 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
     task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), args.align)
     print(
         f"passkey retrieval with {args.model} ({model.num_parameters() / 1e6:.2f}M parameters), "
-        f"haystacks of held-out Python source, {len(depths)} depths, lengths {', '.join(format_length(n) for n in lengths)}, "
+        f"haystacks of held-out Python source, {len(depths)} depth{'s' if len(depths) != 1 else ''}, lengths {', '.join(format_length(n) for n in lengths)}, "
         f"chunk size {model.config.chunk_size}, questions ending at: {question_offsets_label(model, task)}"
     )
     summary = evaluate_needle_task(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EXIT_DIVERGED = 3
@@ -37,5 +38,6 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_DIVERGED
     if result.status == "interrupted":
         return EXIT_INTERRUPTED
-    print(f"done: step {result.step}, checkpoint {result.checkpoint}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"done: step {result.step}, checkpoint {result.checkpoint}")
     return 0
