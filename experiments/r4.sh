@@ -25,5 +25,13 @@ for ablation in nogumbel random nosoftmax1; do
 done
 $F eval ppl "${MODELS[@]}" --corpus data/lm-byte --split val --lengths 4k,8k,16k,32k,64k,128k --windows 12 \
     --window-length 128k --batch-size 1 --dtype bf16 --out "$OUT/lm-ppl.json" --plot "$FIG/r4-lm-ablations.png"
+# A second seed (train.seed=1: another initialisation and data order) of DRT x1 and of plain
+# softmax, the ablation that came out ahead on the first seed, on the same windows.
+for run in drt drt-nosoftmax1; do
+    $F train "configs/lm-$run.yaml" --no-progress --set train.seed=1 --set "train.out_dir=runs/lm-$run-s1"
+done
+PPL=(--corpus data/lm-byte --split val --lengths 4k,8k,16k,32k,64k,128k --windows 12 --window-length 128k --batch-size 1 --dtype bf16)
+$F eval ppl --model runs/lm-drt --model runs/lm-drt-s1 "${PPL[@]}" --out "$OUT/lm-ppl-drt-seeds.json"
+$F eval ppl --model runs/lm-drt-s1 --model runs/lm-drt-nosoftmax1-s1 "${PPL[@]}" --out "$OUT/lm-ppl-s1.json"
 $F eval compare "${RESULTS[@]}" --labels "$LABELS" --plot "$FIG/r4-lm-passkey.png" \
     --title "R4: passkey exact match vs length, retriever ablations" | tee "$OUT/lm-passkey.txt"
