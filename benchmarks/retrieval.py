@@ -6,7 +6,8 @@ bf16 screen with exact rescoring (farsight.ops.retrieval), as a DRT prefill call
 One call = the m = 64 landmarks of a 64-chunk prefill segment (d_model 128, top 4) scoring n
 memory keys, n = 16K ... 512K chunks (0.5M ... 16M tokens at 32 tokens per chunk). Both paths
 run in the same process on the same inputs (trained-like keys: random, with a norm spread), and
-the script checks that they retrieve the same chunks.
+the script checks that they retrieve the same chunks. The screen pays only where bf16 matmuls run
+in hardware; the last line says which path retrieval_topk's "auto" takes on this machine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from farsight.eval.efficiency import format_table, machine_description, time_fn, write_json
 from farsight.eval.needle import format_length
-from farsight.ops.retrieval import retrieval_topk_reference, retrieval_topk_screened
+from farsight.ops.retrieval import retrieval_topk_reference, retrieval_topk_screened, screen_pays_off
 
 QUERIES, D_MODEL, TOP_K = 64, 128, 4
 
@@ -54,7 +55,10 @@ def main() -> None:
     rows = [case(n, 3 if args.quick else 5) for n in sizes]
     print(f"retrieval top-{TOP_K} of {QUERIES} queries, d_model {D_MODEL}, batch 1 ({torch.get_num_threads()} threads)")
     print(format_table(rows, ["keys", "tokens", "fp32 ms", "screened ms", "speedup", "same top-k"]))
-    write_json(args.json, {"benchmark": "retrieval", "machine": machine_description(), "rows": rows})
+    screens = screen_pays_off(torch.device("cpu"))
+    native = "has" if screens else "has no"
+    print(f"auto on this CPU: {'screened' if screens else 'fp32'} (it {native} bf16 matrix instructions)")
+    write_json(args.json, {"benchmark": "retrieval", "machine": machine_description(), "auto_screens": screens, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,18 @@ def test_every_command_runs_under_farsights_malloc_settings(monkeypatch, tmp_pat
     monkeypatch.setattr(farsight.cli, "tune_malloc", lambda: calls.append("tuned"))
     assert main(["data", "info", str(tmp_path / "nothing")]) == 2
     assert calls == ["tuned"]
+
+
+@pytest.mark.parametrize("native, dtype, noted", [(False, "bf16", True), (True, "bf16", False), (False, "fp32", False), (True, "fp16", True)])
+def test_a_dtype_this_cpu_emulates_gets_a_note(native, dtype, noted, monkeypatch, capsys):
+    import torch
+
+    from farsight.cli.arguments import load_model_and_tokenizer
+    from farsight.ops import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    model, _ = load_model_and_tokenizer(str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt"), dtype)
+    assert next(model.parameters()).dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    err = capsys.readouterr().err
+    assert (f"note: --dtype {dtype} computes in software here" in err) == noted
+    assert len(err.strip().splitlines()) == int(noted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,7 +59,7 @@ def add_memory_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype: the dtype the model is cast to for evaluation (farsight.models.MODEL_DTYPES)."""
-    dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster on CPUs with AVX-512 bf16)")
+    dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions, far slower on CPUs without)")
     dtype.choices = _LazyChoices("MODEL_DTYPES")
 
 
@@ -210,9 +211,15 @@ def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
 
 def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
     """The model (in eval mode, cast to `dtype`) and the tokenizer of the model or run directory `path`."""
+    import torch
+
     from farsight.data.tokenizers import load_tokenizer
     from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir
+    from farsight.train.precision import slow_dtype_reason
 
+    reason = slow_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
+    if reason is not None:
+        print(f"note: --dtype {dtype} computes in software here ({reason}); --dtype fp32 is usually much faster", file=sys.stderr)
     directory = resolve_model_dir(path)
     return load_model(directory).to(MODEL_DTYPES[dtype]).eval(), load_tokenizer(directory)
 

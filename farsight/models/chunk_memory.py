@@ -43,6 +43,7 @@ import torch
 
 from farsight.errors import FarsightError, InputError
 from farsight.ops.buffers import GrowingBuffer
+from farsight.ops.retrieval import screen_pays_off
 
 MEMORY_TIERS = ("device", "host", "disk")  # what a user picks; "graph" is the training forward's
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -432,9 +433,10 @@ class ChunkMemory:
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
-        # the inference tiers also keep the landmark keys in bf16 and a bound on their norms,
-        # for the screened top-k (farsight.ops.retrieval); after a truncate the bound stays an
-        # upper bound
+        # where the screened top-k pays (farsight.ops.retrieval), the inference tiers also keep
+        # the landmark keys in bf16 and a bound on their norms; after a truncate the bound stays
+        # an upper bound
+        self._screened = tier != "graph" and screen_pays_off(self.device)
         self._screen_keys = GrowingBuffer(dim=1)
         self._max_key_norm: torch.Tensor | None = None
 
@@ -450,8 +452,9 @@ class ChunkMemory:
 
     def screen_keys(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(landmark keys in bf16 [B, n_chunks, D], a scalar >= every key's L2 norm), or
-        (None, None) in the graph tier, where the screen computes them from the keys."""
-        if self.tier == "graph":
+        (None, None) in the graph tier (the screen computes them from the keys) and on devices
+        where retrieval does not screen."""
+        if not self._screened:
             return None, None
         return self._screen_keys.view(), self._max_key_norm
 
@@ -467,6 +470,8 @@ class ChunkMemory:
             dtype = self.kv_dtype or k.dtype
             self.store.append(k.detach().to(dtype), v.detach().to(dtype))
             keys = self._keys.append(landmark_keys.detach().to(self.device))
+            if not self._screened:
+                return
             new = keys[:, keys.shape[1] - landmark_keys.shape[1] :]
             self._screen_keys.append(new.to(torch.bfloat16))
             norm = new.to(torch.promote_types(new.dtype, torch.float32)).norm(dim=-1).max()

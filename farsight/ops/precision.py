@@ -9,6 +9,9 @@ every matmul would be re-cast to bf16/fp16 (mixing dtypes in in-place products a
 statistics). The output then has the autocast dtype, and the casts carry each input's gradient
 back in that input's own dtype.
 
+`native_bf16_matmul` says whether bf16 matrix products run in hardware on a device: fast paths
+that trade fp32 GEMMs for bf16 ones (the retrieval screen) pay off only there.
+
 `amp_function` applies `torch.amp.custom_fwd` / `custom_bwd` to an autograd Function for the
 device type of its inputs, so that its backward runs under the forward's autocast state (off)
 even when `.backward()` is called inside an autocast region.
@@ -73,3 +76,23 @@ def amp_function(function: type[torch.autograd.Function], device_type: str) -> t
             "backward": staticmethod(torch.amp.custom_bwd(function.backward, device_type=device_type)),
         },
     )
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm): bf16 matmuls in hardware."""
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # absent from older torch: assume none
+    caps = get_capabilities() if get_capabilities is not None else {}
+    return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """Whether bf16 matrix products run in hardware on `device` (and so beat fp32 ones).
+
+    CUDA GPUs with native bf16 (Ampere and newer) and CPUs with bf16 instructions do; elsewhere
+    torch emulates them. On a 2-core AVX2 EPYC (no AVX-512) a bf16 GEMM ran at 1.3 GFLOP/s
+    against 84-158 GFLOP/s in fp32, where an AVX512-BF16 EPYC runs bf16 4.5x faster than fp32.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return device.type == "cpu" and cpu_has_native_bf16()

@@ -22,6 +22,7 @@ from torch import nn
 from torch.amp.autocast_mode import is_autocast_available
 
 from farsight.errors import ConfigError
+from farsight.ops.precision import native_bf16_matmul
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,6 @@ MODES = {
 _ALTERNATIVE = {"bf16-mixed": "fp16-mixed", "bf16": "fp16-mixed", "fp16-mixed": "bf16-mixed"}
 
 
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm): bf16 matmuls in hardware."""
-    get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # absent from older torch: assume none
-    caps = get_capabilities() if get_capabilities is not None else {}
-    return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
-
-
 def auto_precision(device: torch.device) -> str:
     """What train.precision=auto resolves to on `device`.
 
@@ -80,13 +74,14 @@ def auto_precision(device: torch.device) -> str:
     d_model-256 model 1.8-2.0x (causal) and 1.2x (sliding) faster than fp32 with less memory,
     and after 200 steps of a small model its validation loss is within the seed-to-seed spread
     of fp32's. With the BF16 instructions masked (bf16 emulated on AVX-512) the same step ran
-    at 0.6-0.8x of fp32, hence fp32 on CPUs without them.
+    at 0.6-0.8x of fp32, and on a 2-core AVX2 EPYC (no AVX-512) a passkey-drt step ran 9x
+    slower than fp32, hence fp32 on CPUs without them.
     Other devices (mps): fp32, as before this option existed.
     """
     if device.type == "cuda":
-        return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16-mixed"
+        return "bf16-mixed" if native_bf16_matmul(device) else "fp16-mixed"
     if device.type == "cpu":
-        return "bf16-mixed" if cpu_has_native_bf16() else "fp32"
+        return "bf16-mixed" if native_bf16_matmul(device) else "fp32"
     return "fp32"
 
 
@@ -123,10 +118,28 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
     return mode
 
 
+def slow_dtype_reason(dtype: torch.dtype | None, device: torch.device) -> str | None:
+    """Why matrix products in `dtype` are computed in software on `device`, or None.
+
+    CPUs have no fp16 matrix instructions (x86 before AVX512-FP16; a demo DRT step ran 12x slower
+    than fp32 on an AVX512-BF16 EPYC), and a CPU without bf16 instructions emulates bf16 as well
+    (a passkey-drt training step under bf16 autocast ran 9x slower than fp32 on a 2-core AVX2 EPYC).
+    """
+    if device.type != "cpu":
+        return None
+    if dtype == torch.float16:
+        return "CPUs have no fp16 matrix instructions"
+    if dtype == torch.bfloat16 and not native_bf16_matmul(device):
+        return "this CPU has no bf16 matrix instructions (AVX512-BF16, AMX)"
+    return None
+
+
 def slow_precision_note(precision: Precision, device: torch.device) -> str | None:
-    """A one-line warning for a mode that runs but is far slower than fp32 on `device`: x86 CPUs
-    have no fp16 matrix instructions, so fp16 is emulated (a demo DRT step ran 12x slower than
-    fp32 on this machine's AVX512-BF16 EPYC)."""
-    if device.type == "cpu" and torch.float16 in (precision.autocast_dtype, precision.param_dtype):
-        return f"note: {precision.name} on a CPU computes fp16 in software and is usually much slower than fp32; bf16-mixed is the fast mode on CPUs with bf16 instructions"
+    """A one-line warning for a mode that runs but is far slower than fp32 on `device`
+    (`slow_dtype_reason`), naming the fast mode there."""
+    for dtype in (precision.autocast_dtype, precision.param_dtype):
+        reason = slow_dtype_reason(dtype, device)
+        if reason is not None:
+            fast = "bf16-mixed" if native_bf16_matmul(device) else "fp32"
+            return f"note: {precision.name} computes in software here ({reason}) and is usually much slower than fp32; {fast} is the fast mode on this CPU"
     return None

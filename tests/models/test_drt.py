@@ -296,6 +296,7 @@ def test_screened_retrieval_equals_scoring_every_key(memory, monkeypatch):
     padding, retrieves what scoring every key does and gives the same logits."""
     import farsight.ops.retrieval as retrieval
 
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: True)  # screen on any CPU
     model = tiny(groups=2, top_k=3).double()
     x = ids(2, 203)
     mask = torch.ones_like(x)
@@ -319,7 +320,10 @@ def test_screened_retrieval_equals_scoring_every_key(memory, monkeypatch):
     torch.testing.assert_close(logits, ref_logits, atol=1e-10, rtol=0)
 
 
-def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound():
+def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound(monkeypatch):
+    import farsight.ops.retrieval as retrieval
+
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: True)
     memory = ChunkMemory("host", torch.device("cpu"))
     keys = torch.randn(1, 5, 8)
     memory.append(keys[:, :3], torch.zeros(1, 3, 2, 1, 4), torch.zeros(1, 3, 2, 1, 4))
@@ -331,6 +335,20 @@ def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound():
     low, bound = memory.screen_keys()
     assert low.shape[1] == 2 and bound >= keys[:, :2].norm(dim=-1).max()
     assert ChunkMemory("graph", torch.device("cpu")).screen_keys() == (None, None)
+
+
+def test_chunk_memory_keeps_no_bf16_keys_where_retrieval_does_not_screen(monkeypatch):
+    # without bf16 matrix instructions the screen is slower than scoring every key in fp32, so
+    # its bf16 copy of the keys would only cost memory
+    import farsight.ops.retrieval as retrieval
+
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: False)
+    memory = ChunkMemory("host", torch.device("cpu"))
+    keys = torch.randn(1, 5, 8)
+    memory.append(keys, torch.zeros(1, 5, 2, 1, 4), torch.zeros(1, 5, 2, 1, 4))
+    assert memory.screen_keys() == (None, None)
+    assert torch.equal(memory.landmark_keys(), keys)
+    assert memory.nbytes() == keys.numel() * 4 + 2 * 5 * 2 * 4 * 4
 
 
 @pytest.mark.parametrize("tier", ["device", "host"])

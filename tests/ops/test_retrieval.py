@@ -185,3 +185,23 @@ def test_bad_inputs_name_the_problem(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         retrieval_topk(**args)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_screens_long_memories_only_where_bf16_matmuls_are_native(native, monkeypatch):
+    import farsight.ops.retrieval as retrieval
+
+    calls = []
+
+    def screened(*args):
+        calls.append(args[1].shape[1])
+        return retrieval_topk_reference(*args[:6])
+
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: native)
+    monkeypatch.setattr(retrieval, "retrieval_topk_screened", screened)
+    q, keys = inputs(1, 3, retrieval.SCREEN_MIN_KEYS, 16, torch.float32)
+    start, stop = torch.zeros(1, dtype=torch.long), torch.arange(3) + 1000
+    ref = retrieval_topk_reference(q, keys, 4, start, stop, 0.2)
+    assert_same_topk(ref, retrieval_topk(q, keys, 4, start, stop, 0.2), 0)
+    retrieval_topk(q, keys[:, :100], 4, start, stop - 920, 0.2)  # a short memory is never screened
+    assert calls == ([retrieval.SCREEN_MIN_KEYS] if native else [])

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from farsight.config import ConfigError
+from farsight.ops import precision as ops_precision
 from farsight.train import precision as precision_module
 from farsight.train.checkpoint import load_trainer_state
 from farsight.train.precision import MODES, auto_precision, resolve_precision, slow_precision_note
@@ -93,9 +94,9 @@ def test_fp16_mixed_without_cpu_fp16_autocast_names_bf16_mixed(monkeypatch):
 
 
 def test_auto_follows_the_hardware(monkeypatch):
-    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
     assert auto_precision(torch.device("cpu")) == "bf16-mixed"
-    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: False)
     assert auto_precision(torch.device("cpu")) == "fp32"
     assert resolve_precision("auto", torch.device("cpu")).name == "fp32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
@@ -126,8 +127,32 @@ def test_fp16_gradients_that_overflow_at_every_scale_stop_the_run(token_dir, tmp
     assert trainer.skipped_steps == 3
 
 
-def test_fp16_on_a_cpu_gets_a_note_on_speed():
+def test_fp16_on_a_cpu_gets_a_note_on_speed(monkeypatch):
     cpu = torch.device("cpu")
-    assert "bf16-mixed" in slow_precision_note(MODES["fp16-mixed"], cpu)
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
+    assert "bf16-mixed is the fast mode" in slow_precision_note(MODES["fp16-mixed"], cpu)
     assert slow_precision_note(MODES["bf16-mixed"], cpu) is None
     assert slow_precision_note(MODES["fp32"], cpu) is None
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_on_speed(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: False)
+    for name in ("bf16-mixed", "bf16", "fp16-mixed"):
+        note = slow_precision_note(MODES[name], cpu)
+        assert note.startswith(f"note: {name} computes in software here") and note.endswith("fp32 is the fast mode on this CPU")
+    assert "no bf16 matrix instructions" in slow_precision_note(MODES["bf16-mixed"], cpu)
+    assert slow_precision_note(MODES["fp32"], cpu) is None
+    assert slow_precision_note(MODES["bf16-mixed"], torch.device("cuda", 0)) is None
+
+
+def test_native_bf16_matmul_follows_the_hardware(monkeypatch):
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
+    assert ops_precision.native_bf16_matmul(torch.device("cpu"))
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: False)
+    assert not ops_precision.native_bf16_matmul(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert not ops_precision.native_bf16_matmul(torch.device("cuda", 0))  # emulated only
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert ops_precision.native_bf16_matmul(torch.device("cuda", 0))
+    assert not ops_precision.native_bf16_matmul(torch.device("meta"))

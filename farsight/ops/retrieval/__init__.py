@@ -4,7 +4,8 @@ the landmark keys of the chunks it may read and keeps the top k.
 `retrieval_scores` gives every score (the training path: Gumbel noise and the random retriever
 need them all), `retrieval_topk_reference` its top-k, and `retrieval_topk_screened` the same
 top-k from a bf16 screen plus an exact rescoring of the few keys the screen cannot rule out
-(inference over long memories). `retrieval_topk` checks the inputs and picks one.
+(inference over long memories). `retrieval_topk` checks the inputs and picks one;
+`screen_pays_off` says whether "auto" screens on a device.
 
 Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
 start[b] are left padding, keys from stop[i] on are its own chunk or later).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from farsight.ops.checks import check_float, check_positive_int, check_tensor
+from farsight.ops.precision import native_bf16_matmul
 from farsight.ops.retrieval.reference import retrieval_scores, retrieval_topk_reference, score_dtype
 from farsight.ops.retrieval.screened import retrieval_topk_screened
 
@@ -25,11 +27,20 @@ __all__ = [
     "retrieval_topk_reference",
     "retrieval_topk_screened",
     "score_dtype",
+    "screen_pays_off",
 ]
 
 BACKENDS = ("auto", "screened", "reference")
 # Below this many keys the full fp32 scan is as cheap as the screen and its rescoring.
 SCREEN_MIN_KEYS = 1024
+
+
+def screen_pays_off(device: torch.device) -> bool:
+    """Whether "auto" screens long memories on `device`: the screen trades the fp32 scan for a
+    bf16 GEMM, which only pays where bf16 matmuls run in hardware. On a CPU without bf16
+    instructions the screened top-k ran 10-15x slower than the scan (benchmarks/retrieval.py on
+    a 2-core AVX2 EPYC), where an AVX512-BF16 EPYC ran it 1.5-4.8x faster."""
+    return native_bf16_matmul(device)
 
 
 def retrieval_topk(
@@ -60,7 +71,7 @@ def retrieval_topk(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
-        backend = "screened" if keys.shape[1] >= SCREEN_MIN_KEYS else "reference"
+        backend = "screened" if keys.shape[1] >= SCREEN_MIN_KEYS and screen_pays_off(keys.device) else "reference"
     if backend == "reference":
         return retrieval_topk_reference(query, keys, k, start, stop, scale)
     return retrieval_topk_screened(query, keys, k, start, stop, scale, keys_low, max_key_norm)
