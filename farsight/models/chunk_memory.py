@@ -43,7 +43,7 @@ import torch
 
 from farsight.errors import FarsightError, InputError
 from farsight.ops.buffers import GrowingBuffer
-from farsight.ops.retrieval import screen_pays_off
+from farsight.ops import retrieval
 
 MEMORY_TIERS = ("device", "host", "disk")  # what a user picks; "graph" is the training forward's
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -433,11 +433,12 @@ class ChunkMemory:
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
-        # where the screened top-k pays (farsight.ops.retrieval), the inference tiers also keep
-        # the landmark keys in bf16 and a bound on their norms; after a truncate the bound stays
-        # an upper bound
-        self._screened = tier != "graph" and screen_pays_off(self.device)
+        # the inference tiers keep what retrieval's screen needs (farsight.ops.retrieval): where
+        # bf16 GEMMs run in hardware the landmark keys in bf16 and a bound on their norms (after
+        # a truncate the bound stays an upper bound), elsewhere a low-rank basis of the keys
+        self._screened = tier != "graph" and retrieval.screen_pays_off(self.device)
         self._screen_keys = GrowingBuffer(dim=1)
+        self._low_rank = retrieval.LowRankKeys(retrieval.SCREEN_MIN_KEYS) if tier != "graph" and not self._screened else None
         self._max_key_norm: torch.Tensor | None = None
 
     @property
@@ -450,13 +451,16 @@ class ChunkMemory:
             return self._graph_keys[0] if len(self._graph_keys) == 1 else torch.cat(self._graph_keys, dim=1)
         return self._keys.view()
 
-    def screen_keys(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(landmark keys in bf16 [B, n_chunks, D], a scalar >= every key's L2 norm), or
-        (None, None) in the graph tier (the screen computes them from the keys) and on devices
-        where retrieval does not screen."""
-        if not self._screened:
-            return None, None
-        return self._screen_keys.view(), self._max_key_norm
+    def screen_state(self) -> dict[str, object]:
+        """The keyword arguments of `farsight.ops.retrieval.retrieval_topk` that carry this
+        memory's screen: {"keys_low": keys in bf16 [B, n_chunks, D], "max_key_norm": a scalar >=
+        every key's L2 norm} where the bf16 screen pays, {"low_rank": LowRankKeys} on the other
+        inference tiers, {} in the graph tier (a screen computes what it needs from the keys)."""
+        if self._screened:
+            return {"keys_low": self._screen_keys.view(), "max_key_norm": self._max_key_norm}
+        if self._low_rank is not None:
+            return {"low_rank": self._low_rank}
+        return {}
 
     def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """landmark_keys [B, m, D]; k, v [B, m, S, H, d] for m newly completed chunks. The store
@@ -470,6 +474,8 @@ class ChunkMemory:
             dtype = self.kv_dtype or k.dtype
             self.store.append(k.detach().to(dtype), v.detach().to(dtype))
             keys = self._keys.append(landmark_keys.detach().to(self.device))
+            if self._low_rank is not None:
+                self._low_rank.update(keys)
             if not self._screened:
                 return
             new = keys[:, keys.shape[1] - landmark_keys.shape[1] :]
@@ -482,14 +488,19 @@ class ChunkMemory:
         self.store.truncate(n_chunks)
         self._keys.length = min(self._keys.length, n_chunks)
         self._screen_keys.length = min(self._screen_keys.length, n_chunks)
+        if self._low_rank is not None:
+            self._low_rank.truncate(n_chunks)
 
     def fetch(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """index [B, n, K] of chunk ids (-1 empty) -> (k [B, m, S, H, d], v, index into them)."""
         return self.store.gather(index)
 
     def nbytes(self) -> int:
-        """Bytes of K/V stored (in whatever tier) plus landmark keys (and their bf16 copy)."""
+        """Bytes of K/V stored (in whatever tier) plus landmark keys (and their bf16 copy or
+        low-rank coordinates)."""
         keys = sum(k.numel() * k.element_size() for k in self._graph_keys) + self._keys.nbytes() + self._screen_keys.nbytes()
+        if self._low_rank is not None:
+            keys += self._low_rank.coords.nbytes() + self._low_rank.residuals.nbytes()
         return self.store.nbytes() + keys
 
     def close(self) -> None:
@@ -499,3 +510,5 @@ class ChunkMemory:
         self.store.close()
         self._graph_keys = []
         self._keys, self._screen_keys = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
+        if self._low_rank is not None:
+            self._low_rank = retrieval.LowRankKeys(retrieval.SCREEN_MIN_KEYS)

@@ -399,7 +399,7 @@ class DRTForCausalLM(PretrainedLM):
                 made_index, made_weight = self._select(retrieval_scores(query, memory.landmark_keys(), start, stop, scale))
             else:
                 top, chosen = retrieval_topk(
-                    query, memory.landmark_keys(), self.config.top_k, start, stop, scale, *memory.screen_keys()
+                    query, memory.landmark_keys(), self.config.top_k, start, stop, scale, **memory.screen_state()
                 )
                 made_index, made_weight = self._weigh(top, chosen)
         index, weight = carried.index[:, None], carried.weight[:, None]

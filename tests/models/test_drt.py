@@ -290,13 +290,28 @@ def test_paged_buffer_grows_without_copying_and_gathers_across_pages():
     assert buffer.nbytes() == rows.numel() * rows.element_size()
 
 
-@pytest.mark.parametrize("memory", ["graph", "device", "disk"])
-def test_screened_retrieval_equals_scoring_every_key(memory, monkeypatch):
-    """The bf16 screen (farsight.ops.retrieval) used for every retrieval, in fp64 and with left
-    padding, retrieves what scoring every key does and gives the same logits."""
+@pytest.mark.parametrize("memory, screen", [("graph", "bf16"), ("device", "bf16"), ("disk", "bf16"), ("device", "lowrank"), ("disk", "lowrank")])
+def test_screened_retrieval_equals_scoring_every_key(memory, screen, monkeypatch):
+    """A screen (farsight.ops.retrieval: bf16, or low-rank where bf16 GEMMs are emulated) used for
+    every retrieval, in fp64 and with left padding, retrieves what scoring every key does and
+    gives the same logits."""
     import farsight.ops.retrieval as retrieval
+    import farsight.ops.retrieval.groups as groups
+    import farsight.ops.retrieval.lowrank as lowrank
 
-    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: True)  # screen on any CPU
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: screen == "bf16")
+    screened = []
+    if screen == "lowrank":
+        # an untrained model's keys have no low-rank basis: take any rank-8 one and rescore every
+        # group the bound keeps, so that the screen runs for every retrieval
+        monkeypatch.setattr(lowrank, "RESIDUAL_ENERGY", 1.0)
+        monkeypatch.setattr(groups, "RESCORE_LIMIT", 1)
+
+        def counted(*args):
+            screened.append(args[1].shape[1])
+            return lowrank.retrieval_topk_lowrank(*args)
+
+        monkeypatch.setattr(retrieval, "retrieval_topk_lowrank", counted)
     model = tiny(groups=2, top_k=3).double()
     x = ids(2, 203)
     mask = torch.ones_like(x)
@@ -313,6 +328,7 @@ def test_screened_retrieval_equals_scoring_every_key(memory, monkeypatch):
                                + [session.step(x[:, i])[:, None] for i in range(150, 203)], 1)
             results.append((logits, session.retrievals))
     (ref_logits, ref_info), (logits, info) = results
+    assert len(screened) == (0 if screen == "bf16" else 2 * 17)  # 2 groups x the chunks after the first
     for ref_index, index in zip(ref_info.indices, info.indices):
         assert torch.equal(ref_index.sort(-1).values, index.sort(-1).values)
     for ref_weight, weight in zip(ref_info.weights, info.weights):
@@ -328,25 +344,26 @@ def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound(monkeypatch):
     keys = torch.randn(1, 5, 8)
     memory.append(keys[:, :3], torch.zeros(1, 3, 2, 1, 4), torch.zeros(1, 3, 2, 1, 4))
     memory.append(keys[:, 3:], torch.zeros(1, 2, 2, 1, 4), torch.zeros(1, 2, 2, 1, 4))
-    low, bound = memory.screen_keys()
+    state = memory.screen_state()
+    low, bound = state["keys_low"], state["max_key_norm"]
     assert torch.equal(low, keys.bfloat16())
     torch.testing.assert_close(bound, keys.norm(dim=-1).max())
     memory.truncate(2)
-    low, bound = memory.screen_keys()
+    low, bound = memory.screen_state()["keys_low"], memory.screen_state()["max_key_norm"]
     assert low.shape[1] == 2 and bound >= keys[:, :2].norm(dim=-1).max()
-    assert ChunkMemory("graph", torch.device("cpu")).screen_keys() == (None, None)
+    assert ChunkMemory("graph", torch.device("cpu")).screen_state() == {}
 
 
-def test_chunk_memory_keeps_no_bf16_keys_where_retrieval_does_not_screen(monkeypatch):
-    # without bf16 matrix instructions the screen is slower than scoring every key in fp32, so
-    # its bf16 copy of the keys would only cost memory
+def test_chunk_memory_keeps_no_bf16_keys_where_the_bf16_screen_does_not_pay(monkeypatch):
+    # without bf16 matrix instructions the bf16 screen is slower than scoring every key in fp32,
+    # so its copy of the keys would only cost memory
     import farsight.ops.retrieval as retrieval
 
     monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: False)
     memory = ChunkMemory("host", torch.device("cpu"))
     keys = torch.randn(1, 5, 8)
     memory.append(keys, torch.zeros(1, 5, 2, 1, 4), torch.zeros(1, 5, 2, 1, 4))
-    assert memory.screen_keys() == (None, None)
+    assert list(memory.screen_state()) == ["low_rank"]
     assert torch.equal(memory.landmark_keys(), keys)
     assert memory.nbytes() == keys.numel() * 4 + 2 * 5 * 2 * 4 * 4
 

@@ -1,13 +1,24 @@
-"""Retrieval top-k: the bf16-screened path against the reference (every score in fp32/fp64).
+"""Retrieval top-k: the bf16 and low-rank screens against the reference (every score in fp32/fp64).
 
-The screened top-k must be the reference's wherever scores are not tied, including near ties far
-below bf16's resolution; its scores carry the same gradients."""
+A screened top-k must be the reference's wherever scores are not tied, including near ties far
+below bf16's resolution (bf16 screen) or hidden in the dimensions outside the basis (low-rank
+screen); its scores carry the same gradients."""
 
 import pytest
 import torch
 
+import farsight.ops.retrieval as retrieval_module
+import farsight.ops.retrieval.groups as groups_module
+import farsight.ops.retrieval.lowrank as lowrank_module
 import farsight.ops.retrieval.screened as screened_module
-from farsight.ops.retrieval import retrieval_scores, retrieval_topk, retrieval_topk_reference, retrieval_topk_screened
+from farsight.ops.retrieval import (
+    LowRankKeys,
+    retrieval_scores,
+    retrieval_topk,
+    retrieval_topk_lowrank,
+    retrieval_topk_reference,
+    retrieval_topk_screened,
+)
 
 
 def assert_same_topk(ref, got, atol):
@@ -43,7 +54,7 @@ def test_screened_topk_equals_the_reference(dtype, atol, n, k):
 @pytest.mark.parametrize("n, start, first_stop", [(1000, 0, 990), (4099, 50, 2000), (700, 690, 3)])
 def test_screening_in_many_blocks_equals_the_reference(n, start, first_stop, monkeypatch):
     """Blocks of 48 keys: the padding start and the causal stops fall inside and across blocks."""
-    monkeypatch.setattr(screened_module, "BLOCK_SCORES", 7 * 48)
+    monkeypatch.setattr(groups_module, "BLOCK_SCORES", 7 * 48)
     q, keys = inputs(1, 7, n, 24, torch.float64)
     stop = (first_stop + 13 * torch.arange(7)).clamp(max=n)
     start = torch.tensor([start])
@@ -82,7 +93,7 @@ def test_near_ties_below_bf16_resolution_keep_the_exact_order(monkeypatch):
     q, keys = near_ties()
     start, stop = torch.zeros(1, dtype=torch.long), torch.tensor([keys.shape[1]])
     ref_index, _ = retrieval_topk_reference(q, keys, 8, start, stop, 1.0)
-    monkeypatch.setattr(screened_module, "retrieval_topk_reference", no_fallback)
+    monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
     index, _ = retrieval_topk_screened(q, keys, 8, start, stop, 1.0)
     assert torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
 
@@ -103,7 +114,7 @@ def test_scores_too_close_to_screen_fall_back_to_scoring_every_key(monkeypatch):
     start, stop = torch.zeros(1, dtype=torch.long), torch.arange(4) + 1990
     ref = retrieval_topk_reference(q, keys, 4, start, stop, 0.2)
     assert_same_topk(ref, retrieval_topk_screened(q, keys, 4, start, stop, 0.2), 2e-6)
-    monkeypatch.setattr(screened_module, "retrieval_topk_reference", no_fallback)
+    monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
     with pytest.raises(AssertionError, match="fell back"):
         retrieval_topk_screened(q, keys, 4, start, stop, 0.2)
 
@@ -188,20 +199,171 @@ def test_bad_inputs_name_the_problem(change, message):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_screens_long_memories_only_where_bf16_matmuls_are_native(native, monkeypatch):
-    import farsight.ops.retrieval as retrieval
-
+def test_auto_takes_the_bf16_screen_where_bf16_matmuls_are_native_else_the_low_rank_one(native, monkeypatch):
     calls = []
 
-    def screened(*args):
-        calls.append(args[1].shape[1])
-        return retrieval_topk_reference(*args[:6])
+    def screen(name):
+        def run(*args):
+            calls.append((name, args[1].shape[1]))
+            return retrieval_topk_reference(*args[:6])
 
-    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: native)
-    monkeypatch.setattr(retrieval, "retrieval_topk_screened", screened)
-    q, keys = inputs(1, 3, retrieval.SCREEN_MIN_KEYS, 16, torch.float32)
+        return run
+
+    monkeypatch.setattr(retrieval_module, "native_bf16_matmul", lambda device: native)
+    monkeypatch.setattr(retrieval_module, "retrieval_topk_screened", screen("bf16"))
+    monkeypatch.setattr(retrieval_module, "retrieval_topk_lowrank", screen("lowrank"))
+    n = retrieval_module.SCREEN_MIN_KEYS
+    q, keys = inputs(1, 3, n, 64, torch.float32)
+    low_rank = LowRankKeys()
+    low_rank.update(low_rank_keys(1, n, 64))
     start, stop = torch.zeros(1, dtype=torch.long), torch.arange(3) + 1000
     ref = retrieval_topk_reference(q, keys, 4, start, stop, 0.2)
-    assert_same_topk(ref, retrieval_topk(q, keys, 4, start, stop, 0.2), 0)
-    retrieval_topk(q, keys[:, :100], 4, start, stop - 920, 0.2)  # a short memory is never screened
-    assert calls == ([retrieval.SCREEN_MIN_KEYS] if native else [])
+    assert_same_topk(ref, retrieval_topk(q, keys, 4, start, stop, 0.2), 0)  # no LowRankKeys given
+    retrieval_topk(q, keys, 4, start, stop, 0.2, low_rank=low_rank)
+    retrieval_topk(q, keys[:, :100], 4, start, stop - 920, 0.2, low_rank=low_rank)  # a short memory is never screened
+    full_rank = LowRankKeys()
+    full_rank.update(keys)  # random keys: no low-rank basis
+    retrieval_topk(q, keys, 4, start, stop, 0.2, low_rank=full_rank)
+    assert calls == ([("bf16", n)] * 3 if native else [("lowrank", n)])
+
+
+def low_rank_keys(b, n, d, rank=5, noise=1e-3, dtype=torch.float32, seed=0):
+    """Keys like a trained DRT's: a large common part, `rank` directions and a little noise."""
+    g = torch.Generator().manual_seed(seed)
+    mean = 3 * torch.randn(b, 1, d, generator=g, dtype=torch.float64)
+    directions = torch.linalg.qr(torch.randn(b, d, rank, generator=g, dtype=torch.float64)).Q.transpose(1, 2)
+    coefficients = torch.randn(b, n, rank, generator=g, dtype=torch.float64) * torch.linspace(2, 0.5, rank, dtype=torch.float64)
+    keys = mean + coefficients @ directions + noise * torch.randn(b, n, d, generator=g, dtype=torch.float64)
+    return keys.to(dtype)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])  # scores near 100
+@pytest.mark.parametrize("n", [1000, 4099, 20000])
+@pytest.mark.parametrize("k", [1, 4, 40])
+def test_low_rank_topk_equals_the_reference_without_scoring_every_key(dtype, atol, n, k, monkeypatch):
+    keys = low_rank_keys(2, n, 64, dtype=dtype)
+    q = inputs(2, 6, 0, 64, dtype, seed=3)[0] + keys[:, :6]  # queries near the keys, as trained ones are
+    start, stop = torch.tensor([0, 37]), (n - 6 * 97) + 97 * torch.arange(6)
+    low_rank = LowRankKeys()
+    low_rank.update(keys)
+    assert low_rank.basis.shape == (2, 8, 64)
+    ref = retrieval_topk_reference(q, keys, k, start, stop, 0.2)
+    if 6 * k * groups_module.GROUP * groups_module.RESCORE_LIMIT <= n:  # else the top-k's groups alone may be too many to rescore
+        monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
+    assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2, low_rank), atol)
+    assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2), atol)  # fitted on the fly
+
+
+def order_hidden_outside_the_basis(n=20000, d=64, close=16, gap=0.05):
+    """Low-rank keys and a query q = u + side (u in the keys' span, side orthogonal to it): `close`
+    keys score 100 + gap * p_i inside the span (p a permutation of 0..close-1) and -2 gap * p_i
+    along side, too little energy to enter the fitted basis, so their exact scores 100 - gap * p_i
+    run in the opposite order to what the basis sees; every other key scores below 60."""
+    keys = low_rank_keys(1, n, d, rank=7, noise=0.0, dtype=torch.float64)[0]  # mean + 7: no spare dimension in a rank-8 basis
+    g = torch.Generator().manual_seed(2)
+    span = torch.linalg.svd(keys, full_matrices=False).Vh[:8]
+    u = span[0]
+    side = torch.randn(d, generator=g, dtype=torch.float64)
+    side = side - span.t() @ (span @ side)
+    side = side / side.norm()
+    chosen = torch.randperm(n, generator=g)[:close]
+    rank = torch.randperm(close, generator=g).double()
+    keys[chosen] += (100 + gap * rank - keys[chosen] @ u)[:, None] * u - (2 * gap * rank)[:, None] * side
+    return (u + side)[None, None].float(), keys[None].float()
+
+
+def test_low_rank_order_outside_the_basis_is_kept_by_the_residual_bound(monkeypatch):
+    q, keys = order_hidden_outside_the_basis()
+    start, stop = torch.zeros(1, dtype=torch.long), torch.tensor([keys.shape[1]])
+    ref_index, _ = retrieval_topk_reference(q, keys, 8, start, stop, 1.0)
+    low_rank = LowRankKeys()
+    low_rank.update(keys)
+    assert low_rank.basis.shape == (1, 8, 64)
+    monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
+    index, _ = retrieval_topk_lowrank(q, keys, 8, start, stop, 1.0, low_rank)
+    assert torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
+    # the residual bound is what keeps them: without it the screen drops keys of the exact top-k
+    low_rank.residuals.view().zero_()
+    index, _ = retrieval_topk_lowrank(q, keys, 8, start, stop, 1.0, low_rank)
+    assert not torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
+
+
+def test_low_rank_basis_is_fitted_only_where_it_saves_work():
+    assert lowrank_module.fit_basis(low_rank_keys(2, 300, 64, rank=5)).shape == (2, 8, 64)
+    assert lowrank_module.fit_basis(low_rank_keys(1, 300, 64, rank=11)).shape == (1, 16, 64)
+    assert lowrank_module.fit_basis(low_rank_keys(1, 300, 64, rank=17)) is None  # more than D / 4
+    assert lowrank_module.fit_basis(inputs(1, 0, 300, 64, torch.float32)[1]) is None  # random keys
+    assert lowrank_module.fit_basis(low_rank_keys(1, 300, 16, rank=2)) is None  # D / 4 < one step
+
+
+def test_low_rank_keys_grow_refit_and_truncate_like_the_memory():
+    keys = low_rank_keys(1, 5000, 64)
+    low_rank = LowRankKeys(min_keys=1024)
+    fits = []
+    for stop in (500, 1000, 1500, 2047, 2048, 3000, 4096, 5000):
+        low_rank.update(keys[:, :stop])
+        assert low_rank.n_keys == stop and low_rank.coords.length == (stop if stop >= 1024 else 0)
+        fits.append(low_rank.fitted_at)
+    assert fits == [0, 0, 1500, 1500, 1500, 3000, 3000, 3000]
+    basis = low_rank.basis
+    torch.testing.assert_close(low_rank.coords.view(), keys @ basis.transpose(1, 2))
+    torch.testing.assert_close(low_rank.residuals.view(), (keys - keys @ basis.transpose(1, 2) @ basis).norm(dim=-1))
+    low_rank.truncate(4000)
+    assert low_rank.n_keys == low_rank.coords.length == low_rank.residuals.length == 4000
+    low_rank.update(keys[:, :4500])
+    assert low_rank.coords.length == 4500 and torch.equal(low_rank.coords.view()[:, 4000:], keys[:, 4000:4500] @ basis.transpose(1, 2))
+    assert low_rank.max_norm >= keys.norm(dim=-1).max()
+    q = keys[:, :3] + 0.1
+    start, stop = torch.zeros(1, dtype=torch.long), torch.tensor([4000, 4200, 4500])
+    assert_same_topk(retrieval_topk_reference(q, keys[:, :4500], 4, start, stop, 0.2), retrieval_topk_lowrank(q, keys[:, :4500], 4, start, stop, 0.2, low_rank), 1e-4)
+    with pytest.raises(ValueError, match="low_rank covers 4500 keys, keys has 5000"):
+        retrieval_topk_lowrank(q, keys, 4, start, stop, 0.2, low_rank)
+
+
+def test_low_rank_non_finite_keys_and_queries_take_the_reference_path(monkeypatch):
+    keys = low_rank_keys(1, 1200, 64)
+    q = keys[:, :3] + 0.1
+    start, stop = torch.zeros(1, dtype=torch.long), torch.arange(3) + 1000
+    low_rank = LowRankKeys()
+    low_rank.update(keys)
+    bad_q = q.clone()
+    bad_q[0, 1, 0] = float("nan")
+    ref_index, ref_scores = retrieval_topk_reference(bad_q, keys, 4, start, stop, 0.2)
+    index, scores = retrieval_topk_lowrank(bad_q, keys, 4, start, stop, 0.2, low_rank)
+    assert torch.equal(index, ref_index) and torch.equal(scores.isnan(), ref_scores.isnan())
+    keys[0, 1100] = float("inf")
+    low_rank.update(keys)  # the same number of keys: no new ones, the bound is unchanged
+    grown = torch.cat([keys, keys[:, 1100:1101]], dim=1)
+    low_rank.update(grown)
+    assert low_rank.basis is None
+    ref_index, _ = retrieval_topk_reference(q, grown, 4, start, stop, 0.2)
+    assert torch.equal(retrieval_topk_lowrank(q, grown, 4, start, stop, 0.2, low_rank)[0], ref_index)
+
+
+def test_low_rank_scores_carry_the_reference_gradients_and_stay_fp32_under_autocast():
+    keys = low_rank_keys(2, 1500, 64, dtype=torch.float64)
+    q = keys[:, :5] + 0.05
+    start, stop = torch.tensor([0, 7]), torch.arange(5) + 1400
+    grads = []
+    for fn in (retrieval_topk_reference, retrieval_topk_lowrank):
+        qq, kk = q.clone().requires_grad_(), keys.clone().requires_grad_()
+        index, scores = fn(qq, kk, 3, start, stop, 0.3)
+        order = index.argsort(-1)
+        (scores.gather(-1, order) * torch.arange(1.0, 4.0, dtype=torch.float64)).sum().backward()
+        grads.append((qq.grad, kk.grad))
+    for ref, got in zip(*grads):
+        torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+    q32, keys32 = q.float(), keys.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        index, scores = retrieval_topk(q32, keys32, 3, start, stop, 0.3, backend="lowrank")
+    assert scores.dtype == torch.float32
+    assert_same_topk(retrieval_topk_reference(q32, keys32, 3, start, stop, 0.3), (index, scores), 1e-4)
+
+
+def test_low_rank_empty_memory_and_empty_queries():
+    q, keys = inputs(2, 3, 0, 64, torch.float32)
+    index, scores = retrieval_topk(q, keys, 4, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1.0, backend="lowrank")
+    assert index.shape == scores.shape == (2, 3, 0)
+    keys = low_rank_keys(1, 2000, 64)
+    index, scores = retrieval_topk(keys[:, :0], keys, 4, torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0, backend="lowrank")
+    assert index.shape == (1, 0, 4)

@@ -2,9 +2,10 @@
 the landmark keys of the chunks it may read and keeps the top k.
 
 `retrieval_scores` gives every score (the training path: Gumbel noise and the random retriever
-need them all), `retrieval_topk_reference` its top-k, and `retrieval_topk_screened` the same
-top-k from a bf16 screen plus an exact rescoring of the few keys the screen cannot rule out
-(inference over long memories). `retrieval_topk` checks the inputs and picks one;
+need them all), `retrieval_topk_reference` its top-k, and two screens give the same top-k for
+inference over long memories, each from cheap scores plus an exact rescoring of the few keys it
+cannot rule out: `retrieval_topk_screened` scans the keys in bf16 (where bf16 GEMMs run in
+hardware), `retrieval_topk_lowrank` in a low-rank basis of the keys in fp32 (`LowRankKeys`). `retrieval_topk` checks the inputs and picks one;
 `screen_pays_off` says whether "auto" screens on a device.
 
 Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
@@ -17,29 +18,33 @@ import torch
 
 from farsight.ops.checks import check_float, check_positive_int, check_tensor
 from farsight.ops.precision import native_bf16_matmul
+from farsight.ops.retrieval.lowrank import LowRankKeys, retrieval_topk_lowrank
 from farsight.ops.retrieval.reference import retrieval_scores, retrieval_topk_reference, score_dtype
 from farsight.ops.retrieval.screened import retrieval_topk_screened
 
 __all__ = [
     "BACKENDS",
+    "LowRankKeys",
     "retrieval_scores",
     "retrieval_topk",
+    "retrieval_topk_lowrank",
     "retrieval_topk_reference",
     "retrieval_topk_screened",
     "score_dtype",
     "screen_pays_off",
 ]
 
-BACKENDS = ("auto", "screened", "reference")
-# Below this many keys the full fp32 scan is as cheap as the screen and its rescoring.
+BACKENDS = ("auto", "screened", "lowrank", "reference")
+# Below this many keys the full fp32 scan is as cheap as a screen and its rescoring.
 SCREEN_MIN_KEYS = 1024
 
 
 def screen_pays_off(device: torch.device) -> bool:
-    """Whether "auto" screens long memories on `device`: the screen trades the fp32 scan for a
-    bf16 GEMM, which only pays where bf16 matmuls run in hardware. On a CPU without bf16
-    instructions the screened top-k ran 10-15x slower than the scan (benchmarks/retrieval.py on
-    a 2-core AVX2 EPYC), where an AVX512-BF16 EPYC ran it 1.5-4.8x faster."""
+    """Whether "auto" takes the bf16 screen for long memories on `device`: it trades the fp32
+    scan for a bf16 GEMM, which only pays where bf16 matmuls run in hardware. On a CPU without
+    bf16 instructions it ran 10-15x slower than the scan (benchmarks/retrieval.py on a 2-core
+    AVX2 EPYC), where an AVX512-BF16 EPYC ran it 1.5-4.8x faster; there the low-rank screen
+    (given a memory's LowRankKeys) is used instead."""
     return native_bf16_matmul(device)
 
 
@@ -52,11 +57,17 @@ def retrieval_topk(
     scale: float,
     keys_low: torch.Tensor | None = None,
     max_key_norm: torch.Tensor | None = None,
+    low_rank: LowRankKeys | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [B, m, D], keys [B, n, D], start [B], stop [m] (long) -> (index [B, m, min(k, n)],
     scores [B, m, min(k, n)]) in score_dtype, differentiable in query and keys; a score is -inf
-    where query i has fewer than k candidates. keys_low / max_key_norm: see the screened path."""
+    where query i has fewer than k candidates. keys_low / max_key_norm: see the bf16 screen;
+    low_rank: the keys' LowRankKeys, for the low-rank screen.
+
+    "auto": the reference below SCREEN_MIN_KEYS keys; above, the bf16 screen where it pays
+    (`screen_pays_off`), else the low-rank screen when low_rank has a basis, else the reference.
+    """
     check_tensor("query", query, 3)
     check_tensor("keys", keys, 3)
     check_float("query", query)
@@ -71,7 +82,14 @@ def retrieval_topk(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
-        backend = "screened" if keys.shape[1] >= SCREEN_MIN_KEYS and screen_pays_off(keys.device) else "reference"
+        if keys.shape[1] < SCREEN_MIN_KEYS:
+            backend = "reference"
+        elif screen_pays_off(keys.device):
+            backend = "screened"
+        else:
+            backend = "lowrank" if low_rank is not None and low_rank.basis is not None else "reference"
     if backend == "reference":
         return retrieval_topk_reference(query, keys, k, start, stop, scale)
+    if backend == "lowrank":
+        return retrieval_topk_lowrank(query, keys, k, start, stop, scale, low_rank)
     return retrieval_topk_screened(query, keys, k, start, stop, scale, keys_low, max_key_norm)

@@ -1,0 +1,159 @@
+"""Exact top-k retrieval with a low-rank screen: long memories where bf16 GEMMs are slow.
+
+Trained landmark keys lie close to a low-dimensional subspace: the shipped demo DRT's keys over a
+128K-token prefix of Python source keep 99.99% of their energy in 16 of 128 dimensions. With P
+[r, D] an orthonormal basis of that subspace (the top right singular vectors of the keys), write
+k = k_r P + k_perp with k_r = k P^T, and q likewise. Then
+
+    q . k = q_r . k_r + q_perp . k_perp,    |q_perp . k_perp| <= |q_perp| |k_perp|
+
+(Cauchy-Schwarz), so the screen scores q_r . k_r, a GEMM over r dimensions instead of D in the
+score dtype, and every key of a group g is off by at most |q_perp| rho_g, rho_g the largest
+|k_perp| in the group, plus a margin for rounding (`_topk_one_row`). farsight.ops.retrieval.groups
+turns that bound into the exact top-k. The basis decides only how many keys are rescored, never
+which chunks are retrieved: the top-k is exact for any basis, and keys that are not close to a
+low-rank subspace (random ones, an untrained model) are scored in full.
+
+`LowRankKeys` keeps a growing memory's basis, the keys' coordinates in it [B, n, r] (r/D of the
+keys' size) and their residual norms; the basis is fitted once the memory holds `min_keys`
+keys and refitted (every key projected again) whenever the memory has doubled since, so the
+work per key stays O(r D) however long the memory grows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from farsight.ops.buffers import GrowingBuffer
+from farsight.ops.retrieval.groups import GROUP, group_maxima, topk_from_groups
+from farsight.ops.retrieval.reference import retrieval_topk_reference, score_dtype
+
+RESIDUAL_ENERGY = 1e-4  # the basis keeps all but this fraction of the keys' squared norms
+RANK_STEP = 8  # ranks are multiples of this
+MAX_RANK_FRACTION = 4  # a basis of more than D / 4 dimensions saves too little of a full scan
+FIT_SAMPLE = 4096  # keys (evenly spaced) that a basis is fitted to
+
+
+def fit_basis(keys: torch.Tensor) -> torch.Tensor | None:
+    """keys [B, n, D] (n >= 1) -> an orthonormal basis [B, r, D] that keeps all but
+    RESIDUAL_ENERGY of every row's energy (r a multiple of RANK_STEP, shared by the rows), or
+    None when that takes more than D / MAX_RANK_FRACTION dimensions."""
+    n, d = keys.shape[1], keys.shape[2]
+    sample = keys[:, torch.linspace(0, n - 1, min(n, FIT_SAMPLE), device=keys.device).long()]
+    _, singular, vh = torch.linalg.svd(sample, full_matrices=False)  # vh [B, min(s, D), D]
+    energy = singular.square().cumsum(dim=1)
+    left = 1 - energy / energy[:, -1:].clamp(min=torch.finfo(energy.dtype).tiny)  # [B, min(s, D)]
+    needed = int((left > RESIDUAL_ENERGY).sum(dim=1).max()) + 1  # dimensions every row needs
+    rank = -(-needed // RANK_STEP) * RANK_STEP
+    if rank > d // MAX_RANK_FRACTION or rank > vh.shape[1]:
+        return None
+    return vh[:, :rank].contiguous()
+
+
+class LowRankKeys:
+    """The low-rank screen's view of a growing memory of keys [B, n, D] (module docstring).
+
+    `update(keys)` is called with all the memory's keys after each append, `truncate(n)` when the
+    memory drops its last keys. `basis` is None until a fit has found a low-rank subspace.
+    """
+
+    def __init__(self, min_keys: int = 1) -> None:
+        self.min_keys = min_keys
+        self.basis: torch.Tensor | None = None  # [B, r, D] in the keys' score dtype
+        self.coords = GrowingBuffer(dim=1)  # [B, n, r]: k_r of every key (only while basis is set)
+        self.residuals = GrowingBuffer(dim=1)  # [B, n]: |k_perp|
+        self.max_norm: torch.Tensor | None = None  # >= every key's norm (stays a bound after truncate)
+        self.n_keys = 0  # keys seen (those of the memory)
+        self.fitted_at = 0  # keys in the memory at the last fit (0: none yet)
+
+    def update(self, keys: torch.Tensor) -> None:
+        """Catch up with `keys` [B, n, D], the memory's keys after an append (the first n_keys
+        rows are the ones seen before)."""
+        keys = keys.detach().to(score_dtype(keys.dtype))
+        new = keys[:, self.n_keys :]
+        self.n_keys = keys.shape[1]
+        if new.shape[1]:
+            norm = new.norm(dim=-1).max()
+            self.max_norm = norm if self.max_norm is None else torch.maximum(self.max_norm, norm)
+        if self.max_norm is not None and not bool(torch.isfinite(self.max_norm)):
+            self.basis = None  # a non-finite key: every retrieval of this memory scores all keys
+            return
+        if self.n_keys >= self.min_keys and (self.fitted_at == 0 or self.n_keys >= 2 * self.fitted_at):
+            self.fitted_at = self.n_keys
+            self.basis = fit_basis(keys)
+            self.coords, self.residuals = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
+            new = keys
+        if self.basis is not None:
+            coords = new @ self.basis.transpose(1, 2)  # [B, m, r]
+            self.coords.append(coords)
+            self.residuals.append((new - coords @ self.basis).norm(dim=-1))
+
+    def truncate(self, n: int) -> None:
+        """Forget every key from the n-th on (the basis and the norm bound stay valid)."""
+        self.n_keys = min(self.n_keys, n)
+        self.coords.length = min(self.coords.length, n)
+        self.residuals.length = min(self.residuals.length, n)
+
+
+def _topk_one_row(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    basis: torch.Tensor,
+    coords: torch.Tensor,
+    residuals: torch.Tensor,
+    max_norm: torch.Tensor,
+    k: int,
+    start: int,
+    stop: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch row: q [m, D] scaled queries in the score dtype, keys [n, D], basis [r, D],
+    coords [n, r] and residuals [n] of the keys, max_norm >= every |k_j| -> (index, exact scores)."""
+    rank, dim = basis.shape
+    plain = q.detach()
+    q_r = plain @ basis.t()  # [m, r]
+    q_perp = (plain - q_r @ basis).norm(dim=1)  # [m]
+    group_max = group_maxima(q_r, coords, start, stop)  # [m, n_groups]
+    n_groups = group_max.shape[1]
+    rho = F.pad(residuals, (0, n_groups * GROUP - keys.shape[0])).view(n_groups, GROUP).amax(dim=1)  # [n_groups]
+    # Rounding, with u the unit roundoff: the computed q_r, k_r, residuals and their norms
+    # decompose q and k only up to O((D + r) u) |q| |k| in the dot product (P is orthonormal up
+    # to O(D u), the r-dim GEMM adds r u |q_r| |k_r|), and each norm is off by O(D u) relative;
+    # the margin takes twice the sum of those worst cases.
+    u = torch.finfo(q.dtype).eps / 2
+    margin = 8 * (dim + rank + 4) * u * plain.norm(dim=1) * max_norm  # [m]
+    error = torch.addcmul(margin[:, None], q_perp[:, None], rho[None], value=1 + 4 * dim * u)  # [m, n_groups], one pass
+    return topk_from_groups(q, keys, group_max, error, k, start, stop)
+
+
+def retrieval_topk_lowrank(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    k: int,
+    start: torch.Tensor,
+    stop: torch.Tensor,
+    scale: float,
+    low_rank: LowRankKeys | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as retrieval_topk_reference. low_rank: the keys' LowRankKeys (a long-lived
+    memory keeps one as it grows), fitted here when not given. Keys without a low-rank basis
+    and non-finite inputs take the reference path."""
+    if keys.shape[1] == 0 or query.shape[1] == 0:  # nothing to screen
+        return retrieval_topk_reference(query, keys, k, start, stop, scale)
+    dtype = score_dtype(query.dtype)
+    with torch.autocast(query.device.type, enabled=False):
+        if low_rank is None:
+            low_rank = LowRankKeys()
+            low_rank.update(keys)
+        elif low_rank.n_keys != keys.shape[1]:
+            raise ValueError(f"low_rank covers {low_rank.n_keys} keys, keys has {keys.shape[1]}; update it with the memory's keys")
+        q = query.to(dtype) * scale
+        if low_rank.basis is None or not bool(torch.isfinite(low_rank.max_norm)) or not bool(torch.isfinite(q).all()):
+            return retrieval_topk_reference(query, keys, k, start, stop, scale)
+        basis, coords, residuals = (x.to(dtype) for x in (low_rank.basis, low_rank.coords.view(), low_rank.residuals.view()))
+        max_norm = low_rank.max_norm.to(dtype)
+        results = [
+            _topk_one_row(q[b], keys[b], basis[b], coords[b], residuals[b], max_norm, k, int(start[b]), stop)
+            for b in range(query.shape[0])
+        ]
+    return torch.stack([r[0] for r in results]), torch.stack([r[1] for r in results])
