@@ -438,7 +438,7 @@ class ChunkMemory:
         # a truncate the bound stays an upper bound), elsewhere a low-rank basis of the keys
         self._screened = tier != "graph" and retrieval.screen_pays_off(self.device)
         self._screen_keys = GrowingBuffer(dim=1)
-        self._low_rank = retrieval.LowRankKeys(retrieval.SCREEN_MIN_KEYS) if tier != "graph" and not self._screened else None
+        self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS) if tier != "graph" and not self._screened else None
         self._max_key_norm: torch.Tensor | None = None
 
     @property
@@ -511,4 +511,4 @@ class ChunkMemory:
         self._graph_keys = []
         self._keys, self._screen_keys = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
         if self._low_rank is not None:
-            self._low_rank = retrieval.LowRankKeys(retrieval.SCREEN_MIN_KEYS)
+            self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS)

@@ -306,6 +306,7 @@ def test_screened_retrieval_equals_scoring_every_key(memory, screen, monkeypatch
         # group the bound keeps, so that the screen runs for every retrieval
         monkeypatch.setattr(lowrank, "RESIDUAL_ENERGY", 1.0)
         monkeypatch.setattr(groups, "RESCORE_LIMIT", 1)
+        monkeypatch.setattr(retrieval, "LOW_RANK_MIN_KEYS", 1)
 
         def counted(*args):
             screened.append(args[1].shape[1])

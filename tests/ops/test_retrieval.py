@@ -254,7 +254,7 @@ def test_low_rank_topk_equals_the_reference_without_scoring_every_key(dtype, ato
     low_rank.update(keys)
     assert low_rank.basis.shape == (2, 8, 64)
     ref = retrieval_topk_reference(q, keys, k, start, stop, 0.2)
-    if 6 * k * groups_module.GROUP * groups_module.RESCORE_LIMIT <= n:  # else the top-k's groups alone may be too many to rescore
+    if 6 * k * lowrank_module.GROUP * groups_module.RESCORE_LIMIT <= n:  # else the top-k's groups alone may be too many to rescore
         monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
     assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2, low_rank), atol)
     assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2), atol)  # fitted on the fly

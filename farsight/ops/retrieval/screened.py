@@ -23,6 +23,7 @@ import torch
 from farsight.ops.retrieval.groups import group_maxima, topk_from_groups
 from farsight.ops.retrieval.reference import retrieval_topk_reference, score_dtype
 
+GROUP = 16  # keys per group (farsight.ops.retrieval.groups)
 UNIT_ROUNDOFF = 2.0**-9  # bf16
 OUTPUT_ROUNDING = UNIT_ROUNDOFF / (1 - UNIT_ROUNDOFF)  # r: rounding a product to bf16, relative to the rounded value
 
@@ -39,11 +40,11 @@ def _topk_one_row(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch row: q [m, D] scaled queries in the score dtype, keys [n, D], keys_low [n, D]
     bf16, max_norm >= every |k_j| -> (index [m, min(k, n)], exact scores)."""
-    group_max = group_maxima(q.detach().to(torch.bfloat16), keys_low, start, stop)  # [m, n_groups]
+    group_max = group_maxima(q.detach().to(torch.bfloat16), keys_low, start, stop, GROUP)  # [m, n_groups]
     # E(a) = c + r |a| grows with a, so E(M) bounds the error of every key at or below M
     c = screen_error(q.shape[1]) * q.detach().norm(dim=1) * max_norm  # [m]
     size = group_max.abs().nan_to_num(posinf=0.0)  # groups without candidates (-inf) add nothing
-    return topk_from_groups(q, keys, group_max, c[:, None] + OUTPUT_ROUNDING * size, k, start, stop)
+    return topk_from_groups(q, keys, group_max, c[:, None] + OUTPUT_ROUNDING * size, k, start, stop, GROUP)
 
 
 def retrieval_topk_screened(
