@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from farsight.errors import FarsightError, InputError
-from farsight.ops.buffers import GrowingBuffer
 from farsight.ops import retrieval
+from farsight.ops.buffers import GrowingBuffer
 
 MEMORY_TIERS = ("device", "host", "disk")  # what a user picks; "graph" is the training forward's
 KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -5,8 +5,9 @@ the landmark keys of the chunks it may read and keeps the top k.
 need them all), `retrieval_topk_reference` its top-k, and two screens give the same top-k for
 inference over long memories, each from cheap scores plus an exact rescoring of the few keys it
 cannot rule out: `retrieval_topk_screened` scans the keys in bf16 (where bf16 GEMMs run in
-hardware), `retrieval_topk_lowrank` in a low-rank basis of the keys in fp32 (`LowRankKeys`). `retrieval_topk` checks the inputs and picks one;
-`screen_pays_off` says whether "auto" screens on a device.
+hardware), `retrieval_topk_lowrank` in a low-rank basis of the keys in fp32 (`LowRankKeys`).
+`retrieval_topk` checks the inputs and picks one; `screen_pays_off` says whether "auto" takes
+the bf16 screen on a device.
 
 Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
 start[b] are left padding, keys from stop[i] on are its own chunk or later).
