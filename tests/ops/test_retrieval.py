@@ -302,6 +302,32 @@ def test_low_rank_basis_is_fitted_only_where_it_saves_work():
     assert lowrank_module.fit_basis(low_rank_keys(1, 300, 16, rank=2)) is None  # D / 4 < one step
 
 
+def test_low_rank_keys_stop_refitting_past_the_limit_unless_the_keys_drift(monkeypatch):
+    monkeypatch.setattr(lowrank_module, "REFIT_LIMIT", 2000)
+    monkeypatch.setattr(lowrank_module, "DRIFT_MIN_KEYS", 500)
+    keys = low_rank_keys(1, 9000, 64)
+    low_rank = LowRankKeys(min_keys=1000)
+    fits = []
+    for stop in (1000, 2000, 4000, 5000):
+        low_rank.update(keys[:, :stop])
+        fits.append(low_rank.fitted_at)
+    assert fits == [1000, 2000, 2000, 2000]  # no refit at 4000: past the limit, the keys did not drift
+    drifted = torch.cat([keys[:, :5000], low_rank_keys(1, 4000, 64, seed=7)], dim=1)  # another subspace
+    low_rank.update(drifted[:, :5400])
+    assert low_rank.fitted_at == 5400 and low_rank.basis.shape == (1, 16, 64)  # refitted to both subspaces
+    low_rank.update(drifted[:, :7000])
+    assert low_rank.fitted_at == 5400  # the new keys lie in the basis
+    q = drifted[:, 6990:6993] + 0.1
+    start, stop = torch.zeros(1, dtype=torch.long), torch.tensor([6000, 6990, 7000])
+    ref = retrieval_topk_reference(q, drifted[:, :7000], 4, start, stop, 0.2)
+    assert_same_topk(ref, retrieval_topk_lowrank(q, drifted[:, :7000], 4, start, stop, 0.2, low_rank), 1e-4)
+    monkeypatch.setattr(lowrank_module, "DRIFT_MIN_KEYS", 5000)  # too few new keys to judge: no refit
+    low_rank = LowRankKeys(min_keys=1000)
+    low_rank.update(keys[:, :2000])
+    low_rank.update(drifted[:, :5400])
+    assert low_rank.fitted_at == 2000
+
+
 def test_low_rank_keys_grow_refit_and_truncate_like_the_memory():
     keys = low_rank_keys(1, 5000, 64)
     low_rank = LowRankKeys(min_keys=1024)

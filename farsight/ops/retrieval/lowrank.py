@@ -16,8 +16,9 @@ low-rank subspace (random ones, an untrained model) are scored in full.
 
 `LowRankKeys` keeps a growing memory's basis, the keys' coordinates in it [B, n, r] (r/D of the
 keys' size) and their residual norms; the basis is fitted once the memory holds `min_keys`
-keys and refitted (every key projected again) whenever the memory has doubled since, so the
-work per key stays O(r D) however long the memory grows.
+keys and refitted (every key projected again) whenever the memory has doubled since, up to
+REFIT_LIMIT keys, and beyond only if new keys drift out of it, so the work per key stays O(r D)
+however long the memory grows and a long memory never pauses to refit without need.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ RESIDUAL_ENERGY = 1e-4  # the basis keeps all but this fraction of the keys' squ
 RANK_STEP = 8  # ranks are multiples of this
 MAX_RANK_FRACTION = 4  # a basis of more than D / 4 dimensions saves too little of a full scan
 FIT_SAMPLE = 4096  # keys (evenly spaced) that a basis is fitted to
+REFIT_LIMIT = 65536  # refits at each doubling of the memory stop here (LowRankKeys._refit_due)
+DRIFT, DRIFT_MIN_KEYS = 10, 1024  # beyond: refit once 1024+ new keys keep 10x RESIDUAL_ENERGY outside the basis
 
 
 def fit_basis(keys: torch.Tensor) -> torch.Tensor | None:
@@ -69,6 +72,7 @@ class LowRankKeys:
         self.max_norm: torch.Tensor | None = None  # >= every key's norm (stays a bound after truncate)
         self.n_keys = 0  # keys seen (those of the memory)
         self.fitted_at = 0  # keys in the memory at the last fit (0: none yet)
+        self._since_fit: tuple[int, torch.Tensor | float, torch.Tensor | float] = (0, 0.0, 0.0)  # keys, energy, residual energy
 
     def update(self, keys: torch.Tensor) -> None:
         """Catch up with `keys` [B, n, D], the memory's keys after an append (the first n_keys
@@ -82,15 +86,36 @@ class LowRankKeys:
         if self.max_norm is not None and not bool(torch.isfinite(self.max_norm)):
             self.basis = None  # a non-finite key: every retrieval of this memory scores all keys
             return
-        if self.n_keys >= self.min_keys and (self.fitted_at == 0 or self.n_keys >= 2 * self.fitted_at):
+        if self.basis is not None and new.shape[1]:
+            self._project(new)
+        if self._refit_due():
             self.fitted_at = self.n_keys
             self.basis = fit_basis(keys)
             self.coords, self.residuals = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
-            new = keys
-        if self.basis is not None:
-            coords = new @ self.basis.transpose(1, 2)  # [B, m, r]
-            self.coords.append(coords)
-            self.residuals.append((new - coords @ self.basis).norm(dim=-1))
+            if self.basis is not None:
+                self._project(keys)
+            self._since_fit = (0, 0.0, 0.0)
+
+    def _project(self, new: torch.Tensor) -> None:
+        """Append the coordinates and residual norms of keys `new` [B, m, D]."""
+        coords = new @ self.basis.transpose(1, 2)  # [B, m, r]
+        residuals = (new - coords @ self.basis).norm(dim=-1)  # [B, m]
+        self.coords.append(coords)
+        self.residuals.append(residuals)
+        count, energy, residual = self._since_fit
+        self._since_fit = (count + new.shape[1], energy + new.square().sum(), residual + residuals.square().sum())
+
+    def _refit_due(self) -> bool:
+        """The first fit at min_keys keys; then a refit each time the memory has doubled, up to
+        REFIT_LIMIT keys while a basis holds (a refit projects every key again: a pause of about
+        0.5 s at 512K keys, in the middle of a prefill or a decode step), and beyond only when
+        the keys since the last fit have drifted out of the basis."""
+        if self.n_keys < self.min_keys:
+            return False
+        if self.fitted_at == 0 or (self.n_keys >= 2 * self.fitted_at and (self.basis is None or self.n_keys <= REFIT_LIMIT)):
+            return True
+        count, energy, residual = self._since_fit
+        return self.basis is not None and count >= DRIFT_MIN_KEYS and bool(residual > DRIFT * RESIDUAL_ENERGY * energy)
 
     def truncate(self, n: int) -> None:
         """Forget every key from the n-th on (the basis and the norm bound stay valid)."""
