@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -28,9 +29,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tune_malloc()  # the command owns the process (FARSIGHT_DEFAULT_MALLOC=1 leaves glibc's defaults)
     try:
-        return args.func(args)
+        with _model_matmuls(args):
+            return args.func(args)
     except FarsightError as exc:
         if args.traceback:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _model_matmuls(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """Around a command whose --dtype is bf16 or fp16: the products this CPU has no matrix
+    instructions for run as fp32 GEMMs (`farsight.ops.precision.widened_matmuls`)."""
+    dtype = getattr(args, "dtype", None)
+    if dtype not in ("bf16", "fp16"):
+        return contextlib.nullcontext()
+    import torch
+
+    from farsight.models import MODEL_DTYPES
+    from farsight.ops.precision import widened_matmuls
+
+    return widened_matmuls(torch.device("cpu"), MODEL_DTYPES[dtype])

@@ -59,7 +59,7 @@ def add_memory_argument(parser: argparse.ArgumentParser) -> None:
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype: the dtype the model is cast to for evaluation (farsight.models.MODEL_DTYPES)."""
-    dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions, far slower on CPUs without)")
+    dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions; on CPUs without, bf16/fp16 products run as fp32 GEMMs)")
     dtype.choices = _LazyChoices("MODEL_DTYPES")
 
 
@@ -215,11 +215,11 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
 
     from farsight.data.tokenizers import load_tokenizer
     from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir
-    from farsight.train.precision import slow_dtype_reason
+    from farsight.train.precision import software_dtype_reason
 
-    reason = slow_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
+    reason = software_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
     if reason is not None:
-        print(f"note: --dtype {dtype} computes in software here ({reason}); --dtype fp32 is usually much faster", file=sys.stderr)
+        print(f"note: {reason}: --dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32", file=sys.stderr)
     directory = resolve_model_dir(path)
     return load_model(directory).to(MODEL_DTYPES[dtype]).eval(), load_tokenizer(directory)
 

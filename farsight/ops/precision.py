@@ -11,6 +11,9 @@ back in that input's own dtype.
 
 `native_bf16_matmul` says whether bf16 matrix products run in hardware on a device: fast paths
 that trade fp32 GEMMs for bf16 ones (the retrieval screen) pay off only there.
+`widened_matmuls` runs the bf16/fp16 matrix products of CPU tensors as fp32 GEMMs where the CPU
+has no instructions for them (torch's software loop is 20-100x slower): the trainer and the
+command line enter it for low-precision work.
 
 `amp_function` applies `torch.amp.custom_fwd` / `custom_bwd` to an autograd Function for the
 device type of its inputs, so that its backward runs under the forward's autocast state (off)
@@ -24,6 +27,8 @@ import functools
 from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 
 def _castable(x: object) -> bool:
@@ -96,3 +101,86 @@ def native_bf16_matmul(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def software_matmul_dtypes(device: torch.device) -> frozenset[torch.dtype]:
+    """The low-precision dtypes whose matrix products `device` runs in software: on a CPU fp16
+    always (x86 CPUs before AVX512-FP16 have no fp16 matrix instructions) and bf16 unless
+    `cpu_has_native_bf16`; none elsewhere."""
+    if device.type != "cpu":
+        return frozenset()
+    return frozenset({torch.float16} if cpu_has_native_bf16() else {torch.float16, torch.bfloat16})
+
+
+_aten = torch.ops.aten
+# The products `WidenedMatmuls` takes over, each with the argument positions that stay fp32
+# next to low-precision ones (SDPA's logsumexp); linear, matmul and einsum decompose into these.
+# SDPA's CPU forward already computes in fp32 inside; its backward does not.
+_WIDENED_OPS: dict[object, tuple[int, ...]] = {
+    _aten.mm.default: (),
+    _aten.addmm.default: (),
+    _aten.bmm.default: (),
+    _aten.baddbmm.default: (),
+    _aten.mv.default: (),
+    _aten.addmv.default: (),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (5,),
+}
+
+
+class WidenedMatmuls(TorchDispatchMode):
+    """Matrix products of CPU tensors in `dtypes` computed as fp32 GEMMs and rounded back.
+
+    Widening bf16/fp16 to fp32 is exact and an fp32 GEMM accumulates in fp32 as the hardware
+    low-precision kernels do, so the result is the one a native bf16/fp16 GEMM gives up to the
+    order of its fp32 sums, rounded to the input dtype once; the speed is fp32's. On a 2-core
+    AVX2 EPYC torch's bf16 GEMM ran at 0.8-1.3 GFLOP/s against 84-158 GFLOP/s in fp32.
+
+    Only products whose tensors are all on the CPU and all of one dtype in `dtypes` (bar the
+    fp32 positions of `_WIDENED_OPS`) are taken over: mixed dtypes reach torch's own kernel and
+    its error. While the mode is active every aten call passes through this Python method (a few
+    microseconds each), so enter it only around low-precision work (`widened_matmuls`).
+    """
+
+    def __init__(self, dtypes: frozenset[torch.dtype]):
+        super().__init__()
+        self.dtypes = dtypes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        fp32_positions = _WIDENED_OPS.get(func)
+        if fp32_positions is not None:
+            dtype = self._low_dtype(args, kwargs, fp32_positions)
+            if dtype is not None:
+                return widened_call(func, dtype, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _low_dtype(self, args: tuple, kwargs: dict, fp32_positions: tuple[int, ...]) -> torch.dtype | None:
+        """The one dtype in `self.dtypes` of the call's floating CPU tensors, or None."""
+        tensors = [(i, x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)]
+        tensors += [(None, x) for x in kwargs.values() if isinstance(x, torch.Tensor)]
+        floating = [(i, x) for i, x in tensors if x.is_floating_point()]
+        if not floating or any(x.device.type != "cpu" for _, x in tensors):
+            return None
+        dtype = floating[0][1].dtype
+        if dtype not in self.dtypes:
+            return None
+        if all(x.dtype == dtype or (i in fp32_positions and x.dtype == torch.float32) for i, x in floating):
+            return dtype
+        return None
+
+
+def widened_call(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+    """`func` on the `dtype` tensors of args / kwargs widened to fp32, its outputs rounded to `dtype`."""
+
+    def widen(x):
+        return x.float() if isinstance(x, torch.Tensor) and x.dtype == dtype else x
+
+    out = func(*tree_map(widen, args), **tree_map(widen, kwargs))
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) else x, out)
+
+
+def widened_matmuls(device: torch.device, *dtypes: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """A `WidenedMatmuls` context for those of `dtypes` that `device` multiplies in software,
+    else a null context (fp32 work, GPUs and CPUs with the instructions pay nothing)."""
+    slow = software_matmul_dtypes(device).intersection(dtypes)
+    return WidenedMatmuls(slow) if slow else contextlib.nullcontext()

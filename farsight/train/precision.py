@@ -22,7 +22,7 @@ from torch import nn
 from torch.amp.autocast_mode import is_autocast_available
 
 from farsight.errors import ConfigError
-from farsight.ops.precision import native_bf16_matmul
+from farsight.ops.precision import native_bf16_matmul, software_matmul_dtypes, widened_matmuls
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class Precision:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+    def matmuls(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """A context for a forward and backward pass: on a CPU without matrix instructions for
+        this mode's low-precision dtype its products run as fp32 GEMMs (`widened_matmuls`)."""
+        return widened_matmuls(device, self.autocast_dtype, self.param_dtype)
 
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         # under FSDP the gradients are DTensors, whose overflow check is reduced over all ranks
@@ -118,28 +123,29 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
     return mode
 
 
-def slow_dtype_reason(dtype: torch.dtype | None, device: torch.device) -> str | None:
-    """Why matrix products in `dtype` are computed in software on `device`, or None.
+def software_dtype_reason(dtype: torch.dtype | None, device: torch.device) -> str | None:
+    """Why `device` has no matrix instructions for `dtype`, or None (fp32, GPUs, native bf16).
 
-    CPUs have no fp16 matrix instructions (x86 before AVX512-FP16; a demo DRT step ran 12x slower
-    than fp32 on an AVX512-BF16 EPYC), and a CPU without bf16 instructions emulates bf16 as well
-    (a passkey-drt training step under bf16 autocast ran 9x slower than fp32 on a 2-core AVX2 EPYC).
+    Products in such a dtype run as fp32 GEMMs (`widened_matmuls`): the dtype's rounding at
+    fp32's speed, no faster. Without that, torch's software kernels ran a demo DRT step 12x slower
+    than fp32 in fp16 on an AVX512-BF16 EPYC and a passkey-drt step 9x slower in bf16 on an AVX2 one.
     """
-    if device.type != "cpu":
+    if dtype not in software_matmul_dtypes(device):
         return None
     if dtype == torch.float16:
         return "CPUs have no fp16 matrix instructions"
-    if dtype == torch.bfloat16 and not native_bf16_matmul(device):
-        return "this CPU has no bf16 matrix instructions (AVX512-BF16, AMX)"
-    return None
+    return "this CPU has no bf16 matrix instructions (AVX512-BF16, AMX)"
 
 
-def slow_precision_note(precision: Precision, device: torch.device) -> str | None:
-    """A one-line warning for a mode that runs but is far slower than fp32 on `device`
-    (`slow_dtype_reason`), naming the fast mode there."""
+def precision_note(precision: Precision, device: torch.device) -> str | None:
+    """A one-line note for a mode whose low-precision products `device` cannot run in hardware
+    (`software_dtype_reason`): they run as fp32 GEMMs, and the note names the fast mode there."""
     for dtype in (precision.autocast_dtype, precision.param_dtype):
-        reason = slow_dtype_reason(dtype, device)
+        reason = software_dtype_reason(dtype, device)
         if reason is not None:
             fast = "bf16-mixed" if native_bf16_matmul(device) else "fp32"
-            return f"note: {precision.name} computes in software here ({reason}) and is usually much slower than fp32; {fast} is the fast mode on this CPU"
+            return (
+                f"note: {reason}: {precision.name} runs its matrix products as fp32 GEMMs (its rounding, "
+                f"fp32's speed at best); {fast} is the fast mode on this CPU"
+            )
     return None

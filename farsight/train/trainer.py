@@ -33,7 +33,7 @@ from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state, save_checkpoint, write_text_atomically
 from farsight.train.config import TrainConfig, dump_train_config
 from farsight.train.metrics import read_metrics
-from farsight.train.precision import resolve_precision, slow_precision_note
+from farsight.train.precision import precision_note, resolve_precision
 
 # Under fp16-mixed an overflowing step is skipped and the loss scale halved; gradients that
 # still overflow below this scale are not an fp16 range problem, and the run stops as diverged.
@@ -353,7 +353,7 @@ class Trainer:
         sums = torch.zeros(6, dtype=torch.float64, device=self.device)
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
-            with self.precision.autocast(self.device):
+            with self.precision.matmuls(self.device), self.precision.autocast(self.device):
                 out = self.model(**batch)
             sums[0] += float(out.loss)
             sums[1] += 1
@@ -378,9 +378,10 @@ class Trainer:
             tokens += batch["input_ids"].numel()
             last = micro == run.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
-            with sync, self.precision.autocast(self.device):
-                loss = self.wrapped(**batch).loss / run.grad_accum
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            with sync, self.precision.matmuls(self.device):
+                with self.precision.autocast(self.device):
+                    loss = self.wrapped(**batch).loss / run.grad_accum
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         loss_value = float(dist_utils.all_reduce_mean(total, self.ctx))
         if self.scaler is not None:
@@ -455,7 +456,7 @@ class Trainer:
                 print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
             how = " (train.precision=auto)" if run.precision == "auto" else ""
             print(f"training in {self.precision.name}{how} on {self.device}")
-            note = slow_precision_note(self.precision, self.device)
+            note = precision_note(self.precision, self.device)
             if note:
                 print(note)
         # a fresh run starts a fresh log; a resumed one continues it

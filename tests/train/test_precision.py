@@ -9,7 +9,7 @@ from farsight.config import ConfigError
 from farsight.ops import precision as ops_precision
 from farsight.train import precision as precision_module
 from farsight.train.checkpoint import load_trainer_state
-from farsight.train.precision import MODES, auto_precision, resolve_precision, slow_precision_note
+from farsight.train.precision import MODES, auto_precision, precision_note, resolve_precision
 from farsight.train.trainer import Trainer, TrainingDiverged, train
 from tests.train.conftest import tiny_config
 
@@ -130,20 +130,41 @@ def test_fp16_gradients_that_overflow_at_every_scale_stop_the_run(token_dir, tmp
 def test_fp16_on_a_cpu_gets_a_note_on_speed(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
-    assert "bf16-mixed is the fast mode" in slow_precision_note(MODES["fp16-mixed"], cpu)
-    assert slow_precision_note(MODES["bf16-mixed"], cpu) is None
-    assert slow_precision_note(MODES["fp32"], cpu) is None
+    note = precision_note(MODES["fp16-mixed"], cpu)
+    assert note.startswith("note: CPUs have no fp16 matrix instructions: fp16-mixed runs its matrix products as fp32 GEMMs")
+    assert note.endswith("bf16-mixed is the fast mode on this CPU")
+    assert precision_note(MODES["bf16-mixed"], cpu) is None
+    assert precision_note(MODES["fp32"], cpu) is None
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_on_speed(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: False)
     for name in ("bf16-mixed", "bf16", "fp16-mixed"):
-        note = slow_precision_note(MODES[name], cpu)
-        assert note.startswith(f"note: {name} computes in software here") and note.endswith("fp32 is the fast mode on this CPU")
-    assert "no bf16 matrix instructions" in slow_precision_note(MODES["bf16-mixed"], cpu)
-    assert slow_precision_note(MODES["fp32"], cpu) is None
-    assert slow_precision_note(MODES["bf16-mixed"], torch.device("cuda", 0)) is None
+        note = precision_note(MODES[name], cpu)
+        assert f": {name} runs its matrix products as fp32 GEMMs" in note and note.endswith("fp32 is the fast mode on this CPU")
+    assert "no bf16 matrix instructions" in precision_note(MODES["bf16-mixed"], cpu)
+    assert precision_note(MODES["fp32"], cpu) is None
+    assert precision_note(MODES["bf16-mixed"], torch.device("cuda", 0)) is None
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_low_precision_training_widens_the_products_the_cpu_lacks(native, token_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: native)
+    widened = []
+    original = ops_precision.widened_call
+    monkeypatch.setattr(
+        ops_precision, "widened_call", lambda func, *rest: widened.append(func.__name__.split(".")[0]) or original(func, *rest)
+    )
+    trainer = Trainer(tiny_config(token_dir, tmp_path / "run", precision="bf16-mixed"))
+    loss, grad_norm, _ = trainer._train_step()
+    assert math.isfinite(loss) and math.isfinite(grad_norm)
+    assert trainer.evaluate()["val_loss"] > 0
+    if native:
+        assert not widened
+    else:
+        # the linears forward and backward, SDPA's backward, the evaluation's forward
+        assert {"mm", "_scaled_dot_product_flash_attention_for_cpu_backward"} <= set(widened) and len(widened) > 20
 
 
 def test_native_bf16_matmul_follows_the_hardware(monkeypatch):
