@@ -14,3 +14,20 @@ if not torch.cuda.is_available():
 def _seed_and_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def widened_ops(monkeypatch):
+    """The names of the aten ops that farsight.ops.precision.WidenedMatmuls computed in fp32, in
+    call order (a spy on its one call path)."""
+    from farsight.ops import precision
+
+    calls = []
+    original = precision._widened_call
+
+    def spy(func, dtype, args, kwargs):
+        calls.append(func.__name__.split(".")[0])
+        return original(func, dtype, args, kwargs)
+
+    monkeypatch.setattr(precision, "_widened_call", spy)
+    return calls

@@ -91,3 +91,16 @@ def test_a_dtype_this_cpu_emulates_gets_a_note(native, dtype, noted, monkeypatch
     err = capsys.readouterr().err
     assert (f"--dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32" in err) == noted
     assert len(err.strip().splitlines()) == int(noted)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bf16_command_widens_the_products_this_cpu_lacks(native, monkeypatch, capsys, widened_ops):
+    from farsight.ops import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    assert main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3", "--dtype", "bf16"]) == 0
+    assert bool(widened_ops) != native
+    widened_ops.clear()
+    assert main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3"]) == 0  # fp32
+    assert not widened_ops

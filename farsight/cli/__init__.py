@@ -39,10 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _model_matmuls(args: argparse.Namespace) -> contextlib.AbstractContextManager:
-    """Around a command whose --dtype is bf16 or fp16: the products this CPU has no matrix
-    instructions for run as fp32 GEMMs (`farsight.ops.precision.widened_matmuls`)."""
+    """Around a command that runs a model on the CPU in --dtype bf16 or fp16: the products this
+    CPU has no matrix instructions for run as fp32 GEMMs (`farsight.ops.precision.widened_matmuls`)."""
     dtype = getattr(args, "dtype", None)
-    if dtype not in ("bf16", "fp16"):
+    if not getattr(args, "widen_cpu_matmuls", False) or dtype not in ("bf16", "fp16"):
         return contextlib.nullcontext()
     import torch
 

@@ -61,6 +61,8 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype: the dtype the model is cast to for evaluation (farsight.models.MODEL_DTYPES)."""
     dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions; on CPUs without, bf16/fp16 products run as fp32 GEMMs)")
     dtype.choices = _LazyChoices("MODEL_DTYPES")
+    # `farsight` runs the command's CPU products in this dtype widened where the CPU lacks them
+    parser.set_defaults(widen_cpu_matmuls=True)
 
 
 def add_json_output_argument(parser: argparse.ArgumentParser, flag: str = "--out", what: str = "the results") -> None:

@@ -31,6 +31,7 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
     harness.add_argument("--batch-size", type=int, default=1, help="requests of equal token lengths decoded together")
     add_memory_argument(harness)
     add_dtype_argument(harness)
+    harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
     add_json_output_argument(harness)
     harness.set_defaults(func=_harness)
 

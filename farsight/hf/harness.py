@@ -24,6 +24,7 @@ from farsight.data.tokenizers import load_tokenizer
 from farsight.errors import InputError
 from farsight.hf.configuration import resolve_dtype
 from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
+from farsight.ops.precision import widened_matmuls
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -84,7 +85,8 @@ class FarsightLM(TemplateLM):
         """Per (context ids, continuation ids): the summed log-probability of the continuation and
         whether greedy decoding would have produced it."""
         pairs = [(context, continuation) for _, context, continuation in requests]
-        results = self._score_pairs(pairs, disable_tqdm, "loglikelihood")
+        with self._matmuls():
+            results = self._score_pairs(pairs, disable_tqdm, "loglikelihood")
         for (texts, _, _), result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", texts, result)
         return results
@@ -96,7 +98,8 @@ class FarsightLM(TemplateLM):
         for request in requests:
             ids = self.tok_encode(request.args[0])
             pairs.append(([self.eot_token_id], ids) if ids else None)
-        scored = iter(self._score_pairs([p for p in pairs if p is not None], disable_tqdm, "loglikelihood_rolling"))
+        with self._matmuls():
+            scored = iter(self._score_pairs([p for p in pairs if p is not None], disable_tqdm, "loglikelihood_rolling"))
         results = [next(scored)[0] if pair is not None else 0.0 for pair in pairs]
         for request, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", (request.args[0],), result)
@@ -119,7 +122,9 @@ class FarsightLM(TemplateLM):
             for batch in _batches(indices, self.batch_size):
                 options = prepared[batch[0]][1]
                 ids = torch.tensor([prepared[i][0] for i in batch], dtype=torch.long, device=self._device)
-                for index, text in zip(batch, self._generate(ids, options)):
+                with self._matmuls():
+                    texts = self._generate(ids, options)
+                for index, text in zip(batch, texts):
                     results[index] = text
                     self.cache_hook.add_partial("generate_until", requests[index].args, text)
                 progress.update(len(batch))
@@ -127,6 +132,10 @@ class FarsightLM(TemplateLM):
         return results
 
     # ---- on the Session --------------------------------------------------------------------------
+    def _matmuls(self):
+        """Around model work: bf16/fp16 products that this device's CPU lacks run as fp32 GEMMs."""
+        return widened_matmuls(self._device, next(self.model.parameters()).dtype)
+
     def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
         """(log p(continuation | context) summed, greedy match) per (context, continuation) ids,
         sessions batching the pairs of equal lengths (DRT: one prefill per distinct context)."""

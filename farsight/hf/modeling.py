@@ -22,6 +22,7 @@ from farsight.errors import InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
 from farsight.models.session import check_left_padding
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
+from farsight.ops.precision import widened_matmuls
 
 # arguments the Auto classes and the Hub API pass to `from_pretrained`; a local directory needs none
 _HUB_KWARGS = (
@@ -145,14 +146,16 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         for name in ("past_key_values", "inputs_embeds"):
             if kwargs.get(name) is not None:
                 raise InputError(f"{name} is not supported: farsight keeps its caches in a Session; use generate() or model.model.new_session()")
-        if attention_mask is None or bool(attention_mask.all()):
-            logits = self.model(input_ids).logits
-        else:
-            width = input_ids.shape[1]
-            rows = [self.model(input_ids[row : row + 1, width - length :]).logits[0] for row, length in enumerate(left_padded_lengths(attention_mask, input_ids))]
-            logits = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])  # [B, T, V]
-            for row, row_logits in enumerate(rows):
-                logits[row, width - row_logits.shape[0] :] = row_logits
+        # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
+        with widened_matmuls(self.device, self.dtype):
+            if attention_mask is None or bool(attention_mask.all()):
+                logits = self.model(input_ids).logits
+            else:
+                width = input_ids.shape[1]
+                rows = [self.model(input_ids[row : row + 1, width - length :]).logits[0] for row, length in enumerate(left_padded_lengths(attention_mask, input_ids))]
+                logits = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])  # [B, T, V]
+                for row, row_logits in enumerate(rows):
+                    logits[row, width - row_logits.shape[0] :] = row_logits
         loss = None if labels is None else causal_lm_loss(logits, labels.to(logits.device))
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
@@ -187,7 +190,7 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         eos, pad = options["eos_token_ids"], options["pad_token_id"]
 
         def run(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # ids [b, t] -> new tokens [b, n]
-            with self.model.new_session(ids.shape[0], **session_options) as session:
+            with widened_matmuls(ids.device, self.dtype), self.model.new_session(ids.shape[0], **session_options) as session:
                 out = generate(
                     session, ids, options["max_new_tokens"], eos_token_id=eos, pad_token_id=pad, generator=generator,
                     attention_mask=mask, **sampling,

@@ -12,8 +12,9 @@ back in that input's own dtype.
 `native_bf16_matmul` says whether bf16 matrix products run in hardware on a device: fast paths
 that trade fp32 GEMMs for bf16 ones (the retrieval screen) pay off only there.
 `widened_matmuls` runs the bf16/fp16 matrix products of CPU tensors as fp32 GEMMs where the CPU
-has no instructions for them (torch's software loop is 20-100x slower): the trainer and the
-command line enter it for low-precision work.
+has no instructions for them (torch's software loop ran a GEMM 65-200x and a training step
+12-25x slower than fp32): the trainer, the command line, the Hugging Face wrapper's inference
+and the lm-eval adapter enter it for low-precision work.
 
 `amp_function` applies `torch.amp.custom_fwd` / `custom_bwd` to an autograd Function for the
 device type of its inputs, so that its backward runs under the forward's autocast state (off)
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def _castable(x: object) -> bool:
@@ -103,19 +104,32 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_has_native_bf16()
 
 
+@functools.cache
+def cpu_has_native_fp16() -> bool:
+    """AVX512-FP16 or AMX-FP16 (x86): fp16 matmuls in hardware (most x86 CPUs have neither)."""
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
+    caps = get_capabilities() if get_capabilities is not None else {}
+    return any(caps.get(flag, False) for flag in ("avx512_fp16", "amx_fp16"))
+
+
 def software_matmul_dtypes(device: torch.device) -> frozenset[torch.dtype]:
-    """The low-precision dtypes whose matrix products `device` runs in software: on a CPU fp16
-    always (x86 CPUs before AVX512-FP16 have no fp16 matrix instructions) and bf16 unless
-    `cpu_has_native_bf16`; none elsewhere."""
+    """The low-precision dtypes whose matrix products `device` runs in software: on a CPU, bf16
+    unless `cpu_has_native_bf16` and fp16 unless `cpu_has_native_fp16`; none elsewhere."""
     if device.type != "cpu":
         return frozenset()
-    return frozenset({torch.float16} if cpu_has_native_bf16() else {torch.float16, torch.bfloat16})
+    native = {torch.bfloat16: cpu_has_native_bf16(), torch.float16: cpu_has_native_fp16()}
+    return frozenset(dtype for dtype, has in native.items() if not has)
 
 
 _aten = torch.ops.aten
 # The products `WidenedMatmuls` takes over, each with the argument positions that stay fp32
-# next to low-precision ones (SDPA's logsumexp); linear, matmul and einsum decompose into these.
-# SDPA's CPU forward already computes in fp32 inside; its backward does not.
+# next to low-precision ones (SDPA's logsumexp). With autograd on, linear, matmul and einsum
+# decompose into mm / addmm / bmm before a dispatch mode sees them; under torch.inference_mode
+# (farsight's sessions) they arrive whole, hence their own entries.
+# Every output of these ops has the low dtype (an op with an fp32 output, such as SDPA's forward,
+# would need its own rule; that forward computes in fp32 inside anyway, its backward does not).
+# out= and in-place forms, dot and addbmm are left to torch: farsight's models do not use them
+# on low-precision CPU tensors.
 _WIDENED_OPS: dict[object, tuple[int, ...]] = {
     _aten.mm.default: (),
     _aten.addmm.default: (),
@@ -123,6 +137,9 @@ _WIDENED_OPS: dict[object, tuple[int, ...]] = {
     _aten.baddbmm.default: (),
     _aten.mv.default: (),
     _aten.addmv.default: (),
+    _aten.linear.default: (),
+    _aten.matmul.default: (),
+    _aten.einsum.default: (),
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (5,),
 }
 
@@ -137,8 +154,10 @@ class WidenedMatmuls(TorchDispatchMode):
 
     Only products whose tensors are all on the CPU and all of one dtype in `dtypes` (bar the
     fp32 positions of `_WIDENED_OPS`) are taken over: mixed dtypes reach torch's own kernel and
-    its error. While the mode is active every aten call passes through this Python method (a few
-    microseconds each), so enter it only around low-precision work (`widened_matmuls`).
+    its error. While the mode is active every aten call passes through this Python method (about
+    13 microseconds more per op measured on that EPYC), and the first call in a process imports
+    torch's compiler stack (about 2 s), so enter it only around low-precision work
+    (`widened_matmuls`).
     """
 
     def __init__(self, dtypes: frozenset[torch.dtype]):
@@ -151,13 +170,14 @@ class WidenedMatmuls(TorchDispatchMode):
         if fp32_positions is not None:
             dtype = self._low_dtype(args, kwargs, fp32_positions)
             if dtype is not None:
-                return widened_call(func, dtype, args, kwargs)
+                return _widened_call(func, dtype, args, kwargs)
         return func(*args, **kwargs)
 
     def _low_dtype(self, args: tuple, kwargs: dict, fp32_positions: tuple[int, ...]) -> torch.dtype | None:
         """The one dtype in `self.dtypes` of the call's floating CPU tensors, or None."""
-        tensors = [(i, x) for i, x in enumerate(args) if isinstance(x, torch.Tensor)]
-        tensors += [(None, x) for x in kwargs.values() if isinstance(x, torch.Tensor)]
+        # (top-level argument position, tensor), einsum's operands being one list argument
+        tensors = [(i, x) for i, arg in enumerate(args) for x in tree_leaves(arg) if isinstance(x, torch.Tensor)]
+        tensors += [(None, x) for x in tree_leaves(kwargs) if isinstance(x, torch.Tensor)]
         floating = [(i, x) for i, x in tensors if x.is_floating_point()]
         if not floating or any(x.device.type != "cpu" for _, x in tensors):
             return None
@@ -169,7 +189,7 @@ class WidenedMatmuls(TorchDispatchMode):
         return None
 
 
-def widened_call(func, dtype: torch.dtype, args: tuple, kwargs: dict):
+def _widened_call(func, dtype: torch.dtype, args: tuple, kwargs: dict):
     """`func` on the `dtype` tensors of args / kwargs widened to fp32, its outputs rounded to `dtype`."""
 
     def widen(x):

@@ -79,8 +79,9 @@ def auto_precision(device: torch.device) -> str:
     d_model-256 model 1.8-2.0x (causal) and 1.2x (sliding) faster than fp32 with less memory,
     and after 200 steps of a small model its validation loss is within the seed-to-seed spread
     of fp32's. With the BF16 instructions masked (bf16 emulated on AVX-512) the same step ran
-    at 0.6-0.8x of fp32, and on a 2-core AVX2 EPYC (no AVX-512) a passkey-drt step ran 9x
-    slower than fp32, hence fp32 on CPUs without them.
+    at 0.6-0.8x of fp32, and on a 2-core AVX2 EPYC (no AVX-512), with bf16 products widened to
+    fp32 GEMMs (`widened_matmuls`), at 0.71-0.85x of fp32 (9x slower with torch's own kernels):
+    hence fp32 on CPUs without them.
     Other devices (mps): fp32, as before this option existed.
     """
     if device.type == "cuda":
@@ -133,7 +134,7 @@ def software_dtype_reason(dtype: torch.dtype | None, device: torch.device) -> st
     if dtype not in software_matmul_dtypes(device):
         return None
     if dtype == torch.float16:
-        return "CPUs have no fp16 matrix instructions"
+        return "this CPU has no fp16 matrix instructions (AVX512-FP16, AMX-FP16)"
     return "this CPU has no bf16 matrix instructions (AVX512-BF16, AMX)"
 
 

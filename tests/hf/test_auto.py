@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast
 
 import farsight.hf
+import farsight.ops.precision
 from farsight.data.tokenizers import load_tokenizer, train_bpe_tokenizer
 from farsight.errors import ConfigError, InputError, MissingDependencyError
 from farsight.hf import FarsightTokenizerFast
@@ -121,6 +122,20 @@ def test_dtype_and_session_options(tiny_drt_dir):
     assert AutoModelForCausalLM.from_pretrained(tiny_drt_dir, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(InputError, match="does not take"):
         AutoModelForCausalLM.from_pretrained(tiny_drt_dir, flash=True)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_inference_widens_the_products_this_cpu_lacks(native, tiny_drt_dir, monkeypatch, widened_ops):
+    monkeypatch.setattr(farsight.ops.precision, "cpu_has_native_bf16", lambda: native)
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, dtype="bf16")
+    fp32 = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    ids = prompt(load_tokenizer(tiny_drt_dir))
+    logits = model(ids).logits
+    assert bool(widened_ops) != native
+    assert (logits.float() - fp32(ids).logits).norm() / fp32(ids).logits.norm() < 0.02
+    widened_ops.clear()
+    model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert bool(widened_ops) != native
 
 
 def test_auto_tokenizer_equals_farsights_tokenizer(tmp_path, drt_dir):

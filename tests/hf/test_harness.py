@@ -90,3 +90,20 @@ def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, ta
 def test_farsight_eval_harness_refuses_unknown_tasks(tiny_drt_dir, tasks, capsys):
     assert main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
     assert "no_such_task" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_scoring_and_generation_widen_the_products_this_cpu_lacks(native, tiny_drt_dir, monkeypatch, widened_ops):
+    from types import SimpleNamespace
+
+    from farsight.hf.harness import FarsightLM
+    from farsight.ops import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    lm = FarsightLM(str(tiny_drt_dir), dtype="bf16", device="cpu")
+    context, continuation = lm.tok_encode("The passkey is 4821."), lm.tok_encode(" 4821")
+    [(logprob, _)] = lm._loglikelihood_tokens([(("", ""), context, continuation)], disable_tqdm=True)
+    assert logprob < 0 and bool(widened_ops) != native
+    widened_ops.clear()
+    [text] = lm.generate_until([SimpleNamespace(args=("The passkey is", {"until": ["."], "max_gen_toks": 3}))], disable_tqdm=True)
+    assert isinstance(text, str) and bool(widened_ops) != native

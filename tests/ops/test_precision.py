@@ -11,20 +11,6 @@ from farsight.ops.precision import WidenedMatmuls, software_matmul_dtypes, widen
 LOW = (torch.bfloat16, torch.float16)
 
 
-@pytest.fixture
-def widened_ops(monkeypatch):
-    """The names of the aten ops that WidenedMatmuls computes in fp32, in call order."""
-    calls = []
-    original = ops_precision.widened_call
-
-    def spy(func, dtype, args, kwargs):
-        calls.append(func.__name__.split(".")[0])
-        return original(func, dtype, args, kwargs)
-
-    monkeypatch.setattr(ops_precision, "widened_call", spy)
-    return calls
-
-
 def products(dtype):
     """(name, fn, inputs) for every product the mode takes over, with odd sizes."""
     g = torch.Generator().manual_seed(0)
@@ -41,21 +27,22 @@ def products(dtype):
         ("addmv", torch.addmv, (r(7), r(7, 13), r(13))),
         ("linear", F.linear, (r(2, 7, 13), r(5, 13), r(5))),
         ("matmul", torch.matmul, (r(2, 3, 7, 13), r(2, 3, 13, 5))),
+        ("einsum", lambda a, b: torch.einsum("bqd,bkd->bqk", a, b), (r(3, 7, 13), r(3, 5, 13))),
     ]
 
 
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])  # composites arrive whole under the latter
 @pytest.mark.parametrize("dtype", LOW)
-def test_each_product_is_the_fp32_product_rounded_once(dtype, widened_ops):
+def test_each_product_is_the_fp32_product_rounded_once(dtype, grad_mode, widened_ops):
     for name, fn, inputs in products(dtype):
         widened_ops.clear()
-        with WidenedMatmuls(frozenset({dtype})):
+        with getattr(torch, grad_mode)(), WidenedMatmuls(frozenset({dtype})):
             out = fn(*inputs)
         assert widened_ops, f"{name} was not taken over"
-        expected = fn(*(x.double() for x in inputs)).to(torch.float32)
-        assert out.dtype == dtype and out.shape == expected.shape, name
-        # one rounding of a near-exact fp32 sum: within half an ulp of dtype (plus fp32 noise)
-        assert_close(out.float(), expected, rtol=torch.finfo(dtype).eps, atol=1e-5, msg=name)
-        # and what torch's own low-precision kernel computes, to its rounding of the sum
+        # exactly the fp32 product rounded once (no second rounding, no product left in dtype)
+        assert out.dtype == dtype and torch.equal(out, fn(*(x.float() for x in inputs)).to(dtype)), name
+        # within one ulp of the exact product, and what torch's own kernel computes to its rounding
+        assert_close(out.float(), fn(*(x.double() for x in inputs)).float(), rtol=torch.finfo(dtype).eps, atol=1e-5, msg=name)
         assert_close(out.float(), fn(*inputs).float(), rtol=4 * torch.finfo(dtype).eps, atol=1e-2, msg=name)
 
 
@@ -68,6 +55,9 @@ def test_other_dtypes_devices_and_mixes_are_left_to_torch(widened_ops):
         assert not widened_ops
         with pytest.raises(RuntimeError):  # a dtype mix keeps torch's error instead of widening it away
             a.bfloat16() @ b
+        meta = torch.empty(7, 13, dtype=torch.bfloat16, device="meta")
+        assert (meta @ meta.T).device.type == "meta"  # other devices
+        assert not widened_ops
         a.bfloat16() @ b.bfloat16()
     assert widened_ops == ["mm"]
 
@@ -78,6 +68,7 @@ def test_empty_products(widened_ops):
         inner = torch.randn(5, 0, dtype=torch.bfloat16) @ torch.randn(0, 3, dtype=torch.bfloat16)
     assert out.shape == (0, 3) and out.dtype == torch.bfloat16
     assert torch.equal(inner, torch.zeros(5, 3, dtype=torch.bfloat16))
+    assert widened_ops == ["mm", "mm"]
 
 
 @pytest.mark.parametrize("dtype", LOW)
@@ -124,7 +115,10 @@ def test_bf16_autocast_training_step_matches_and_sdpa_backward_is_widened(widene
 
 def test_the_context_widens_only_what_the_cpu_lacks(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: True)
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
+    assert software_matmul_dtypes(cpu) == frozenset()
+    monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: False)
     assert software_matmul_dtypes(cpu) == {torch.float16}
     assert not isinstance(widened_matmuls(cpu, torch.bfloat16, None), WidenedMatmuls)
     assert widened_matmuls(cpu, torch.float16).dtypes == {torch.float16}

@@ -130,8 +130,9 @@ def test_fp16_gradients_that_overflow_at_every_scale_stop_the_run(token_dir, tmp
 def test_fp16_on_a_cpu_gets_a_note_on_speed(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: False)
     note = precision_note(MODES["fp16-mixed"], cpu)
-    assert note.startswith("note: CPUs have no fp16 matrix instructions: fp16-mixed runs its matrix products as fp32 GEMMs")
+    assert note.startswith("note: this CPU has no fp16 matrix instructions (AVX512-FP16, AMX-FP16): fp16-mixed runs its matrix products as fp32 GEMMs")
     assert note.endswith("bf16-mixed is the fast mode on this CPU")
     assert precision_note(MODES["bf16-mixed"], cpu) is None
     assert precision_note(MODES["fp32"], cpu) is None
@@ -140,6 +141,7 @@ def test_fp16_on_a_cpu_gets_a_note_on_speed(monkeypatch):
 def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_on_speed(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: False)
     for name in ("bf16-mixed", "bf16", "fp16-mixed"):
         note = precision_note(MODES[name], cpu)
         assert f": {name} runs its matrix products as fp32 GEMMs" in note and note.endswith("fp32 is the fast mode on this CPU")
@@ -149,13 +151,9 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_on_speed(monkeypatc
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_low_precision_training_widens_the_products_the_cpu_lacks(native, token_dir, tmp_path, monkeypatch):
+def test_low_precision_training_widens_the_products_the_cpu_lacks(native, token_dir, tmp_path, monkeypatch, widened_ops):
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: native)
-    widened = []
-    original = ops_precision.widened_call
-    monkeypatch.setattr(
-        ops_precision, "widened_call", lambda func, *rest: widened.append(func.__name__.split(".")[0]) or original(func, *rest)
-    )
+    widened = widened_ops
     trainer = Trainer(tiny_config(token_dir, tmp_path / "run", precision="bf16-mixed"))
     loss, grad_norm, _ = trainer._train_step()
     assert math.isfinite(loss) and math.isfinite(grad_norm)
