@@ -87,9 +87,14 @@ def amp_function(function: type[torch.autograd.Function], device_type: str) -> t
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm): bf16 matmuls in hardware."""
+    return _cpu_has_any("avx512_bf16", "amx_bf16", "bf16")
+
+
+def _cpu_has_any(*flags: str) -> bool:
+    """Whether torch reports any of these CPU capability flags."""
     get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # absent from older torch: assume none
     caps = get_capabilities() if get_capabilities is not None else {}
-    return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+    return any(caps.get(flag, False) for flag in flags)
 
 
 def native_bf16_matmul(device: torch.device) -> bool:
@@ -107,9 +112,7 @@ def native_bf16_matmul(device: torch.device) -> bool:
 @functools.cache
 def cpu_has_native_fp16() -> bool:
     """AVX512-FP16 or AMX-FP16 (x86): fp16 matmuls in hardware (most x86 CPUs have neither)."""
-    get_capabilities = getattr(torch.cpu, "get_capabilities", None)
-    caps = get_capabilities() if get_capabilities is not None else {}
-    return any(caps.get(flag, False) for flag in ("avx512_fp16", "amx_fp16"))
+    return _cpu_has_any("avx512_fp16", "amx_fp16")
 
 
 def software_matmul_dtypes(device: torch.device) -> frozenset[torch.dtype]:
