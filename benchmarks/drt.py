@@ -5,8 +5,10 @@ and decode latency vs context length.
 
 (a) training: one AdamW step of DRT and of BaseLM (sliding window + ALiBi) with the same layers,
     d_model and window (d_model 256, 8 layers, 4 heads, W 512; DRT: S 64, K 8, G 1, 2 encoder
-    layers), 16K tokens per step, at T = 1K, 4K, 16K: time and peak-memory growth, DRT/BaseLM,
-    and the ratio of the matrix-product FLOPs the two steps execute (torch's FlopCounterMode).
+    layers), 16K tokens per step, at T = 1K, 4K, 16K, in each of --train-precisions (the
+    trainer's precisions, default fp32; e.g. fp32,bf16-mixed): time and peak-memory growth,
+    DRT/BaseLM, and the ratio of the matrix-product FLOPs the two steps execute (torch's
+    FlopCounterMode).
 (b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M), the mean latency
@@ -22,7 +24,9 @@ and decode latency vs context length.
     GCA, the upper layers' window attention + MLP, and the rest, at --split-lengths (default 1M
     and 4M; 64K and 256K with --quick). Tokens are random, or --split-corpus DIR's training split.
     With --split-baseline each length also runs with every landmark key scored in fp32 (the
-    retrieval before the bf16 screen of farsight.ops.retrieval) and the speedup is printed.
+    retrieval before the screens of farsight.ops.retrieval), with --split-lowrank-baseline with
+    no low-rank screen (the bf16 screen where bf16 is native, else the fp32 scan), and the
+    speedup is printed.
     Timed by wrapping the model's steps in this script; the library is not instrumented.
 Every case runs in a fresh process (farsight.eval.efficiency.run_isolated) with farsight's malloc
 settings (farsight.process_memory.tune_malloc, as the command line runs); --malloc-baseline runs
@@ -49,11 +53,13 @@ from farsight.eval.efficiency import (
     measure_peak_memory,
     run_isolated,
     time_fn,
+    training_step,
     write_json,
 )
 from farsight.eval.needle import format_length, parse_length
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM, load_model
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes
+from farsight.train.config import PRECISIONS
 
 TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2)
 STREAM_CONFIG = dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1)
@@ -66,14 +72,8 @@ def _train_case(case: dict) -> dict:
     torch.manual_seed(0)
     config = DRTConfig(**TRAIN_CONFIG)
     model = DRTForCausalLM(config) if case["model"] == "drt" else TransformerForCausalLM(config.block_config())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 256, (max(1, TRAIN_TOKENS // case["length"]), case["length"]))
-
-    def step() -> None:
-        loss = model(ids, labels=ids).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    step = training_step(model, ids, case["precision"])
 
     with FlopCounterMode(display=False) as flops:  # the step's matrix-product FLOPs
         step()
@@ -154,8 +154,10 @@ def _corpus_blocks(corpus: str, total: int):
 
 
 def _split_case(case: dict) -> dict:
-    if case["baseline"]:  # every landmark key scored in fp32: the retrieval before the bf16 screen
+    if case["baseline"] == "fp32 scan":  # every landmark key scored in fp32: the retrieval before the screens
         farsight.ops.retrieval.SCREEN_MIN_KEYS = sys.maxsize
+    elif case["baseline"] == "no low-rank":  # no memory fits a low-rank basis: the bf16 screen where native
+        farsight.ops.retrieval.LOW_RANK_MIN_KEYS = sys.maxsize
     model = load_model(case["model"]).eval() if case["model"] else _stream_model()
     model = model.to(getattr(torch, case["dtype"]))
     totals: dict[str, float] = defaultdict(float)
@@ -197,6 +199,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the figures as JSON")
     parser.add_argument("--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split")
     parser.add_argument("--decode-lengths", help="contexts of part (c), e.g. 4k,16m (default 4k,64k,1m; 4k,64k with --quick)")
+    parser.add_argument(
+        "--train-precisions", default="fp32", help="comma-separated trainer precisions of part (a), e.g. fp32,bf16-mixed (default fp32)"
+    )
     parser.add_argument("--decode-memory", default="device", choices=["device", "host", "disk"], help="chunk memory tier of part (c)")
     parser.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (c)")
     parser.add_argument("--decode-model", help="model directory for part (c) (default: demo-sized, random weights)")
@@ -206,12 +211,19 @@ def main() -> None:
     parser.add_argument("--split-corpus", help="prepared dataset whose training tokens part (d) streams (default: random tokens)")
     parser.add_argument("--split-baseline", action="store_true", help="part (d) also with every landmark key scored in fp32")
     parser.add_argument(
+        "--split-lowrank-baseline", action="store_true", help="part (d) also without the low-rank screen (the bf16 screen where bf16 is native)"
+    )
+    parser.add_argument(
         "--malloc-baseline", action="store_true", help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)"
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or not parts <= {"train", "prefill", "decode", "split"}:
         parser.error(f"--parts takes a comma-separated subset of train,prefill,decode,split, not {args.parts!r}")
+    train_precisions = args.train_precisions.split(",")
+    unknown = [p for p in train_precisions if p not in PRECISIONS or p == "auto"]
+    if unknown:
+        parser.error(f"--train-precisions takes a comma-separated subset of {','.join(p for p in PRECISIONS if p != 'auto')}, not {unknown}")
     default_split = "64k,256k" if args.quick else "1m,4m"
     split_lengths = [parse_length(text) for text in (args.split_lengths or default_split).split(",")]
     train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -225,21 +237,23 @@ def main() -> None:
         print(f"  {what} done ({time.perf_counter() - started:.0f}s)", flush=True)
 
     train_rows = []
-    for length in train_lengths if "train" in parts else []:
-        row: dict = {"T": format_length(length)}
-        for name in ("baselm", "drt"):
-            r = run_isolated(_train_case, {"model": name, "length": length, "repeat": 1 if args.quick else 3})
-            row[f"{name} step s"] = r.get("step_s")
-            row[f"{name} peak MB"] = r.get("peak_mb")
-            row[f"{name} GFLOP"] = r.get("gflop")
-            if "error" in r:
-                row[f"{name} error"] = r["error"]
-        if row.get("drt step s") and row.get("baselm step s"):
-            row["time DRT/BaseLM"] = row["drt step s"] / row["baselm step s"]
-            row["FLOP DRT/BaseLM"] = row["drt GFLOP"] / row["baselm GFLOP"]
-            row["memory DRT/BaseLM"] = row["drt peak MB"] / max(row["baselm peak MB"], 1e-9)
-        train_rows.append(row)
-        note(f"training T={format_length(length)}")
+    for precision in train_precisions if "train" in parts else []:
+        for length in train_lengths:
+            row: dict = {"precision": precision, "T": format_length(length)}
+            for name in ("baselm", "drt"):
+                case = {"model": name, "length": length, "precision": precision, "repeat": 1 if args.quick else 3}
+                r = run_isolated(_train_case, case)
+                row[f"{name} step s"] = r.get("step_s")
+                row[f"{name} peak MB"] = r.get("peak_mb")
+                row[f"{name} GFLOP"] = r.get("gflop")
+                if "error" in r:
+                    row[f"{name} error"] = r["error"]
+            if row.get("drt step s") and row.get("baselm step s"):
+                row["time DRT/BaseLM"] = row["drt step s"] / row["baselm step s"]
+                row["FLOP DRT/BaseLM"] = row["drt GFLOP"] / row["baselm GFLOP"]
+                row["memory DRT/BaseLM"] = row["drt peak MB"] / max(row["baselm peak MB"], 1e-9)
+            train_rows.append(row)
+            note(f"training {precision} T={format_length(length)}")
 
     prefill_rows = []
     for memory in tiers if "prefill" in parts else []:
@@ -269,10 +283,11 @@ def main() -> None:
         if base_ms and "ms_per_token" in r:
             r[f"ratio to {decode_rows[0]['context']}"] = r["ms_per_token"] / base_ms
 
-    # (variant name, fp32 scan instead of the screen, glibc's default malloc): baselines first
-    split_variants = [("fp32 scan", True, False)] if args.split_baseline else []
-    split_variants += [("default malloc", False, True)] if args.malloc_baseline else []
-    split_variants.append(("farsight", False, False))
+    # (variant name, retrieval baseline, glibc's default malloc): baselines first
+    split_variants = [("fp32 scan", "fp32 scan", False)] if args.split_baseline else []
+    split_variants += [("no low-rank", "no low-rank", False)] if args.split_lowrank_baseline else []
+    split_variants += [("default malloc", None, True)] if args.malloc_baseline else []
+    split_variants.append(("farsight", None, False))
     split_rows = []
     for length in split_lengths if "split" in parts else []:
         rows = []
@@ -286,7 +301,7 @@ def main() -> None:
 
     if train_rows:
         print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
-        columns = ["T", "baselm step s", "drt step s", "time DRT/BaseLM", "FLOP DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]
+        columns = ["precision", "T", "baselm step s", "drt step s", "time DRT/BaseLM", "FLOP DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]
         print(format_table(train_rows, columns))
     if prefill_rows:
         print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
@@ -306,9 +321,9 @@ def main() -> None:
         columns += ["farsight speedup"] if len(split_variants) > 1 else []
         print(format_table(split_rows, columns + (["error"] if any("error" in r for r in split_rows) else [])))
     checks = []
-    four_k = next((r for r in train_rows if r["T"] == "4K"), None)
-    if four_k and "time DRT/BaseLM" in four_k:
-        checks.append(("training step DRT/BaseLM at 4K <= 1.25", four_k["time DRT/BaseLM"], four_k["time DRT/BaseLM"] <= 1.25))
+    for four_k in (r for r in train_rows if r["T"] == "4K" and "time DRT/BaseLM" in r):
+        ratio = four_k["time DRT/BaseLM"]
+        checks.append((f"training step DRT/BaseLM at 4K ({four_k['precision']}) <= 1.25", ratio, ratio <= 1.25))
     last = decode_rows[-1] if decode_rows else {}
     first = decode_rows[0]["context"] if decode_rows else ""
     if first == "4K" and "ratio to 4K" in last and last is not decode_rows[0]:

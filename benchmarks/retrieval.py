@@ -30,6 +30,7 @@ from farsight.eval.efficiency import format_table, machine_description, time_fn,
 from farsight.eval.needle import format_length
 from farsight.models import load_model
 from farsight.ops.retrieval import (
+    LOW_RANK_OVER_BF16_KEYS,
     LowRankKeys,
     retrieval_topk_lowrank,
     retrieval_topk_reference,
@@ -120,8 +121,11 @@ def main() -> None:
     columns = ["keys", "n", "tokens", "rank", "fit ms", "fp32 ms", "bf16 screen ms", "low-rank ms", "bf16 speedup", "low-rank speedup", "same top-k"]
     print(format_table(rows, columns))
     screens = screen_pays_off(torch.device("cpu"))
-    native = "has" if screens else "has no"
-    print(f"auto on this CPU: {'bf16 screen' if screens else 'low-rank screen (fp32 where keys have no low-rank basis)'} (it {native} bf16 matrix instructions)")
+    if screens:
+        auto = f"bf16 screen, low-rank screen from {LOW_RANK_OVER_BF16_KEYS // 1024}K keys where they have a basis (it has bf16 matrix instructions)"
+    else:
+        auto = "low-rank screen, fp32 scan where keys have no low-rank basis (it has no bf16 matrix instructions)"
+    print(f"auto on this CPU: {auto}")
     write_json(args.json, {"benchmark": "retrieval", "machine": machine_description(), "auto_screens_bf16": screens, "rows": rows})
 
 

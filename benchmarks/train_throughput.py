@@ -28,7 +28,6 @@ measures what that buys. Elsewhere the two are the same.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sysconfig
 import tempfile
@@ -37,11 +36,18 @@ from pathlib import Path
 
 import torch
 
-from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, run_isolated, time_fn, write_json
+from farsight.eval.efficiency import (
+    format_table,
+    machine_description,
+    measure_peak_memory,
+    run_isolated,
+    time_fn,
+    training_step,
+    write_json,
+)
 from farsight.models import build_model
 from farsight.train.config import PRECISIONS
 from farsight.train.metrics import read_metrics
-from farsight.train.precision import resolve_precision
 
 TOKENS_PER_STEP = 8192
 WINDOW = 256
@@ -57,29 +63,11 @@ def model_spec(kind: str, **sizes: int) -> dict:
 
 def _case(case: dict) -> dict:
     torch.manual_seed(0)
-    device = torch.device("cpu")
     name, _, kernels = case["precision"].partition(":")
-    mode = resolve_precision(name, device)
-    matmuls = contextlib.nullcontext if kernels == "torch" else lambda: mode.matmuls(device)
     model = build_model(model_spec(case["kind"], vocab_size=260, d_model=256, n_layers=4, n_heads=4))
-    mode.cast_parameters(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    scaler = mode.grad_scaler(device)
     length = case["length"]
     ids = torch.randint(0, 256, (max(1, TOKENS_PER_STEP // length), length))
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with matmuls():  # forward and backward, as the trainer runs them
-            with mode.autocast(device):
-                loss = model(ids, labels=ids).loss
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-
+    step = training_step(model, ids, name, widen=kernels != "torch")
     step()  # optimizer state allocated before the memory measurement
     peak = measure_peak_memory(step)
     seconds = time_fn(step, warmup=0, repeat=case["repeat"])

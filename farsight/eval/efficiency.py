@@ -8,6 +8,7 @@ allocator's own peak counter is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -18,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from farsight.files import atomic_write
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss, tune_malloc
+from farsight.train.precision import resolve_precision
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -47,6 +50,34 @@ def time_fn(
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def training_step(model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True) -> Callable[[], None]:
+    """One AdamW step (lr 1e-4) of `model` on `ids` [B, T] as their own labels, in the trainer's
+    precision `precision` (train.precision.MODES): parameters cast, autocast around the forward,
+    loss scaling for fp16, and, with `widen`, the bf16/fp16 products of a CPU without matrix
+    instructions for them run as fp32 GEMMs as the trainer runs them (widen=False keeps torch's
+    own kernels: the baseline that measures what widening buys). The optimizer state is
+    allocated on the first call."""
+    device = ids.device
+    mode = resolve_precision(precision, device)
+    mode.cast_parameters(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = mode.grad_scaler(device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with mode.matmuls(device) if widen else contextlib.nullcontext():
+            with mode.autocast(device):
+                loss = model(ids, labels=ids).loss
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+
+    return step
 
 
 def measure_peak_memory(fn: Callable[[], Any], device: torch.device | str = "cpu") -> int:

@@ -433,12 +433,13 @@ class ChunkMemory:
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         self._keys = GrowingBuffer(dim=1)
-        # the inference tiers keep what retrieval's screen needs (farsight.ops.retrieval): where
-        # bf16 GEMMs run in hardware the landmark keys in bf16 and a bound on their norms (after
-        # a truncate the bound stays an upper bound), elsewhere a low-rank basis of the keys
+        # the inference tiers keep what retrieval's screens need (farsight.ops.retrieval): a
+        # low-rank basis of the keys and, where bf16 GEMMs run in hardware, the landmark keys in
+        # bf16 and a bound on their norms (after a truncate the bound stays an upper bound) for
+        # keys without such a basis
         self._screened = tier != "graph" and retrieval.screen_pays_off(self.device)
         self._screen_keys = GrowingBuffer(dim=1)
-        self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS) if tier != "graph" and not self._screened else None
+        self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS) if tier != "graph" else None
         self._max_key_norm: torch.Tensor | None = None
 
     @property
@@ -454,13 +455,12 @@ class ChunkMemory:
     def screen_state(self) -> dict[str, object]:
         """The keyword arguments of `farsight.ops.retrieval.retrieval_topk` that carry this
         memory's screen: {"keys_low": keys in bf16 [B, n_chunks, D], "max_key_norm": a scalar >=
-        every key's L2 norm} where the bf16 screen pays, {"low_rank": LowRankKeys} on the other
-        inference tiers, {} in the graph tier (a screen computes what it needs from the keys)."""
+        every key's L2 norm} where the bf16 screen pays, and {"low_rank": LowRankKeys} on every
+        inference tier; {} in the graph tier (a screen computes what it needs from the keys)."""
+        state: dict[str, object] = {} if self._low_rank is None else {"low_rank": self._low_rank}
         if self._screened:
-            return {"keys_low": self._screen_keys.view(), "max_key_norm": self._max_key_norm}
-        if self._low_rank is not None:
-            return {"low_rank": self._low_rank}
-        return {}
+            state.update(keys_low=self._screen_keys.view(), max_key_norm=self._max_key_norm)
+        return state
 
     def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """landmark_keys [B, m, D]; k, v [B, m, S, H, d] for m newly completed chunks. The store

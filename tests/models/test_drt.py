@@ -290,16 +290,19 @@ def test_paged_buffer_grows_without_copying_and_gathers_across_pages():
     assert buffer.nbytes() == rows.numel() * rows.element_size()
 
 
-@pytest.mark.parametrize("memory, screen", [("graph", "bf16"), ("device", "bf16"), ("disk", "bf16"), ("device", "lowrank"), ("disk", "lowrank")])
-def test_screened_retrieval_equals_scoring_every_key(memory, screen, monkeypatch):
-    """A screen (farsight.ops.retrieval: bf16, or low-rank where bf16 GEMMs are emulated) used for
-    every retrieval, in fp64 and with left padding, retrieves what scoring every key does and
-    gives the same logits."""
+@pytest.mark.parametrize(
+    "memory, screen, native",
+    [("graph", "bf16", True), ("device", "bf16", True), ("disk", "bf16", True), ("device", "lowrank", False), ("disk", "lowrank", False), ("disk", "lowrank", True)],
+)
+def test_screened_retrieval_equals_scoring_every_key(memory, screen, native, monkeypatch):
+    """A screen (farsight.ops.retrieval: low-rank where the keys have a basis, else bf16 where
+    bf16 GEMMs are native) used for every retrieval, in fp64 and with left padding, retrieves
+    what scoring every key does and gives the same logits."""
     import farsight.ops.retrieval as retrieval
     import farsight.ops.retrieval.groups as groups
     import farsight.ops.retrieval.lowrank as lowrank
 
-    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: screen == "bf16")
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: native)
     screened = []
     if screen == "lowrank":
         # an untrained model's keys have no low-rank basis: take any rank-8 one and rescore every
@@ -307,6 +310,7 @@ def test_screened_retrieval_equals_scoring_every_key(memory, screen, monkeypatch
         monkeypatch.setattr(lowrank, "RESIDUAL_ENERGY", 1.0)
         monkeypatch.setattr(groups, "RESCORE_LIMIT", 1)
         monkeypatch.setattr(retrieval, "LOW_RANK_MIN_KEYS", 1)
+        monkeypatch.setattr(retrieval, "LOW_RANK_OVER_BF16_KEYS", 1)
 
         def counted(*args):
             screened.append(args[1].shape[1])
@@ -346,6 +350,7 @@ def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound(monkeypatch):
     memory.append(keys[:, :3], torch.zeros(1, 3, 2, 1, 4), torch.zeros(1, 3, 2, 1, 4))
     memory.append(keys[:, 3:], torch.zeros(1, 2, 2, 1, 4), torch.zeros(1, 2, 2, 1, 4))
     state = memory.screen_state()
+    assert set(state) == {"keys_low", "max_key_norm", "low_rank"}  # the low-rank screen first, where the keys have a basis
     low, bound = state["keys_low"], state["max_key_norm"]
     assert torch.equal(low, keys.bfloat16())
     torch.testing.assert_close(bound, keys.norm(dim=-1).max())

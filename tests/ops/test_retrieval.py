@@ -205,7 +205,9 @@ def test_bad_inputs_name_the_problem(change, message):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_takes_the_bf16_screen_where_bf16_matmuls_are_native_else_the_low_rank_one(native, monkeypatch):
+def test_auto_takes_the_low_rank_screen_where_the_keys_have_a_basis_else_bf16_where_native(native, monkeypatch):
+    """Where bf16 is native the low-rank screen takes over from the bf16 one at
+    LOW_RANK_OVER_BF16_KEYS keys (here set to n): at n - 1 keys the bf16 screen runs."""
     calls = []
 
     def screen(name):
@@ -218,7 +220,8 @@ def test_auto_takes_the_bf16_screen_where_bf16_matmuls_are_native_else_the_low_r
     monkeypatch.setattr(retrieval_module, "native_bf16_matmul", lambda device: native)
     monkeypatch.setattr(retrieval_module, "retrieval_topk_screened", screen("bf16"))
     monkeypatch.setattr(retrieval_module, "retrieval_topk_lowrank", screen("lowrank"))
-    n = retrieval_module.SCREEN_MIN_KEYS
+    n = retrieval_module.SCREEN_MIN_KEYS + 1
+    monkeypatch.setattr(retrieval_module, "LOW_RANK_OVER_BF16_KEYS", n)
     q, keys = inputs(1, 3, n, 64, torch.float32)
     low_rank = LowRankKeys()
     low_rank.update(low_rank_keys(1, n, 64))
@@ -229,8 +232,13 @@ def test_auto_takes_the_bf16_screen_where_bf16_matmuls_are_native_else_the_low_r
     retrieval_topk(q, keys[:, :100], 4, start, stop - 920, 0.2, low_rank=low_rank)  # a short memory is never screened
     full_rank = LowRankKeys()
     full_rank.update(keys)  # random keys: no low-rank basis
+    assert full_rank.basis is None
     retrieval_topk(q, keys, 4, start, stop, 0.2, low_rank=full_rank)
-    assert calls == ([("bf16", n)] * 3 if native else [("lowrank", n)])
+    retrieval_topk(q, keys[:, :-1], 4, start, stop, 0.2, low_rank=low_rank)  # one key short of the takeover
+    if native:
+        assert calls == [("bf16", n), ("lowrank", n), ("bf16", n), ("bf16", n - 1)]
+    else:
+        assert calls == [("lowrank", n), ("lowrank", n - 1)]
 
 
 def low_rank_keys(b, n, d, rank=5, noise=1e-3, dtype=torch.float32, seed=0):
@@ -350,6 +358,32 @@ def test_low_rank_keys_grow_refit_and_truncate_like_the_memory():
     assert_same_topk(retrieval_topk_reference(q, keys[:, :4500], 4, start, stop, 0.2), retrieval_topk_lowrank(q, keys[:, :4500], 4, start, stop, 0.2, low_rank), 1e-4)
     with pytest.raises(ValueError, match="low_rank covers 4500 keys, keys has 5000"):
         retrieval_topk_lowrank(q, keys, 4, start, stop, 0.2, low_rank)
+
+
+def test_low_rank_keys_of_a_bf16_memory_cast_only_new_rows_between_refits(monkeypatch):
+    """A bf16 model's memory: the same basis, coordinates and residuals as its keys cast to fp32,
+    and an append between refits casts only the rows it adds (casting the whole memory on every
+    append made a 16M-token prefill quadratic)."""
+    keys = low_rank_keys(1, 3000, 64).bfloat16()
+    cast_rows = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        if self.dtype == torch.bfloat16 and self.dim() == 3:
+            cast_rows.append(self.shape[1])
+        return to(self, *args, **kwargs)
+
+    bf16, fp32 = LowRankKeys(min_keys=1024), LowRankKeys(min_keys=1024)
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    for stop in (1000, 1100, 1500, 1600, 2100, 2200):
+        bf16.update(keys[:, :stop])
+    monkeypatch.undo()
+    assert cast_rows == [1000, 100, 1100, 400, 100, 500, 100, 2200]  # new rows, and all of them at the fits (1100, 2200)
+    for stop in (1000, 1100, 1500, 1600, 2100, 2200):
+        fp32.update(keys[:, :stop].float())
+    assert bf16.fitted_at == fp32.fitted_at == 2200 and bf16.basis.dtype == torch.float32
+    for got, want in ((bf16.basis, fp32.basis), (bf16.coords.view(), fp32.coords.view()), (bf16.residuals.view(), fp32.residuals.view())):
+        assert torch.equal(got, want)
 
 
 def test_low_rank_non_finite_keys_and_queries_take_the_reference_path(monkeypatch):

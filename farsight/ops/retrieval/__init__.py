@@ -6,7 +6,7 @@ need them all), `retrieval_topk_reference` its top-k, and two screens give the s
 inference over long memories, each from cheap scores plus an exact rescoring of the few keys it
 cannot rule out: `retrieval_topk_screened` scans the keys in bf16 (where bf16 GEMMs run in
 hardware), `retrieval_topk_lowrank` in a low-rank basis of the keys in fp32 (`LowRankKeys`).
-`retrieval_topk` checks the inputs and picks one; `screen_pays_off` says whether "auto" takes
+`retrieval_topk` checks the inputs and picks one; `screen_pays_off` says whether "auto" may take
 the bf16 screen on a device.
 
 Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
@@ -26,6 +26,7 @@ from farsight.ops.retrieval.screened import retrieval_topk_screened
 __all__ = [
     "BACKENDS",
     "LOW_RANK_MIN_KEYS",
+    "LOW_RANK_OVER_BF16_KEYS",
     "LowRankKeys",
     "retrieval_scores",
     "retrieval_topk",
@@ -43,14 +44,18 @@ SCREEN_MIN_KEYS = 1024
 # the screen was 4% slower than the fp32 scan at 2K-8K keys (64K-256K tokens) and faster from
 # 32K keys on (1.10x the whole prefill at 1M tokens, 1.28x at 4M; 2-core AVX2 EPYC).
 LOW_RANK_MIN_KEYS = 16384
+# Where the bf16 screen pays, the low-rank one takes over from this many keys: in the demo model's
+# bf16 prefill of real text on a Xeon with AMX-BF16, scoring + top-k took 14.0% of 1M tokens with
+# the low-rank screen from 16K keys against 12.1% with the bf16 one; with the takeover here, 33.4%
+# of 16M tokens against 42.7%, 1.12x the whole prefill (benchmarks/drt.py --split-lowrank-baseline).
+LOW_RANK_OVER_BF16_KEYS = 65536
 
 
 def screen_pays_off(device: torch.device) -> bool:
-    """Whether "auto" takes the bf16 screen for long memories on `device`: it trades the fp32
+    """Whether "auto" may take the bf16 screen for long memories on `device`: it trades the fp32
     scan for a bf16 GEMM, which only pays where bf16 matmuls run in hardware. On a CPU without
     bf16 instructions it ran 10-15x slower than the scan (benchmarks/retrieval.py on a 2-core
-    AVX2 EPYC), where an AVX512-BF16 EPYC ran it 1.5-4.8x faster; there the low-rank screen
-    (given a memory's LowRankKeys) is used instead."""
+    AVX2 EPYC), where an AVX512-BF16 EPYC ran it 1.5-4.8x faster."""
     return native_bf16_matmul(device)
 
 
@@ -71,8 +76,9 @@ def retrieval_topk(
     where query i has fewer than k candidates. keys_low / max_key_norm: see the bf16 screen;
     low_rank: the keys' LowRankKeys, for the low-rank screen.
 
-    "auto": the reference below SCREEN_MIN_KEYS keys; above, the bf16 screen where it pays
-    (`screen_pays_off`), else the low-rank screen when low_rank has a basis, else the reference.
+    "auto": the reference below SCREEN_MIN_KEYS keys; above, the low-rank screen when low_rank
+    has a basis and either the bf16 screen does not pay (`screen_pays_off`) or there are
+    LOW_RANK_OVER_BF16_KEYS keys or more; else the bf16 screen where it pays, else the reference.
     """
     check_tensor("query", query, 3)
     check_tensor("keys", keys, 3)
@@ -91,7 +97,8 @@ def retrieval_topk(
         if keys.shape[1] < SCREEN_MIN_KEYS:
             backend = "reference"
         elif screen_pays_off(keys.device):
-            backend = "screened"
+            fitted = low_rank is not None and low_rank.basis is not None
+            backend = "lowrank" if fitted and keys.shape[1] >= LOW_RANK_OVER_BF16_KEYS else "screened"
         else:
             backend = "lowrank" if low_rank is not None and low_rank.basis is not None else "reference"
     if backend == "reference":
