@@ -86,6 +86,7 @@ def test_a_dtype_this_cpu_emulates_gets_a_note(native, dtype, noted, monkeypatch
     from farsight.ops import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)  # a CPU with bf16 instructions may lack fp16 ones
     model, _ = load_model_and_tokenizer(str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt"), dtype)
     assert next(model.parameters()).dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     err = capsys.readouterr().err
