@@ -94,13 +94,14 @@ def retrieval_topk(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
+        fitted = low_rank is not None and low_rank.basis is not None
+        native = screen_pays_off(keys.device)
         if keys.shape[1] < SCREEN_MIN_KEYS:
             backend = "reference"
-        elif screen_pays_off(keys.device):
-            fitted = low_rank is not None and low_rank.basis is not None
-            backend = "lowrank" if fitted and keys.shape[1] >= LOW_RANK_OVER_BF16_KEYS else "screened"
+        elif fitted and (not native or keys.shape[1] >= LOW_RANK_OVER_BF16_KEYS):
+            backend = "lowrank"
         else:
-            backend = "lowrank" if low_rank is not None and low_rank.basis is not None else "reference"
+            backend = "screened" if native else "reference"
     if backend == "reference":
         return retrieval_topk_reference(query, keys, k, start, stop, scale)
     if backend == "lowrank":
