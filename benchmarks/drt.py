@@ -11,10 +11,12 @@ and decode latency vs context length.
     FlopCounterMode).
 (b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
-(c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M), the mean latency
-    of 128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
-    length; --decode-memory picks the tier (disk for 16M), --decode-dtype the model dtype and
-    --decode-model a trained model (default: random weights, whose landmark scores can be too
+(c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M; one session per
+    length in one process, their steps timed in alternating rounds of 16), the mean latency of
+    128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
+    length, and the median and slowest step (a pause shows there); peak RSS is the process's
+    after each prefill (in the order given); --decode-memory picks the tier (disk for 16M),
+    --decode-dtype the model dtype and --decode-model a trained model (default: random weights, whose landmark scores can be too
     close for the bf16 screen of farsight.ops.retrieval to rule keys out, so that every key is
     scored in fp32: decode at 16M measured 1.62x of 4K with random weights, 1.15x with the demo
     model).
@@ -36,6 +38,7 @@ parts (b) and (d) under glibc's defaults too and prints farsight's speedup over 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -65,6 +68,7 @@ TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_si
 STREAM_CONFIG = dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1)
 TRAIN_TOKENS = 16384
 DECODE_STEPS = 128
+DECODE_ROUND = 16  # steps per session per round of part (c)
 BLOCK = 1 << 16
 
 
@@ -112,21 +116,36 @@ def _prefill_case(case: dict) -> dict:
 
 
 def _decode_case(case: dict) -> dict:
+    """Decode latency at every length of case["lengths"] in one process: one session per
+    length, prefilled in turn, then DECODE_STEPS steps each, timed in rounds of
+    DECODE_ROUND steps that take the sessions in turn, so that the baseline and the long
+    context see the same machine (this CPU's step times move by 20% between processes)."""
     model = (load_model(case["model"]).eval() if case["model"] else _stream_model()).to(getattr(torch, case["dtype"]))
-    with tempfile.TemporaryDirectory() as tmp, model.new_session(
-        memory=case["memory"], path=f"{tmp}/chunks.kv" if case["memory"] == "disk" else None
-    ) as session:
-        start = time.perf_counter()
-        session.prefill(_blocks(case["length"]))
-        prefill_s = time.perf_counter() - start
-        token = torch.zeros(1, dtype=torch.long)
-        for _ in range(8):
-            session.step(token)
-        start = time.perf_counter()
-        for _ in range(DECODE_STEPS):
-            session.step(token)
-        seconds = (time.perf_counter() - start) / DECODE_STEPS
-    return {"ms_per_token": 1000 * seconds, "prefill_s": prefill_s, "peak_rss_mb": peak_rss_bytes() / 2**20}
+    token = torch.zeros(1, dtype=torch.long)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        sessions, rows = [], []
+        for i, length in enumerate(case["lengths"]):
+            path = f"{tmp}/chunks{i}.kv" if case["memory"] == "disk" else None
+            session = stack.enter_context(model.new_session(memory=case["memory"], path=path))
+            start = time.perf_counter()
+            session.prefill(_blocks(length))
+            rows.append({"prefill_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_bytes() / 2**20})
+            for _ in range(8):
+                session.step(token)
+            sessions.append(session)
+        steps_ms: list[list[float]] = [[] for _ in sessions]
+        for _ in range(DECODE_STEPS // DECODE_ROUND):
+            for session, times in zip(sessions, steps_ms):
+                for _ in range(DECODE_ROUND):
+                    start = time.perf_counter()
+                    session.step(token)
+                    times.append(1000 * (time.perf_counter() - start))
+    return {
+        "rows": [
+            {"ms_per_token": float(np.mean(times)), "median_ms": float(np.median(times)), "max_ms": max(times), **row}
+            for times, row in zip(steps_ms, rows)
+        ]
+    }
 
 
 SPLIT_SECTIONS = ("lower layers", "encoder", "memory write", "scoring + top-k", "memory read", "GCA", "upper SWA + MLP")
@@ -273,11 +292,12 @@ def main() -> None:
             r["RSS / RSS(64K)"] = r["peak_rss_mb"] / ref["peak_rss_mb"]
 
     decode_rows = []
-    for length in decode_contexts if "decode" in parts else []:
-        case = {"memory": args.decode_memory, "dtype": args.decode_dtype, "length": length, "model": args.decode_model}
+    if "decode" in parts:
+        case = {"memory": args.decode_memory, "dtype": args.decode_dtype, "lengths": decode_contexts, "model": args.decode_model}
         r = run_isolated(_decode_case, case)
-        decode_rows.append({"context": format_length(length), **r})
-        note(f"decode t={format_length(length)}")
+        rows = r.get("rows") or [{"error": r.get("error")} for _ in decode_contexts]
+        decode_rows = [{"context": format_length(length), **row} for length, row in zip(decode_contexts, rows)]
+        note(f"decode t={','.join(format_length(length) for length in decode_contexts)}")
     base_ms = decode_rows[0].get("ms_per_token") if decode_rows else None
     for r in decode_rows:
         if base_ms and "ms_per_token" in r:
@@ -312,7 +332,7 @@ def main() -> None:
             f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens "
             f"({args.decode_model or 'demo-sized DRT, random weights'}, {args.decode_memory} tier, {args.decode_dtype})"
         )
-        print(format_table(decode_rows, ["context", "ms_per_token", f"ratio to {decode_rows[0]['context']}", "prefill_s", "peak_rss_mb"]))
+        print(format_table(decode_rows, ["context", "ms_per_token", f"ratio to {decode_rows[0]['context']}", "median_ms", "max_ms", "prefill_s", "peak_rss_mb"]))
     if split_rows:
         what = args.split_model or "demo-sized DRT, random weights"
         tokens = f"{args.split_corpus} tokens" if args.split_corpus else "random tokens"

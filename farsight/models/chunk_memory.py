@@ -432,13 +432,15 @@ class ChunkMemory:
             raise InputError("kv_dtype is for the inference tiers; the training forward keeps K/V in the autograd graph")
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
-        self._keys = GrowingBuffer(dim=1)
+        # keys are never written once appended, so their buffers spread each doubling over the
+        # appends before it (a decode step at 16M tokens would otherwise pause to copy 128 MB)
+        self._keys = GrowingBuffer(dim=1, spread_growth=True)
         # the inference tiers keep what retrieval's screens need (farsight.ops.retrieval): a
         # low-rank basis of the keys and, where bf16 GEMMs run in hardware, the landmark keys in
-        # bf16 and a bound on their norms (after a truncate the bound stays an upper bound) for
-        # keys without such a basis
+        # bf16 (a copy only when the keys are not bf16 themselves) and a bound on their norms
+        # (after a truncate the bound stays an upper bound) for keys without such a basis
         self._screened = tier != "graph" and retrieval.screen_pays_off(self.device)
-        self._screen_keys = GrowingBuffer(dim=1)
+        self._screen_keys = GrowingBuffer(dim=1, spread_growth=True)
         self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS) if tier != "graph" else None
         self._max_key_norm: torch.Tensor | None = None
 
@@ -459,7 +461,9 @@ class ChunkMemory:
         inference tier; {} in the graph tier (a screen computes what it needs from the keys)."""
         state: dict[str, object] = {} if self._low_rank is None else {"low_rank": self._low_rank}
         if self._screened:
-            state.update(keys_low=self._screen_keys.view(), max_key_norm=self._max_key_norm)
+            keys = self._keys.view()
+            keys_low = keys if keys is not None and keys.dtype == torch.bfloat16 else self._screen_keys.view()
+            state.update(keys_low=keys_low, max_key_norm=self._max_key_norm)
         return state
 
     def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -479,15 +483,16 @@ class ChunkMemory:
             if not self._screened:
                 return
             new = keys[:, keys.shape[1] - landmark_keys.shape[1] :]
-            self._screen_keys.append(new.to(torch.bfloat16))
+            if new.dtype != torch.bfloat16:
+                self._screen_keys.append(new.to(torch.bfloat16))
             norm = new.to(torch.promote_types(new.dtype, torch.float32)).norm(dim=-1).max()
             self._max_key_norm = norm if self._max_key_norm is None else torch.maximum(self._max_key_norm, norm)
 
     def truncate(self, n_chunks: int) -> None:
         """Keep the first n_chunks chunks (an inference tier): undoes the appends of a failed session call."""
         self.store.truncate(n_chunks)
-        self._keys.length = min(self._keys.length, n_chunks)
-        self._screen_keys.length = min(self._screen_keys.length, n_chunks)
+        self._keys.truncate(n_chunks)
+        self._screen_keys.truncate(n_chunks)
         if self._low_rank is not None:
             self._low_rank.truncate(n_chunks)
 
@@ -509,6 +514,7 @@ class ChunkMemory:
         the memory is unusable afterwards."""
         self.store.close()
         self._graph_keys = []
-        self._keys, self._screen_keys = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
+        self._keys.clear()
+        self._screen_keys.clear()
         if self._low_rank is not None:
             self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS)

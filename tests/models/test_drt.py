@@ -374,6 +374,20 @@ def test_chunk_memory_keeps_no_bf16_keys_where_the_bf16_screen_does_not_pay(monk
     assert memory.nbytes() == keys.numel() * 4 + 2 * 5 * 2 * 4 * 4
 
 
+def test_chunk_memory_of_bf16_keys_screens_the_keys_themselves(monkeypatch):
+    # bf16 keys are their own bf16 screen: a copy would double the keys' memory (128 MB at 16M tokens)
+    import farsight.ops.retrieval as retrieval
+
+    monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: True)
+    memory = ChunkMemory("host", torch.device("cpu"))
+    keys = torch.randn(1, 5, 8, dtype=torch.bfloat16)
+    memory.append(keys, torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16), torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16))
+    low = memory.screen_state()["keys_low"]
+    assert torch.equal(low, keys) and low.data_ptr() == memory.landmark_keys().data_ptr()
+    torch.testing.assert_close(memory.screen_state()["max_key_norm"], keys.float().norm(dim=-1).max())
+    assert memory.nbytes() == keys.numel() * 2 + 2 * 5 * 2 * 4 * 2
+
+
 @pytest.mark.parametrize("tier", ["device", "host"])
 def test_closing_a_chunk_memory_frees_its_landmark_keys(tier):
     # a closed session may live on until the garbage collector finds it; its keys must not

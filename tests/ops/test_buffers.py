@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from farsight.ops import buffers
 from farsight.ops.buffers import GrowingBuffer
 
 
@@ -70,3 +71,47 @@ def test_rejects_bad_arguments():
         GrowingBuffer(dim=-1)
     with pytest.raises(ValueError, match="more than 2 dimensions"):
         GrowingBuffer(dim=2).append(torch.zeros(3, 4))
+
+
+@pytest.mark.parametrize("sizes", [(1,) * 40, (3, 1, 0, 2, 5, 1, 1, 7, 2, 1, 30, 1, 2)])
+def test_spread_growth_keeps_the_views_of_plain_doubling(sizes):
+    plain, spread = GrowingBuffer(dim=1, min_capacity=4), GrowingBuffer(dim=1, min_capacity=4, spread_growth=True)
+    gen = torch.Generator().manual_seed(0)
+    for step, n in enumerate(sizes):
+        rows = torch.randn(2, n, 3, generator=gen)
+        assert torch.equal(spread.append(rows), plain.append(rows))
+        assert spread.capacity == plain.capacity and spread.nbytes() == plain.nbytes()
+        if step == 6:
+            plain.truncate(plain.length - 2)
+            spread.truncate(spread.length - 2)
+            assert torch.equal(spread.view(), plain.view())
+
+
+def test_spread_growth_has_moved_the_history_when_the_storage_fills(monkeypatch):
+    # one row per append: no append that overflows the storage copies the history at once
+    monkeypatch.setattr(buffers, "MOVE_BLOCK", 4)
+    buffer = GrowingBuffer(dim=1, min_capacity=16, spread_growth=True)
+    rows = torch.arange(256.0).view(1, 256, 1)
+    for i in range(256):
+        if buffer.length == buffer.capacity and i:
+            assert buffer.length - buffer._moved < 4  # the next storage holds all but < MOVE_BLOCK rows
+            next_storage = buffer._next
+            buffer.append(rows[:, i : i + 1])
+            assert buffer._storage is next_storage
+        else:
+            buffer.append(rows[:, i : i + 1])
+        assert buffer._moved <= buffer.length
+    assert torch.equal(buffer.view(), rows)
+
+
+def test_spread_growth_rewrites_truncated_rows():
+    # rows moved ahead and then truncated are moved again once rewritten
+    buffer = GrowingBuffer(dim=1, min_capacity=4, spread_growth=True)
+    buffer.append(torch.ones(1, 4))
+    buffer.truncate(1)
+    assert buffer._moved <= 1
+    buffer.append(torch.full((1, 3), 2.0))
+    buffer.append(torch.full((1, 1), 3.0))
+    assert torch.equal(buffer.view(), torch.tensor([[1.0, 2.0, 2.0, 2.0, 3.0]]))
+    buffer.clear()
+    assert buffer.view() is None and buffer._next is None

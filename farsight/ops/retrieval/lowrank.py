@@ -67,8 +67,10 @@ class LowRankKeys:
     def __init__(self, min_keys: int = 1) -> None:
         self.min_keys = min_keys
         self.basis: torch.Tensor | None = None  # [B, r, D] in the keys' score dtype
-        self.coords = GrowingBuffer(dim=1)  # [B, n, r]: k_r of every key (only while basis is set)
-        self.residuals = GrowingBuffer(dim=1)  # [B, n]: |k_perp|
+        # [B, n, r] k_r of every key (only while basis is set) and [B, n] |k_perp|; rows are never
+        # rewritten, so the buffers spread their doublings (farsight.ops.buffers)
+        self.coords = GrowingBuffer(dim=1, spread_growth=True)
+        self.residuals = GrowingBuffer(dim=1, spread_growth=True)
         self.max_norm: torch.Tensor | None = None  # >= every key's norm (stays a bound after truncate)
         self.n_keys = 0  # keys seen (those of the memory)
         self.fitted_at = 0  # keys in the memory at the last fit (0: none yet)
@@ -95,7 +97,8 @@ class LowRankKeys:
             self.fitted_at = self.n_keys
             keys = keys.to(dtype)
             self.basis = fit_basis(keys)
-            self.coords, self.residuals = GrowingBuffer(dim=1), GrowingBuffer(dim=1)
+            self.coords.clear()
+            self.residuals.clear()
             if self.basis is not None:
                 self._project(keys)
             self._since_fit = (0, 0.0, 0.0)
@@ -124,8 +127,8 @@ class LowRankKeys:
     def truncate(self, n: int) -> None:
         """Forget every key from the n-th on (the basis and the norm bound stay valid)."""
         self.n_keys = min(self.n_keys, n)
-        self.coords.length = min(self.coords.length, n)
-        self.residuals.length = min(self.residuals.length, n)
+        self.coords.truncate(n)
+        self.residuals.truncate(n)
 
 
 def _topk_one_row(
