@@ -9,11 +9,12 @@ from farsight.ops.buffers import GrowingBuffer
 
 class KVCache:
     """All past keys and values, [B, H, t, d] (the layout SDPA takes), in buffers that double
-    when full so that appending one token does not copy the whole history."""
+    when full so that appending one token does not copy the whole history; a token's rows are
+    never rewritten, so each doubling's copy is spread over the appends before it."""
 
     def __init__(self) -> None:
-        self._k = GrowingBuffer(dim=2, min_capacity=64)
-        self._v = GrowingBuffer(dim=2, min_capacity=64)
+        self._k = GrowingBuffer(dim=2, min_capacity=64, spread_growth=True)
+        self._v = GrowingBuffer(dim=2, min_capacity=64, spread_growth=True)
 
     @property
     def length(self) -> int:
