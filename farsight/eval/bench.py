@@ -11,7 +11,7 @@ from pathlib import Path
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.efficiency import write_json
 
-BENCHMARKS = ("train_throughput", "castle", "drt", "retrieval", "kernels")
+BENCHMARKS = ("train_throughput", "castle", "drt", "retrieval", "buffers", "kernels")
 
 
 def benchmarks_dir() -> Path:

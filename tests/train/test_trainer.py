@@ -94,6 +94,7 @@ def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path, 
         assert 0 < records[-1]["skipped_steps"] < 6 and any(r["grad_norm"] is None for r in records)
 
 
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")  # the test wraps it
 def test_grad_accumulation_averages_micro_batch_gradients(token_dir, tmp_path):
     import copy
 
