@@ -10,7 +10,9 @@ inside a decode step of 5 ms (benchmarks/buffers.py, 2-core Xeon). Buffers whose
 written after they are appended can spread that copy (`spread_growth=True`): from half capacity
 on, the next storage is allocated and the history moves into it three rows per row appended,
 MOVE_BLOCK rows at a time, so all but fewer than MOVE_BLOCK rows have moved by the time the
-current storage is full (the slowest append then took 6 ms).
+current storage is full (the slowest append then took 6 ms). The peak memory is plain
+doubling's (the full storage and the rows moved into the next one), held from half capacity on
+instead of for one append.
 """
 
 from __future__ import annotations
