@@ -436,13 +436,12 @@ class ChunkMemory:
         # appends before it (a decode step at 16M tokens would otherwise pause to copy 128 MB)
         self._keys = GrowingBuffer(dim=1, spread_growth=True)
         # the inference tiers keep what retrieval's screens need (farsight.ops.retrieval): a
-        # low-rank basis of the keys and, where bf16 GEMMs run in hardware, the landmark keys in
-        # bf16 (a copy only when the keys are not bf16 themselves) and a bound on their norms
-        # (after a truncate the bound stays an upper bound) for keys without such a basis
+        # low-rank basis of the keys with a bound on their norms (after a truncate the bound stays
+        # an upper bound) and, where bf16 GEMMs run in hardware, the landmark keys in bf16 (a copy
+        # only when the keys are not bf16 themselves) for keys without such a basis
         self._screened = tier != "graph" and retrieval.screen_pays_off(self.device)
         self._screen_keys = GrowingBuffer(dim=1, spread_growth=True)
         self._low_rank = retrieval.LowRankKeys(retrieval.LOW_RANK_MIN_KEYS) if tier != "graph" else None
-        self._max_key_norm: torch.Tensor | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -463,7 +462,7 @@ class ChunkMemory:
         if self._screened:
             keys = self._keys.view()
             keys_low = keys if keys is not None and keys.dtype == torch.bfloat16 else self._screen_keys.view()
-            state.update(keys_low=keys_low, max_key_norm=self._max_key_norm)
+            state.update(keys_low=keys_low, max_key_norm=self._low_rank.max_norm)  # the bound both screens take
         return state
 
     def append(self, landmark_keys: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -480,13 +479,8 @@ class ChunkMemory:
             keys = self._keys.append(landmark_keys.detach().to(self.device))
             if self._low_rank is not None:
                 self._low_rank.update(keys)
-            if not self._screened:
-                return
-            new = keys[:, keys.shape[1] - landmark_keys.shape[1] :]
-            if new.dtype != torch.bfloat16:
-                self._screen_keys.append(new.to(torch.bfloat16))
-            norm = new.to(torch.promote_types(new.dtype, torch.float32)).norm(dim=-1).max()
-            self._max_key_norm = norm if self._max_key_norm is None else torch.maximum(self._max_key_norm, norm)
+            if self._screened and keys.dtype != torch.bfloat16:
+                self._screen_keys.append(keys[:, keys.shape[1] - landmark_keys.shape[1] :].to(torch.bfloat16))
 
     def truncate(self, n_chunks: int) -> None:
         """Keep the first n_chunks chunks (an inference tier): undoes the appends of a failed session call."""
