@@ -85,6 +85,8 @@ class GrowingBuffer:
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` rows (no-op when there are no more)."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise InputError(f"truncate takes a row count >= 0, got {length!r}")
         self.length = min(self.length, length)
         self._moved = min(self._moved, self.length)
 

@@ -71,6 +71,8 @@ def test_rejects_bad_arguments():
         GrowingBuffer(dim=-1)
     with pytest.raises(ValueError, match="more than 2 dimensions"):
         GrowingBuffer(dim=2).append(torch.zeros(3, 4))
+    with pytest.raises(ValueError, match="truncate takes a row count >= 0, got -1"):
+        GrowingBuffer().truncate(-1)
 
 
 @pytest.mark.parametrize("sizes", [(1,) * 40, (3, 1, 0, 2, 5, 1, 1, 7, 2, 1, 30, 1, 2)])
