@@ -12,7 +12,9 @@ product FLOPs of one CASTLE f+b (torch's FlopCounterMode) against causal SDPA's 
 (forward QK^T, PV; backward QK^T again, dV, dP, dQ, dK) over the T(T+1)/2 causal pairs: the
 ratio of work that no unfused implementation can go below. The decoding cases time one token against
 a cache of t tokens (B=1, H=8, d=64): castle_decode with its UQ-KV cache vs a standard
-KV-cache step (one query against t cached keys with SDPA). The end of the output says which
+KV-cache step (one query against t cached keys with SDPA), and full CASTLE's step once more with
+every update of U made in place (farsight.ops.castle.inference.HOLD_BACK_FROM_ROWS out of reach),
+the way castle_decode ran before it held updates back. The end of the output says which
 of the targets the measured figures meet; nothing here is asserted by the tests.
 """
 
@@ -34,7 +36,7 @@ from farsight.eval.efficiency import (
     time_fn,
     write_json,
 )
-from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_parallel_reference
+from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_parallel_reference, inference
 
 FULL_STEPS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_STEPS = [256, 512, 1024, 2048]
@@ -115,6 +117,8 @@ def _decode_case(case: dict) -> dict:
     """Subprocess body: seconds per decoded token with `context` tokens already cached."""
     torch.manual_seed(0)
     context, impl, window = case["context"], case["impl"], case["window"]
+    if impl == "castle-in-place":
+        inference.HOLD_BACK_FROM_ROWS = context + DECODE_TOKENS + 1  # this subprocess only
     heads, dim, tokens = DECODE_HEADS, HEAD_DIM, DECODE_TOKENS
     capacity = context + tokens
     steps = [[torch.randn(1, 1, heads, dim) for _ in range(6)] for _ in range(tokens)]
@@ -238,6 +242,7 @@ def run_decoding(contexts: list[int]) -> list[dict]:
     rows = []
     for context in contexts:
         sdpa = _measure(_decode_case, {"impl": "sdpa", "window": None, "context": context})
+        in_place = _measure(_decode_case, {"impl": "castle-in-place", "window": None, "context": context})
         for window in (None, 512):
             castle = _measure(_decode_case, {"impl": "castle", "window": window, "context": context})
             rows.append(
@@ -247,6 +252,8 @@ def run_decoding(contexts: list[int]) -> list[dict]:
                     "castle ms/token": _ms(castle, "token_s"),
                     "kv-cache sdpa ms/token": _ms(sdpa, "token_s"),
                     "castle/sdpa": _ratio(_ms(castle, "token_s"), _ms(sdpa, "token_s")),
+                    "in-place U ms/token": _ms(in_place, "token_s") if window is None else None,
+                    "castle/in-place": _ratio(_ms(castle, "token_s"), _ms(in_place, "token_s")) if window is None else None,
                 }
             )
     return rows

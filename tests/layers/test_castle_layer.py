@@ -4,7 +4,7 @@ import torch
 from farsight.config import ConfigError
 from farsight.layers import CastleAttention, CastleSWLAttention, castle_heads_for_parity
 from farsight.models import TransformerConfig, TransformerForCausalLM
-from farsight.ops.castle import castle_parallel_reference
+from farsight.ops.castle import castle_parallel_reference, inference
 
 
 def config(kind="castle", **kw):
@@ -23,7 +23,10 @@ def test_layer_matches_the_reference_op_on_its_projections(kind):
 
 @pytest.mark.parametrize("kind", ["castle", "castle-swl"])
 @pytest.mark.parametrize("prefix", [1, 6])
-def test_layer_prefill_then_decode_equals_parallel_forward(kind, prefix):
+@pytest.mark.parametrize("held_back", [False, True])
+def test_layer_prefill_then_decode_equals_parallel_forward(kind, prefix, held_back, monkeypatch):
+    if held_back:  # every decode step holds its update of U back (the default does so from 2048 rows)
+        monkeypatch.setattr(inference, "HOLD_BACK_FROM_ROWS", 1)
     layer = (CastleAttention if kind == "castle" else CastleSWLAttention)(config(kind))
     x = torch.randn(2, 15, 32)
     full = layer(x)

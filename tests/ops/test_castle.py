@@ -13,9 +13,19 @@ from farsight.ops.castle import (
     castle_parallel_reference,
     castle_prefill,
     castle_recurrent,
+    inference,
 )
 
 NAMES = ("qu", "ku", "vu", "qc", "kc", "vc")
+
+
+@pytest.fixture(params=["in place", "held back"])
+def decode_update(request, monkeypatch):
+    """Run a test with each way a decode step updates U: in place (the default below
+    HOLD_BACK_FROM_ROWS rows, which every small test stays under) and held back from one row on."""
+    if request.param == "held back":
+        monkeypatch.setattr(inference, "HOLD_BACK_FROM_ROWS", 1)
+    return request.param
 
 
 def make_inputs(batch, steps, heads, dim, dtype=torch.float64, requires_grad=False, seed=0):
@@ -127,7 +137,7 @@ def test_non_contiguous_inputs():
 
 @pytest.mark.parametrize("window", [None, 1, 5, 100])
 @pytest.mark.parametrize("prefix", [0, 1, 17, 40])
-def test_prefill_then_decode_matches_attention(window, prefix):
+def test_prefill_then_decode_matches_attention(window, prefix, decode_update):
     steps = 40
     inputs = make_inputs(2, steps, 2, 16, dtype=torch.float32, seed=4)
     full = castle_attention(*inputs, window=window, block_size=16)
@@ -185,7 +195,7 @@ def test_empty_cache_equals_empty_prefill():
     assert from_empty.capacity >= 6
 
 
-def test_decode_leaves_rows_outside_the_window_alone():
+def test_decode_leaves_rows_outside_the_window_alone(decode_update):
     inputs = make_inputs(1, 30, 1, 4, dtype=torch.float32)
     _, cache = castle_prefill(*(x[:, :29] for x in inputs), window=4)
     before = cache.u[:, :, :29].clone()
@@ -195,7 +205,7 @@ def test_decode_leaves_rows_outside_the_window_alone():
 
 
 @pytest.mark.parametrize("window", [None, 2, 21])
-def test_long_decode_is_exact_while_the_cache_grows(window):
+def test_long_decode_is_exact_while_the_cache_grows(window, decode_update):
     """fp64, 75 decode steps from a 3-token prompt: the buffers grow several times, and the
     cache's U equals a prefill's at every check."""
     steps, prompt = 78, 3
@@ -213,6 +223,43 @@ def test_long_decode_is_exact_while_the_cache_grows(window):
     _, whole = castle_prefill(*inputs, window=window, block_size=8)
     for got, expected in zip(cache.tensors(), whole.tensors()):
         assert max_diff(got, expected) < 1e-12
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_held_back_updates_fold_every_pending_steps(monkeypatch, window):
+    """From HOLD_BACK_FROM_ROWS rows on, a step leaves U's storage as it is and the cache folds
+    the held-back updates in every PENDING_STEPS steps or when U is read; outputs and U stay the
+    definition's (fp64, against a prefill of the same tokens)."""
+    monkeypatch.setattr(inference, "HOLD_BACK_FROM_ROWS", 5)
+    steps, prompt = 12 + inference.PENDING_STEPS + 5, 12
+    inputs = make_inputs(1, steps, 2, 4, seed=12)
+    want = castle_parallel_reference(*inputs, window=window)
+    out, cache = castle_prefill(*(x[:, :prompt] for x in inputs), window=window)
+    stored = cache._u.view().clone()
+    outs, held = [out], 0
+    for t in range(prompt, steps):
+        step_out, cache = castle_decode(*(x[:, t : t + 1] for x in inputs), cache)
+        outs.append(step_out)
+        held = (held + 1) % inference.PENDING_STEPS
+        assert cache.pending == held
+        if t == prompt + 2:
+            assert torch.equal(cache._u.view()[:, :, :prompt], stored)  # three steps held back, U not written
+            _, whole = castle_prefill(*(x[:, : t + 1] for x in inputs), window=window)
+            assert max_diff(cache.u, whole.u) < 1e-12  # reading U folds them in
+            assert cache.pending == 0
+            held = 0
+    assert max_diff(torch.cat(outs, dim=1), want) < 1e-12
+    _, whole = castle_prefill(*inputs, window=window)
+    for got, expected in zip(cache.tensors(), whole.tensors()):
+        assert max_diff(got, expected) < 1e-12
+
+
+def test_short_contexts_update_u_in_place():
+    inputs = make_inputs(1, 20, 2, 4, seed=13)
+    _, cache = castle_prefill(*(x[:, :10] for x in inputs))
+    for t in range(10, 20):
+        _, cache = castle_decode(*(x[:, t : t + 1] for x in inputs), cache)
+        assert cache.pending == 0
 
 
 @pytest.mark.parametrize("window", [None, 3])

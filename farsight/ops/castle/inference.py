@@ -18,6 +18,12 @@ from farsight.ops.castle.blockwise import forward_with_lookahead_keys
 from farsight.ops.checks import check_positive_int, compute_dtype
 
 DEFAULT_CAPACITY = 16
+# Decode steps whose updates of U are held back and then folded in by one matrix product (see
+# `decode`): the held-back gates cost PENDING_STEPS floats per cached token and head.
+PENDING_STEPS = 16
+# A step that updates fewer rows of U than this updates them in place: holding back costs a few
+# more small products per step, which only pays where U is large (benchmarks/castle.py).
+HOLD_BACK_FROM_ROWS = 2048
 
 
 class CastleCache:
@@ -26,10 +32,18 @@ class CastleCache:
     Per token s of the t = `length` cached ones it holds, each as [B, H, t, d] rows: u[s] the
     lookahead key of s after t tokens (the last row is zero: no token follows yet), qu[s] the
     lookahead query, kc[s] / vc[s] the causal key and value. The rows are in the compute dtype
-    (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64) so that U, which is updated in place at
-    every step, does not accumulate low-precision rounding; `input_dtype` is the dtype the cache
+    (fp32 for fp16/bf16/fp32 inputs, fp64 for fp64) so that U, which is updated in place as
+    tokens arrive, does not accumulate low-precision rounding; `input_dtype` is the dtype the cache
     accepts and returns. The buffers double when full (`GrowingBuffer`), so a decode step
     copies nothing in the common case.
+
+    A decode step that updates at least HOLD_BACK_FROM_ROWS rows of U does not rewrite them: it
+    keeps the new token's gates sigmoid(scale qu[s] . ku_t) (one row of `_gates`, [B, H,
+    PENDING_STEPS, capacity]) and its lookahead value vu_t, adds their contribution to its own
+    scores, and every PENDING_STEPS steps all held-back updates are folded into U by one matrix
+    product. So such a step reads U once instead of reading and writing it and then reading it
+    again. `u` and `tensors()` fold first: they always return the lookahead keys of the
+    definition.
 
     `layer` is an identity tag set by the owner (any comparable value, e.g. the layer index) so
     that castle_decode can reject a cache that belongs to another layer. Build one with
@@ -60,6 +74,10 @@ class CastleCache:
         with torch.no_grad():
             for buffer, rows in zip((self._u, self._qu, self._kc, self._vc), (u, qu, kc, vc)):
                 buffer.append(rows.to(dtype))
+        self._gates: torch.Tensor | None = None  # [B, H, PENDING_STEPS, capacity], zero where unused
+        self._pending_values: torch.Tensor | None = None  # [B, H, PENDING_STEPS, d]
+        self._pending = 0  # held-back steps: rows [0, _pending) of the two above
+        self._held_rows = slice(0, 0)  # the rows of U the held-back steps update
 
     @classmethod
     def empty(
@@ -90,8 +108,14 @@ class CastleCache:
 
     @property
     def u(self) -> torch.Tensor:
-        """Lookahead keys [B, H, length, d] (a view into the buffer)."""
+        """Lookahead keys [B, H, length, d] (a view into the buffer; held-back updates folded in)."""
+        self.fold_pending()
         return self._u.view()
+
+    @property
+    def pending(self) -> int:
+        """Decode steps whose updates of U are held back (folded in by `fold_pending`)."""
+        return self._pending
 
     @property
     def qu(self) -> torch.Tensor:
@@ -118,23 +142,64 @@ class CastleCache:
 
     @property
     def batch(self) -> int:
-        return self.u.shape[0]
+        return self._kc.view().shape[0]
 
     @property
     def heads(self) -> int:
-        return self.u.shape[1]
+        return self._kc.view().shape[1]
 
     @property
     def head_dim(self) -> int:
-        return self.u.shape[3]
+        return self._kc.view().shape[3]
 
     @property
     def device(self) -> torch.device:
-        return self.u.device
+        return self._kc.view().device
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Valid rows (U, QU, KC, VC), each [B, H, length, d] (views into the buffers)."""
         return self.u, self.qu, self.kc, self.vc
+
+    def fold_pending(self) -> None:
+        """Add the held-back updates to U: U[s] += sum over held-back steps j of gate_j[s] vu_j."""
+        if self._pending == 0:
+            return
+        rows = self._held_rows
+        gates = self._gates[:, :, : self._pending, rows]  # [B, H, p, n]
+        with torch.no_grad():
+            # in place, batched over B * H (flatten(0, 1) of these buffer slices is a view)
+            u = self._u.view()[:, :, rows].flatten(0, 1)
+            u.baddbmm_(gates.transpose(-1, -2).flatten(0, 1), self._pending_values[:, :, : self._pending].flatten(0, 1))
+            gates.zero_()
+        self._pending = 0
+
+    def _hold_back(self, key: torch.Tensor, value: torch.Tensor, rows: slice) -> None:
+        """Hold back one step's update of U `rows`: gates sigmoid(QU[rows] . key) with key
+        [B, H, 1, d] (already scaled), and value [B, H, 1, d]."""
+        if self._gates is None or self._gates.shape[-1] < rows.stop:  # first use, or U has grown
+            b, h, _, d = self._u.view().shape
+            gates = key.new_zeros(b, h, PENDING_STEPS, self._u.capacity)
+            if self._gates is None:
+                self._pending_values = key.new_zeros(b, h, PENDING_STEPS, d)
+            else:
+                gates[..., : self._gates.shape[-1]] = self._gates
+            self._gates = gates
+        slot = self._pending
+        gates = self._gates[:, :, slot : slot + 1, rows]  # [B, H, 1, n], written in place
+        gates.flatten(0, 1).baddbmm_(key.flatten(0, 1), self._qu.view()[:, :, rows].transpose(-1, -2).flatten(0, 1), beta=0)
+        gates.sigmoid_()
+        self._pending_values[:, :, slot : slot + 1] = value
+        self._held_rows = slice(rows.start if slot == 0 else self._held_rows.start, rows.stop)
+        self._pending += 1
+
+    def _add_held_back(self, query: torch.Tensor, scores: torch.Tensor) -> None:
+        """scores [B, H, 1, length] += query . (the held-back gains of each row of U)."""
+        if self._pending == 0:
+            return
+        values = self._pending_values[:, :, : self._pending]  # [B, H, p, d]
+        weights = torch.matmul(query, values.transpose(-1, -2))  # [B, H, 1, p]: query . vu_j
+        held = self._held_rows
+        scores[..., held].flatten(0, 1).baddbmm_(weights.flatten(0, 1), self._gates[:, :, : self._pending, held].flatten(0, 1))
 
 
 def prefill(
@@ -179,26 +244,37 @@ def decode(
     """Algorithm 5: one token's six [B, 1, H, d] inputs -> o [B, 1, H, d]; updates `cache`.
 
     With t tokens cached, the lookahead keys of tokens max(0, t - W) .. t - 1 gain
-    sigmoid(scale * qu_s . ku_t) * vu_t (older rows can no longer change under a window and are
-    not touched), a zero row is appended for the new token, then
+    sigmoid(scale * qu_s . ku_t) * vu_t (older rows can no longer change under a window), a zero
+    row is appended for the new token, then
     o = softmax(scale * qc . KC - SiLU(scale * qc . U)) @ VC over all t + 1 tokens. O(t d).
+
+    From HOLD_BACK_FROM_ROWS rows on, the gains are held back in the cache (`CastleCache`):
+    qc . U is computed as qc . U_stored plus (qc . vu_j) gate_j summed over the held-back steps
+    j, and U_stored is brought up to date every PENDING_STEPS steps by one matrix product, so a
+    step reads each of QU, U, KC, VC once and writes none of them in full.
     """
-    dtype = cache.u.dtype
+    dtype = compute_dtype(cache.input_dtype)
     # [B, H, 1, d] row vectors: every product below is then a (1 x d) @ (d x t) matrix product,
     # which BLAS runs at memory speed (a (t x d) @ (d x 1) batched product is several times slower).
     q_u, k_u, v_u, q_c, k_c, v_c = (x.transpose(1, 2).to(dtype) for x in (qu, ku, vu, qc, kc, vc))
     t = cache.length
     first = 0 if cache.window is None else max(0, t - cache.window)
     with torch.no_grad():
-        if first < t:
-            gate = torch.matmul(k_u, cache.qu[:, :, first:t].transpose(-1, -2)).mul_(cache.scale).sigmoid_()
-            cache.u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)  # in place, in the buffer
-        u = cache._u.append(torch.zeros_like(q_u))
+        u = cache._u.append(torch.zeros_like(q_u))  # U_stored: without the held-back gains
         cache._qu.append(q_u)
         keys = cache._kc.append(k_c)
         values = cache._vc.append(v_c)
-        query = q_c.mul(cache.scale)
+        if t - first >= HOLD_BACK_FROM_ROWS:
+            cache._hold_back(k_u * cache.scale, v_u, slice(first, t))
+        elif first < t:
+            gate = torch.matmul(k_u * cache.scale, cache._qu.view()[:, :, first:t].transpose(-1, -2)).sigmoid_()
+            u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)  # in place, in the buffer
+        query = q_c * cache.scale
         score = torch.matmul(query, keys.transpose(-1, -2))  # [B, H, 1, t + 1]
-        score -= F.silu(torch.matmul(query, u.transpose(-1, -2)))
+        lookahead = torch.matmul(query, u.transpose(-1, -2))  # scale qc . U_stored
+        cache._add_held_back(query, lookahead)
+        score -= F.silu(lookahead)
         out = torch.matmul(torch.softmax(score, dim=-1), values)  # [B, H, 1, d]
+        if cache.pending == PENDING_STEPS:
+            cache.fold_pending()
     return out.transpose(1, 2).to(qu.dtype)
