@@ -168,7 +168,7 @@ def test_prefill_lookahead_keys_follow_the_definition():
     assert cache.tensors()[0][:, :, -1].abs().max() == 0
 
 
-def test_half_precision_decode():
+def test_half_precision_decode(decode_update):
     inputs = make_inputs(1, 20, 2, 8, dtype=torch.float32, seed=7)
     half = [x.bfloat16() for x in inputs]
     want = castle_attention(*(x.float() for x in half), window=4)
@@ -252,6 +252,20 @@ def test_held_back_updates_fold_every_pending_steps(monkeypatch, window):
     _, whole = castle_prefill(*inputs, window=window)
     for got, expected in zip(cache.tensors(), whole.tensors()):
         assert max_diff(got, expected) < 1e-12
+
+
+def test_held_back_updates_fold_after_inference_mode(monkeypatch):
+    """A cache decoded under torch.inference_mode() holds inference tensors; reading its U
+    afterwards still folds the held-back steps in."""
+    monkeypatch.setattr(inference, "HOLD_BACK_FROM_ROWS", 1)
+    inputs = make_inputs(1, 14, 2, 4, seed=14)
+    with torch.inference_mode():
+        _, cache = castle_prefill(*(x[:, :10] for x in inputs))
+        for t in range(10, 14):
+            _, cache = castle_decode(*(x[:, t : t + 1] for x in inputs), cache)
+    assert cache.pending == 4
+    _, whole = castle_prefill(*inputs)
+    assert max_diff(cache.u, whole.u) < 1e-12
 
 
 def test_short_contexts_update_u_in_place():

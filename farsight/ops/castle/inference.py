@@ -166,7 +166,9 @@ class CastleCache:
             return
         rows = self._held_rows
         gates = self._gates[:, :, : self._pending, rows]  # [B, H, p, n]
-        with torch.no_grad():
+        # a cache decoded under torch.inference_mode() holds inference tensors, which only
+        # inference mode may write to, and `u` may be read after leaving it
+        with torch.no_grad(), torch.inference_mode(self._gates.is_inference()):
             # in place, batched over B * H (flatten(0, 1) of these buffer slices is a view)
             u = self._u.view()[:, :, rows].flatten(0, 1)
             u.baddbmm_(gates.transpose(-1, -2).flatten(0, 1), self._pending_values[:, :, : self._pending].flatten(0, 1))
@@ -199,7 +201,7 @@ class CastleCache:
         values = self._pending_values[:, :, : self._pending]  # [B, H, p, d]
         weights = torch.matmul(query, values.transpose(-1, -2))  # [B, H, 1, p]: query . vu_j
         held = self._held_rows
-        scores[..., held].flatten(0, 1).baddbmm_(weights.flatten(0, 1), self._gates[:, :, : self._pending, held].flatten(0, 1))
+        scores[..., held] += torch.matmul(weights, self._gates[:, :, : self._pending, held])
 
 
 def prefill(
@@ -251,7 +253,8 @@ def decode(
     From HOLD_BACK_FROM_ROWS rows on, the gains are held back in the cache (`CastleCache`):
     qc . U is computed as qc . U_stored plus (qc . vu_j) gate_j summed over the held-back steps
     j, and U_stored is brought up to date every PENDING_STEPS steps by one matrix product, so a
-    step reads each of QU, U, KC, VC once and writes none of them in full.
+    step reads each of QU, U, KC, VC once (and the held-back gates, fewer than PENDING_STEPS
+    floats per row) and writes none of them in full.
     """
     dtype = compute_dtype(cache.input_dtype)
     # [B, H, 1, d] row vectors: every product below is then a (1 x d) @ (d x t) matrix product,
