@@ -33,5 +33,13 @@ done
 PPL=(--corpus data/lm-byte --split val --lengths 4k,8k,16k,32k,64k,128k --windows 12 --window-length 128k --batch-size 1 --dtype bf16)
 $F eval ppl --model runs/lm-drt --model runs/lm-drt-s1 "${PPL[@]}" --out "$OUT/lm-ppl-drt-seeds.json"
 $F eval ppl --model runs/lm-drt-s1 --model runs/lm-drt-nosoftmax1-s1 "${PPL[@]}" --out "$OUT/lm-ppl-s1.json"
+# both second seeds through the same passkey stage 1 (seed 1 there too), on the same grid
+for run in drt drt-nosoftmax1; do
+    $F train "configs/lm-$run-passkey.yaml" --no-progress --set train.seed=1 --set "train.init_from=runs/lm-$run-s1" \
+        --set "train.out_dir=runs/lm-$run-s1-passkey"
+    $F eval passkey --model "runs/lm-$run-s1-passkey" --lengths 1k,4k,16k,64k,256k,1m --depths 0,0.25,0.5,0.75,1 \
+        --trials 10 --long-trials 4 --corpus data/lm-byte --split val --align 1 --dtype bf16 --batch-size 2 \
+        --out "$OUT/lm-passkey-$run-s1.json"
+done
 $F eval compare "${RESULTS[@]}" --labels "$LABELS" --plot "$FIG/r4-lm-passkey.png" \
     --title "R4: passkey exact match vs length, retriever ablations" | tee "$OUT/lm-passkey.txt"
