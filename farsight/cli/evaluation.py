@@ -84,7 +84,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         description="One table (and plot) of needle-task results written by --out: a row per length, a column per model.",
     )
     compare.add_argument("results", nargs="+", help="JSON files written by `farsight eval passkey|multikey|niah2hop --out`")
-    compare.add_argument("--labels", help="comma-separated column names (default: the file names)")
+    compare.add_argument(
+        "--labels",
+        help="comma-separated column names (default: the file names); files with one name are one model's lengths run in parts",
+    )
     compare.add_argument("--metric", default="exact_match", choices=["exact_match", "first_token", "needle_retrieved"])
     compare.add_argument("--plot", help="write accuracy vs length as a PNG")
     compare.add_argument("--title")
@@ -308,13 +311,13 @@ def _compare(args: argparse.Namespace) -> int:
     from farsight.eval.needle import compare_summaries
 
     check_plot_file(args.plot)
-    labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=True)
-    summaries = {}
+    labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=False)
+    summaries = []
     for label, path in zip(labels, args.results):
         if not Path(path).is_file():
             raise MissingFileError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
         try:
-            summaries[label] = json.loads(Path(path).read_text())
+            summaries.append((label, json.loads(Path(path).read_text())))
         except json.JSONDecodeError as exc:
             raise InputError(f"{path} is not valid JSON ({exc}); pass a file written by `farsight eval passkey ... --out`") from exc
     table, series = compare_summaries(summaries, args.metric)
@@ -323,7 +326,7 @@ def _compare(args: argparse.Namespace) -> int:
     if args.plot:
         from farsight.eval.plots import curves
 
-        title = args.title or f"{next(iter(summaries.values())).get('task', 'needle')}: {args.metric.replace('_', ' ')}"
+        title = args.title or f"{summaries[0][1].get('task', 'needle')}: {args.metric.replace('_', ' ')}"
         print(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
     return 0
 

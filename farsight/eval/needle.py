@@ -234,18 +234,28 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
 METRICS = ("exact_match", "first_token", "needle_retrieved")
 
 
-def compare_summaries(summaries: dict[str, dict[str, Any]], metric: str = "exact_match") -> tuple[str, dict[str, dict[int, float]]]:
-    """label -> needle summary (as written by --out) => (a table with one row per length and a
-    column per label, in %; and the same numbers as plot series). "-" where a model was not run."""
+def compare_summaries(summaries: list[tuple[str, dict[str, Any]]], metric: str = "exact_match") -> tuple[str, dict[str, dict[int, float]]]:
+    """(label, needle summary as written by --out) pairs => (a table with one row per length and
+    a column per label, in %; and the same numbers as plot series). "-" where a model was not
+    run. Summaries that share a label are one model's grid run in parts: their lengths are joined,
+    and a length in two of them is an InputError."""
     from farsight.eval.efficiency import format_table
 
     if metric not in METRICS:
         raise InputError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     series: dict[str, dict[int, float]] = {}
-    for label, summary in summaries.items():
+    for label, summary in summaries:
         if "by_length" not in summary:
             raise InputError(f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`")
-        series[label] = {int(n): 100 * row[metric] for n, row in summary["by_length"].items() if metric in row}
+        points = series.setdefault(label, {})
+        for n, row in summary["by_length"].items():
+            if int(n) in points:
+                raise InputError(
+                    f"two result files labelled {label!r} both hold length {format_length(int(n))}; "
+                    "files may share a label only when they hold different lengths of one model"
+                )
+            if metric in row:
+                points[int(n)] = 100 * row[metric]
     lengths = sorted({n for points in series.values() for n in points})
     rows = [{"length": format_length(n), **{label: series[label].get(n) for label in series}} for n in lengths]
     return format_table(rows, ["length", *series]), series

@@ -175,7 +175,13 @@ def test_compare_puts_models_side_by_side(tmp_path, capsys):
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "compare", str(tmp_path / "a.json"), "--labels", "x,y"]) == 2
     assert main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "drt, drt"]) == 2
-    assert "names two result files alike" in capsys.readouterr().err
+    assert "both hold length 1K" in capsys.readouterr().err
+    # one model's grid run in parts: its files share a label and their lengths are joined
+    (tmp_path / "long.json").write_text(json.dumps(summary({1 << 20: 0.25})))
+    assert main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "long.json"), str(tmp_path / "b.json"), "--labels", "drt,drt,base"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["length", "drt", "base"]
+    assert lines[3].split() == ["1K", "100", "50"] and lines[5].split() == ["1M", "25", "-"]
     assert main(["eval", "compare", str(tmp_path / "missing.json")]) == 2
 
 
