@@ -71,6 +71,17 @@ done
 for run in causal-niah2hop-d2 causal-niah2hop-d2-4k2; do
     $F eval passkey --model "runs/lm-$run" --lengths 1k,4k --depths 0,0.25,0.5,0.75,1 --trials 10 "${COMMON[@]}" --out "$OUT/lm-$run/inspan.json"
 done
+# the baselines after the curriculum on one task past their span: task, its --task-option, the
+# results' name; the sliding windows to 64K, full attention to 16K (its cost grows as L^2)
+baselines_grid() {
+    local grid=(--depths 0,0.5,1 --trials 32 --long-trials 8 --task-option "$2" "${SMALL[@]}")
+    for run in baselm-niah2hop-d2 baselm-2l-niah2hop-d2; do
+        $F eval "$1" --model "runs/lm-$run" --lengths 1k,4k,16k,64k "${grid[@]}" --out "$OUT/lm-$run/$3-64k.json"
+    done
+    for run in causal-niah2hop-d2 causal-niah2hop-d2-4k2; do
+        $F eval "$1" --model "runs/lm-$run" --lengths 1k,4k,16k "${grid[@]}" --batch-size 1 --out "$OUT/lm-$run/$3-16k.json"
+    done
+}
 # the last step's models on the paper's setting (two distractor chains) past the fine-tune length,
 # 96 samples per length to 64K (a 95% interval of at most +-10 points), 24 beyond
 LONG=(--depths 0,0.5,1 --trials 32 --long-trials 8 --task-option distractors=2 "${SMALL[@]}")
@@ -78,13 +89,20 @@ for model in drt-g2 drt; do
     $F eval niah2hop --model "runs/lm-$model-niah2hop-d2" --lengths 1k,4k,16k,64k,256k,1m "${LONG[@]}" \
         --out "$OUT/lm-$model-niah2hop-d2/niah2hop-distractors2-1m.json" --plot "$FIG/r2-lm-niah2hop-$model.png"
 done
-for run in baselm-niah2hop-d2 baselm-2l-niah2hop-d2; do
-    $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k,64k "${LONG[@]}" --out "$OUT/lm-$run/niah2hop-distractors2-64k.json"
-done
-for run in causal-niah2hop-d2 causal-niah2hop-d2-4k2; do
-    $F eval niah2hop --model "runs/lm-$run" --lengths 1k,4k,16k "${LONG[@]}" --batch-size 1 --out "$OUT/lm-$run/niah2hop-distractors2-16k.json"
-done
+baselines_grid niah2hop distractors=2 niah2hop-distractors2
 $F eval compare "$OUT"/lm-drt-{g2-,}niah2hop-d2/niah2hop-distractors2-1m.json "$OUT"/lm-causal-niah2hop-d2{,-4k2}/niah2hop-distractors2-16k.json \
     "$OUT"/lm-baselm{,-2l}-niah2hop-d2/niah2hop-distractors2-64k.json \
     --labels "DRT x2,DRT x1,full attention (to 1K),full attention (then 4K),BaseLM,BaseLM+2L" \
     --plot "$FIG/r2-lm-niah2hop.png" --title "R2: 2-hop NIAH, two distractor chains, after the curriculum" | tee "$OUT/lm-niah2hop.txt"
+# four-key multi-key with the same models and grid; the DRTs' 256K-1M in a second call, which
+# gives the same samples (each depends only on its seed, length, depth and trial)
+MK=(--depths 0,0.5,1 --trials 32 --long-trials 8 --task-option keys=4 "${SMALL[@]}")
+for model in drt-g2 drt; do
+    $F eval multikey --model "runs/lm-$model-niah2hop-d2" --lengths 1k,4k,16k,64k "${MK[@]}" --out "$OUT/lm-$model-niah2hop-d2/multikey4-64k.json"
+    $F eval multikey --model "runs/lm-$model-niah2hop-d2" --lengths 256k,1m "${MK[@]}" --out "$OUT/lm-$model-niah2hop-d2/multikey4-256k-1m.json"
+done
+baselines_grid multikey keys=4 multikey4
+$F eval compare "$OUT"/lm-drt-g2-niah2hop-d2/multikey4-{64k,256k-1m}.json "$OUT"/lm-drt-niah2hop-d2/multikey4-{64k,256k-1m}.json \
+    "$OUT"/lm-causal-niah2hop-d2{,-4k2}/multikey4-16k.json "$OUT"/lm-baselm{,-2l}-niah2hop-d2/multikey4-64k.json \
+    --labels "DRT x2,DRT x2,DRT x1,DRT x1,full attention (to 1K),full attention (then 4K),BaseLM,BaseLM+2L" \
+    --plot "$FIG/r2-lm-multikey4.png" --title "R2: multi-key NIAH, 4 keys, after the curriculum" | tee "$OUT/lm-multikey4.txt"
