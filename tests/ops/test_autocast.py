@@ -23,6 +23,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from farsight.ops.castle import inference as castle_inference  # noqa: E402
 from farsight.ops.castle import (  # noqa: E402
     castle_attention,
     castle_decode,
@@ -195,7 +196,10 @@ def test_castle_mixed_dtypes_need_autocast() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", TRITON])
 @pytest.mark.parametrize("dtype", LOW)
-def test_castle_prefill_and_decode_under_autocast(backend, dtype) -> None:
+@pytest.mark.parametrize("held_back", [False, True])
+def test_castle_prefill_and_decode_under_autocast(backend, dtype, held_back, monkeypatch) -> None:
+    if held_back:  # every step holds its update of U back (by default only from 2048 rows on)
+        monkeypatch.setattr(castle_inference, "HOLD_BACK_FROM_ROWS", 1)
     inputs = castle_inputs(steps=13)
     want = castle_attention(*inputs, window=3)
     with torch.autocast(DEVICE, dtype=dtype):
