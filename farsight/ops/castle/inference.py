@@ -175,21 +175,19 @@ class CastleCache:
             gates.zero_()
         self._pending = 0
 
-    def _hold_back(self, key: torch.Tensor, value: torch.Tensor, rows: slice) -> None:
-        """Hold back one step's update of U `rows`: gates sigmoid(QU[rows] . key) with key
-        [B, H, 1, d] (already scaled), and value [B, H, 1, d]."""
+    def _hold_back(self, gate: torch.Tensor, value: torch.Tensor, rows: slice) -> None:
+        """Hold back one step's update of U `rows`: its gates [B, H, 1, n] over those rows and its
+        value [B, H, 1, d]."""
         if self._gates is None or self._gates.shape[-1] < rows.stop:  # first use, or U has grown
             b, h, _, d = self._u.view().shape
-            gates = key.new_zeros(b, h, PENDING_STEPS, self._u.capacity)
+            gates = gate.new_zeros(b, h, PENDING_STEPS, self._u.capacity)
             if self._gates is None:
-                self._pending_values = key.new_zeros(b, h, PENDING_STEPS, d)
+                self._pending_values = gate.new_zeros(b, h, PENDING_STEPS, d)
             else:
                 gates[..., : self._gates.shape[-1]] = self._gates
             self._gates = gates
         slot = self._pending
-        gates = self._gates[:, :, slot : slot + 1, rows]  # [B, H, 1, n], written in place
-        gates.flatten(0, 1).baddbmm_(key.flatten(0, 1), self._qu.view()[:, :, rows].transpose(-1, -2).flatten(0, 1), beta=0)
-        gates.sigmoid_()
+        self._gates[:, :, slot : slot + 1, rows] = gate
         self._pending_values[:, :, slot : slot + 1] = value
         self._held_rows = slice(rows.start if slot == 0 else self._held_rows.start, rows.stop)
         self._pending += 1
@@ -267,11 +265,12 @@ def decode(
         cache._qu.append(q_u)
         keys = cache._kc.append(k_c)
         values = cache._vc.append(v_c)
-        if t - first >= HOLD_BACK_FROM_ROWS:
-            cache._hold_back(k_u * cache.scale, v_u, slice(first, t))
-        elif first < t:
+        if first < t:
             gate = torch.matmul(k_u * cache.scale, cache._qu.view()[:, :, first:t].transpose(-1, -2)).sigmoid_()
-            u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)  # in place, in the buffer
+            if t - first >= HOLD_BACK_FROM_ROWS:
+                cache._hold_back(gate, v_u, slice(first, t))
+            else:
+                u[:, :, first:t].addcmul_(gate.transpose(-1, -2), v_u)  # in place, in the buffer
         query = q_c * cache.scale
         score = torch.matmul(query, keys.transpose(-1, -2))  # [B, H, 1, t + 1]
         lookahead = torch.matmul(query, u.transpose(-1, -2))  # scale qc . U_stored
