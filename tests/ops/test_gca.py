@@ -321,3 +321,20 @@ def test_key_mask_under_autocast_bf16():
         got = gca(q, k, v, index, weight, key_mask=mask)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("softmax_one", [True, False])
+def test_inference_path_in_low_precision_matches_fp64(dtype: torch.dtype, softmax_one: bool) -> None:
+    # the no-grad pass multiplies in the input dtype: within a relative tolerance of the fp64
+    # reference, with empty slots, a repeated chunk, a fully masked slot and odd sizes
+    torch.manual_seed(4)
+    q, k, v, index, weight = make_inputs(batch=2, n=3, m=4, s=7, heads=3, dim=5, n_slots=3, dtype=torch.float64)
+    index = torch.tensor([[[0, 3, -1], [2, 2, 1], [1, -1, 3]]] * 2)
+    mask = _key_mask(index, 7)
+    want = gca_reference(q, k, v, index, weight, softmax_one=softmax_one, key_mask=mask)
+    with torch.no_grad():
+        got = gca(q.to(dtype), k.to(dtype), v.to(dtype), index, weight.float(), softmax_one=softmax_one, key_mask=mask, backend="torch")
+    assert got.dtype == dtype
+    error = (got.double() - want).norm() / want.norm()
+    assert error < (0.02 if dtype == torch.bfloat16 else 0.005), error

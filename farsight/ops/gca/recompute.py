@@ -152,31 +152,49 @@ def _gca_no_grad(
     scale: float,
     key_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Inference form: all K slots in one gather and two batched matmuls.
+    """Inference form: all K slots in one gather, two batched matmuls and one fused softmax.
 
-    Scores for the K retrieved chunks sit side by side ([.., Lq, K * S]); each S-column group gets
-    its own (off-by-one) softmax, is scaled by its weight, and one matmul with the K chunks' values
-    applies them all. Without a backward there is nothing to save, so the [B, n, K, S, H, d]
-    gather costs only its (segment-sized) temporary.
+    The K retrieved chunks sit side by side ([.., Lq, K, S']), and with softmax_1 every chunk is
+    followed by a zero key (S' = S + 1): its logit is exactly softmax_1's implicit zero, so a
+    plain softmax over each S'-column group is softmax_1, and its zero value row adds nothing.
+    `scale` is folded into q and each slot's fusion weight into its gathered values, so the score
+    tile only passes through the two matmuls, the optional mask and the softmax. The matmuls
+    take q's dtype (fp16/bf16 accumulate in fp32 inside) and the softmax keeps its max and sum
+    in fp32 (SPEC 6). Without a backward nothing is saved, so the gathered [B, n, H, K, S', d]
+    keys and values cost only their (segment-sized) temporaries.
     """
     batch, n, lq, heads, dim = q.shape
     n_slots, s = index.shape[2], k.shape[2]
-    work = compute_dtype(q.dtype)
+    width = s + 1 if softmax_one else s
     valid = index >= 0
-    w = torch.where(valid, weight.to(work), 0.0)
+    if key_mask is not None:
+        # A slot with no real key adds nothing, like an empty one. Its keys stay unmasked so
+        # that its softmax has something to normalise (no NaN); the zero weight removes it.
+        has_key = key_mask.any(dim=-1)
+        valid = valid & has_key
+        key_mask = key_mask | ~has_key[..., None]
+    w = torch.where(valid, weight, torch.zeros((), dtype=weight.dtype, device=weight.device)).to(q.dtype)
     rows = torch.arange(batch, device=q.device)[:, None, None]
     chunk = index.clamp(min=0)
-    # [B, n, K, S, H, d] -> [B, n, H, K * S, d]
-    keys = k.to(work)[rows, chunk].permute(0, 1, 4, 2, 3, 5).reshape(batch, n, heads, n_slots * s, dim)
-    values = v.to(work)[rows, chunk].permute(0, 1, 4, 2, 3, 5).reshape(batch, n, heads, n_slots * s, dim)
-    scores = torch.matmul(_heads_first(q.to(work)), keys.transpose(-1, -2)).mul_(scale)
-    scores = scores.view(batch, n, heads, lq, n_slots, s)
+
+    def gathered(x: torch.Tensor, slot_weight: torch.Tensor | None) -> torch.Tensor:
+        # [B, m, S, H, d] -> [B, n, H, K * S', d], zero in every chunk's extra row
+        out = x.new_empty(batch, n, heads, n_slots, width, dim)
+        part = x[rows, chunk].permute(0, 1, 4, 2, 3, 5)  # [B, n, H, K, S, d]
+        if slot_weight is None:
+            out[..., :s, :] = part
+        else:
+            torch.mul(part, slot_weight[:, :, None, :, None, None], out=out[..., :s, :])
+        out[..., s:, :] = 0
+        return out.view(batch, n, heads, n_slots * width, dim)
+
+    keys, values = gathered(k, None), gathered(v, w)
+    scores = torch.matmul(_heads_first(q * scale), keys.transpose(-1, -2))
+    scores = scores.view(batch, n, heads, lq, n_slots, width)
     if key_mask is not None:
-        scores.masked_fill_(~key_mask[:, :, None, None], float("-inf"))
-    lse = _logsumexp(scores, softmax_one)[..., None]
-    probs = scores.sub_(lse).exp_().mul_(w[:, :, None, None, :, None])
-    out = torch.matmul(probs.view(batch, n, heads, lq, n_slots * s), values)
-    return out.permute(0, 1, 3, 2, 4).to(q.dtype)
+        scores[..., :s].masked_fill_(~key_mask[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, n, heads, lq, n_slots * width)
+    return torch.matmul(probs, values).permute(0, 1, 3, 2, 4)
 
 
 def gca_recompute(
@@ -195,8 +213,9 @@ def gca_recompute(
     Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
     pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
     [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
-    [B, n, H, Lq, S] probabilities. bf16/fp16 inputs are computed in fp32 (logsumexp included)
-    and returned in q's dtype; weight is used in fp32 whatever its dtype. Inputs are assumed
+    [B, n, H, Lq, S] probabilities. With gradients, bf16/fp16 inputs are computed in fp32
+    (logsumexp included) and weight in fp32 whatever its dtype; without, the matmuls take q's
+    dtype and the softmax statistics are fp32 (`_gca_no_grad`). The output has q's dtype. Inputs are assumed
     valid and autocast off (`farsight.ops.gca.gca` sees to both).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -57,23 +57,30 @@ def sliding_window_attention_blockwise(
         x = F.pad(x.transpose(1, 2), (0, 0, pad_left, pad_right))[:, :, start:]
         return x.unfold(2, span, block).transpose(-1, -2)
 
-    # scaled before the product so that fp16 scores stay far from overflow
-    qb = F.pad((q * scale).transpose(1, 2), (0, 0, 0, pad_right)).reshape(batch, heads, n_blocks, block, dim)
-    scores = torch.matmul(qb, key_windows(k).transpose(-1, -2)).to(work)
-
     # Row r of a block sits at distance r + window - 1 - c from column c of its key window.
     rows = torch.arange(block, device=q.device)[:, None]
     cols = torch.arange(span, device=q.device)[None, :]
     distance = rows + (window - 1) - cols
-    band = (distance >= 0) & (distance < window)
-    valid = torch.ones(tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
-    valid = F.pad(valid.reshape(-1, tk), (pad_left, pad_right), value=False)[:, start:]
-    valid = valid.unfold(1, span, block)[:, None]  # [B or 1, 1, n_blocks, span]
-    # A query always keeps itself, so rows of padding never become all -inf (NaN in backward).
-    mask = band & (valid[..., None, :] | (distance == 0))
+    # One additive term for every block, [H or 1, 1, block, span] in `work`: -inf outside the
+    # band, minus the ALiBi bias inside it. Adding it is the scores' only pass before the softmax
+    # (and it takes them from the matmul's dtype to `work`).
+    bias = torch.zeros(distance.shape, dtype=work, device=q.device)
+    bias.masked_fill_((distance < 0) | (distance >= window), float("-inf"))
     if alibi_slopes is not None:
-        scores = scores - alibi_slopes.to(work).reshape(1, heads, 1, 1, 1) * distance.to(work)
-    scores = scores.masked_fill(~mask, float("-inf"))
+        bias = bias - alibi_slopes.to(work).reshape(heads, 1, 1, 1) * distance.to(work)
+    # scaled before the product so that fp16 scores stay far from overflow
+    qb = F.pad((q * scale).transpose(1, 2), (0, 0, 0, pad_right)).reshape(batch, heads, n_blocks, block, dim)
+    scores = torch.matmul(qb, key_windows(k).transpose(-1, -2)) + bias
+    if key_padding_mask is not None or pad_left:
+        # Hide padding keys and the keys before the sequence (these reach only the first
+        # ceil(pad_left / block) blocks; the right padding lies outside every real row's band).
+        # A query always keeps itself, so rows of padding never become all -inf (NaN in backward).
+        valid = torch.ones(tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask
+        valid = F.pad(valid.reshape(-1, tk), (pad_left, pad_right), value=False)[:, start:]
+        valid = valid.unfold(1, span, block)[:, None]  # [B or 1, 1, n_blocks, span]
+        hidden = ~(valid[..., None, :] | (distance == 0))
+        first = n_blocks if key_padding_mask is not None else min(n_blocks, -(-pad_left // block))
+        scores[:, :, :first].masked_fill_(hidden[:, :, :first], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, key_windows(v))
     out = out.reshape(batch, heads, n_blocks * block, dim)[:, :, :tq]
