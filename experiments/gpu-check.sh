@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU (CI has none), run natively on a GPU machine from the
+# repository root, with a Python that has torch (CUDA), triton and farsight's core dependencies:
+#
+#   bash experiments/gpu-check.sh [OUT_DIR]        # about 5 minutes on an H100/H200
+#
+# 1. The CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the CPU),
+#    tests/ops/test_autocast.py (every op backend under autocast and in pure bf16) and the Triton
+#    kernel tests with their slow CUDA cases. JUnit XML in OUT_DIR/tests.xml.
+# 2. `farsight train` on the GPU in bf16-mixed, 40 steps of 8 x 2048 tokens, for a CASTLE model,
+#    the same model with causal attention and a DRT of the same width: the median tokens/s of
+#    the logged steps after the first ten (OUT_DIR/train-*.jsonl hold the trainer's metrics).
+set -uo pipefail
+out=${1:-gpu-check}
+work=$(mktemp -d)  # the corpus and the training runs; OUT_DIR gets the logs and figures
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$out"
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+$python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+$python -m pytest -q -p no:cacheprovider -m "slow or not slow" --junitxml "$out/tests.xml" \
+    tests/models/test_cuda.py tests/ops/test_autocast.py tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py
+tests_status=$?
+
+data=$work/stdlib-byte
+$python -m farsight.cli data prepare --source stdlib --tokenizer byte --out "$data" >/dev/null 2>&1
+width=(--set model.d_model=512 --set model.n_layers=8 --set model.head_dim=64)
+run=(--set data.path="$data" --set data.seq_len=2048 --set data.batch_size=8 --set train.steps=40
+     --set train.device=cuda --set train.precision=bf16-mixed --set train.log_interval=5
+     --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
+for kind in castle causal; do
+    $python -m farsight.cli train configs/r5-$kind.yaml "${width[@]}" --set model.n_heads=8 \
+        --set train.out_dir="$work/run-$kind" "${run[@]}" >"$out/train-$kind.log" 2>&1
+done
+$python -m farsight.cli train configs/lm-drt.yaml "${width[@]}" --set model.n_heads=8 \
+    --set train.out_dir="$work/run-drt" "${run[@]}" >"$out/train-drt.log" 2>&1
+for kind in castle causal drt; do
+    cp "$work/run-$kind/metrics.jsonl" "$out/train-$kind.jsonl" 2>/dev/null || tail -5 "$out/train-$kind.log"
+done
+$python - "$out" <<'EOF'
+import json, statistics, sys
+speed = {}
+for kind in ("castle", "causal", "drt"):
+    try:
+        rows = [json.loads(line) for line in open(f"{sys.argv[1]}/train-{kind}.jsonl")]
+    except OSError:
+        continue
+    steps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 10]
+    speed[kind] = statistics.median(steps) if steps else float("nan")
+    print(f"{kind:7s} {speed[kind]:12.0f} tokens/s (median of {len(steps)} logged steps after step 10)")
+if "causal" in speed:
+    for kind in ("castle", "drt"):
+        if kind in speed:
+            print(f"causal / {kind}: {speed['causal'] / speed[kind]:.2f}x")
+EOF
+exit $tests_status
