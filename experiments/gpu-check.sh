@@ -2,14 +2,19 @@
 # The checks that need an NVIDIA GPU (CI has none), run natively on a GPU machine from the
 # repository root, with a Python that has torch (CUDA), triton and farsight's core dependencies:
 #
-#   bash experiments/gpu-check.sh [OUT_DIR]        # about 5 minutes on an H100/H200
+#   bash experiments/gpu-check.sh [OUT_DIR]
 #
-# 1. The CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the CPU),
-#    tests/ops/test_autocast.py (every op backend under autocast and in pure bf16) and the Triton
-#    kernel tests with their slow CUDA cases. JUnit XML in OUT_DIR/tests.xml.
+# Each part writes its log into OUT_DIR as it goes (a machine lent for minutes may be taken
+# back before the end), in this order:
+# 1. The quick CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the
+#    CPU) and tests/ops/test_autocast.py (every op backend under autocast and in pure bf16):
+#    about 25 s on an H200. OUT_DIR/tests-cuda.log.
 # 2. `farsight train` on the GPU in bf16-mixed, 40 steps of 8 x 2048 tokens, for a CASTLE model,
 #    the same model with causal attention and a DRT of the same width: the median tokens/s of
-#    the logged steps after the first ten (OUT_DIR/train-*.jsonl hold the trainer's metrics).
+#    the logged steps after the first ten in OUT_DIR/train-summary.txt (OUT_DIR/train-*.jsonl hold
+#    the trainer's metrics).
+# 3. The Triton kernel tests with their slow CUDA cases (TRITON_TESTS_TIMEOUT seconds, default
+#    600; they ran past 170 s on an H200). OUT_DIR/tests-triton.log.
 set -uo pipefail
 out=${1:-gpu-check}
 work=$(mktemp -d)  # the corpus and the training runs; OUT_DIR gets the logs and figures
@@ -19,8 +24,7 @@ python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 $python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-$python -m pytest -q -p no:cacheprovider -m "slow or not slow" --junitxml "$out/tests.xml" \
-    tests/models/test_cuda.py tests/ops/test_autocast.py tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py
+$python -m pytest -q -p no:cacheprovider -rf tests/models/test_cuda.py tests/ops/test_autocast.py 2>&1 | tee "$out/tests-cuda.log"
 tests_status=$?
 
 data=$work/stdlib-byte
@@ -31,14 +35,14 @@ run=(--set data.path="$data" --set data.seq_len=2048 --set data.batch_size=8 --s
      --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
 for kind in castle causal; do
     $python -m farsight.cli train configs/r5-$kind.yaml "${width[@]}" --set model.n_heads=8 \
-        --set train.out_dir="$work/run-$kind" "${run[@]}" >"$out/train-$kind.log" 2>&1
+        --set train.out_dir="$work/run-$kind" "${run[@]}" >"$work/train-$kind.log" 2>&1
 done
 $python -m farsight.cli train configs/lm-drt.yaml "${width[@]}" --set model.n_heads=8 \
-    --set train.out_dir="$work/run-drt" "${run[@]}" >"$out/train-drt.log" 2>&1
+    --set train.out_dir="$work/run-drt" "${run[@]}" >"$work/train-drt.log" 2>&1
 for kind in castle causal drt; do
-    cp "$work/run-$kind/metrics.jsonl" "$out/train-$kind.jsonl" 2>/dev/null || tail -5 "$out/train-$kind.log"
+    cp "$work/run-$kind/metrics.jsonl" "$out/train-$kind.jsonl" 2>/dev/null || tail -5 "$work/train-$kind.log"
 done
-$python - "$out" <<'EOF'
+$python - "$out" <<'EOF' | tee "$out/train-summary.txt"
 import json, statistics, sys
 speed = {}
 for kind in ("castle", "causal", "drt"):
@@ -54,4 +58,7 @@ if "causal" in speed:
         if kind in speed:
             print(f"causal / {kind}: {speed['causal'] / speed[kind]:.2f}x")
 EOF
-exit $tests_status
+timeout "${TRITON_TESTS_TIMEOUT:-600}" $python -m pytest -q -p no:cacheprovider -rf -m "slow or not slow" \
+    tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py 2>&1 | tee "$out/tests-triton.log"
+triton_status=$?
+exit $((tests_status || triton_status))
