@@ -54,9 +54,8 @@ def _load_glibc() -> ctypes.CDLL | None:
 
 _GLIBC = _load_glibc()
 # mallopt parameters (malloc.h) and the values tune_malloc sets
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MMAP_THRESHOLD = 32 * 2**20  # glibc's largest allowed value on 64-bit systems
-TRIM_THRESHOLD = 128 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+TRIM_THRESHOLD = 2**31 - 1
 TUNE_MALLOC_ENV = "FARSIGHT_DEFAULT_MALLOC"
 
 
@@ -73,15 +72,17 @@ def release_freed_memory() -> None:
 
 
 def tune_malloc() -> bool:
-    """Keep freed tensor-sized blocks (up to 32 MiB) in glibc's heap for the next op to reuse.
+    """Serve every tensor from glibc's heap, and keep up to 2 GiB of freed heap for reuse.
 
-    Left alone, glibc serves many of the 0.1-30 MB blocks a CPU forward allocates with a fresh
-    mmap and returns them (or trims the heap top) when they are freed, so the next op pays page
-    faults to zero the same memory again. Fixing the mmap threshold at its maximum (32 MiB) and
-    the trim threshold at 128 MiB stops that churn: the demo DRT's bf16 streaming prefill ran
-    1.3-1.7x faster up to 4M tokens with the same peak RSS (benchmarks/drt.py --malloc-baseline;
-    over 16M tokens glibc's own threshold settles and the two are equal). The heap still shrinks
-    on `release_freed_memory()`.
+    Left alone, glibc maps each block above its mmap threshold (at most 32 MiB) afresh and
+    unmaps it on free, and trims the heap's freed top, so the next op pays page faults and the
+    kernel's zeroing of the same memory again. A CPU training step frees and reallocates many
+    50-500 MB activations: the BaseLM step of benchmarks/drt.py at 4K in bf16-mixed spent more
+    time in the kernel than in user code. With mmap off for allocations (M_MMAP_MAX 0) and a
+    2 GiB trim threshold the training steps there ran 1.7-2.6x faster (that one 3.8 s against
+    9.6 s), their peak memory 7-21% higher, and a bf16 streaming prefill of the demo DRT about as
+    fast as with the mmap threshold at 32 MiB, at the same peak RSS (docs/results.md, stop 37). The
+    heap still shrinks on `release_freed_memory()`, which the trainer calls every log interval.
 
     Process-wide, so the command line and the benchmarks call it; a library user may too. It is
     skipped when the environment sets FARSIGHT_DEFAULT_MALLOC=1. Returns True when applied,
@@ -89,4 +90,4 @@ def tune_malloc() -> bool:
     """
     if _GLIBC is None or os.environ.get(TUNE_MALLOC_ENV, "") not in ("", "0"):
         return False
-    return bool(_GLIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(_GLIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(_GLIBC.mallopt(_M_MMAP_MAX, 0)) and bool(_GLIBC.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
