@@ -42,12 +42,18 @@ def _logsumexp(scores: torch.Tensor, softmax_one: bool) -> torch.Tensor:
     return lse.clamp_min(torch.finfo(lse.dtype).min)
 
 
-def _probs(
-    q: torch.Tensor, keys: torch.Tensor, scale: float, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None
-):
-    """q [B, n, H, Lq, d], keys [B, n, H, S, d], mask [B, n, S] (True = real key) or None
-    -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq]."""
-    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
+def _scaled_heads_first(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * q [B, n, Lq, H, d] -> [B, n, H, Lq, d], contiguous: every slot's matmuls read it
+    without a copy, and the scores come out of them already scaled."""
+    batch, n, lq, heads, dim = q.shape
+    return torch.mul(_heads_first(q), scale, out=q.new_empty(batch, n, heads, lq, dim))
+
+
+def _probs(qs: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None):
+    """qs [B, n, H, Lq, d] (pre-scaled), keys [B, n, H, S, d] (one dtype), mask [B, n, S] (True
+    = real key) or None -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq], both in the
+    compute dtype (fp32 for fp16/bf16 operands, whose product accumulates in fp32 in the matmul)."""
+    scores = torch.matmul(qs, keys.transpose(-1, -2)).to(compute_dtype(qs.dtype))
     if mask is not None:
         scores.masked_fill_(~mask[:, :, None, None, :], float("-inf"))
     if lse is None:
@@ -56,6 +62,9 @@ def _probs(
 
 
 class _GCARecompute(torch.autograd.Function):
+    """Matmul operands in q's dtype; probabilities, softmax statistics, the weights and every
+    gradient sum in the compute dtype. Slot j's weight w_j is folded into its probabilities."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -71,20 +80,18 @@ class _GCARecompute(torch.autograd.Function):
         batch, n, lq, heads, dim = q.shape
         n_slots = index.shape[2]
         work = compute_dtype(q.dtype)
-        qh = _heads_first(q.to(work))
-        kh, vh = _heads_first(k.to(work)), _heads_first(v.to(work))
+        qs, kh, vh = _scaled_heads_first(q, scale), _heads_first(k), _heads_first(v)
         valid = index >= 0
         chunk = index.clamp(min=0)
-        w = torch.where(valid, weight.to(work), 0.0)
+        w = torch.where(valid, weight.to(work), 0.0)[..., None, None, None]  # [B, n, K, 1, 1, 1]
         out = torch.zeros(batch, n, heads, lq, dim, dtype=work, device=q.device)
         lse = torch.zeros(n_slots, batch, n, heads, lq, dtype=work, device=q.device)
         # With no memory at all every slot is empty (checked by `gca`): the output is zero.
         for j in range(n_slots if k.shape[1] > 0 else 0):
             # Empty slots read chunk 0 and are multiplied by a zero weight: exact zeros, no branch.
             mask = None if key_mask is None else key_mask[:, :, j]
-            probs, lse[j] = _probs(qh, _gather(kh, chunk[:, :, j]), scale, None, softmax_one, mask)
-            per_chunk = torch.matmul(probs, _gather(vh, chunk[:, :, j]))
-            out.add_(per_chunk.mul_(w[:, :, j, None, None, None]))
+            probs, lse[j] = _probs(qs, _gather(kh, chunk[:, :, j]), None, softmax_one, mask)
+            out.add_(torch.matmul(probs.mul_(w[:, :, j]).to(q.dtype), _gather(vh, chunk[:, :, j])))
         ctx.save_for_backward(q, k, v, index, weight, lse, key_mask)
         ctx.softmax_one, ctx.scale = softmax_one, scale
         return out.permute(0, 1, 3, 2, 4).to(q.dtype)
@@ -95,13 +102,13 @@ class _GCARecompute(torch.autograd.Function):
         need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
         batch, n, _, heads, dim = q.shape
         m, s = k.shape[1], k.shape[2]
-        work = compute_dtype(q.dtype)
-        qh, gh = _heads_first(q.to(work)), _heads_first(grad_out.to(work))
-        kh, vh = _heads_first(k.to(work)), _heads_first(v.to(work))
+        low, work = q.dtype, compute_dtype(q.dtype)
+        qs, kh, vh = _scaled_heads_first(q, ctx.scale), _heads_first(k), _heads_first(v)
+        go = _heads_first(grad_out.to(low)).contiguous()  # dO [B, n, H, Lq, d]
         valid = index >= 0
         chunk = index.clamp(min=0)
-        w = torch.where(valid, weight.to(work), 0.0)
-        dq = torch.zeros(batch, n, heads, q.shape[2], dim, dtype=work, device=q.device)
+        w = torch.where(valid, weight.to(work), 0.0)[..., None, None, None]
+        dqs = torch.zeros(batch, n, heads, q.shape[2], dim, dtype=work, device=q.device)
         # Chunk gradients are scattered into a flat [B * m, H, S, d] view: row b * m + c.
         dk = torch.zeros(batch * m, heads, s, dim, dtype=work, device=q.device)
         dv = torch.zeros_like(dk)
@@ -110,28 +117,27 @@ class _GCARecompute(torch.autograd.Function):
         for j in range(index.shape[2] if m > 0 else 0):
             keys, values = _gather(kh, chunk[:, :, j]), _gather(vh, chunk[:, :, j])
             mask = None if key_mask is None else key_mask[:, :, j]
-            probs, _ = _probs(qh, keys, ctx.scale, lse[j], ctx.softmax_one, mask)
-            per_chunk = torch.matmul(probs, values)  # [B, n, H, Lq, d]
-            # dL/dw_j = <dO, o_j>; the slot's own output gradient is w_j dO.
-            dw[:, :, j] = (gh * per_chunk).sum(dim=(2, 3, 4))
-            g_j = gh * w[:, :, j, None, None, None]
+            probs, _ = _probs(qs, keys, lse[j], ctx.softmax_one, mask)  # P, unweighted
+            dp = torch.matmul(go, values.transpose(-1, -2)).to(work)  # dO V^T
+            # r = <dO, P V> per row = rowsum(P * dO V^T) (flash attention's delta): dL/dw_j sums
+            # it, and with softmax's Jacobian (softmax_1's extra 1 is a constant)
+            # dL/dscores = w_j P * (dO V^T - r).
+            r = (probs * dp).sum(dim=-1, keepdim=True)
+            dw[:, :, j] = r.sum(dim=(2, 3, 4))
+            weighted = probs.mul_(w[:, :, j])
             if need_v:
-                dv_j = torch.matmul(probs.transpose(-1, -2), g_j)
-                dv.index_add_(0, flat[:, :, j].reshape(-1), dv_j.reshape(batch * n, heads, s, dim))
+                dv_j = torch.matmul(weighted.to(low).transpose(-1, -2), go)
+                dv.index_add_(0, flat[:, :, j].reshape(-1), dv_j.reshape(batch * n, heads, s, dim).to(work))
             if need_q or need_k:
-                # softmax_1 has softmax's Jacobian (its extra 1 is a constant):
-                # dS = P * (dP - rowsum(P * dP)), and rowsum(P * dP) = <g_j, o_j> per row and head.
-                dp = torch.matmul(g_j, values.transpose(-1, -2))
-                delta = (g_j * per_chunk).sum(dim=-1, keepdim=True)
-                ds = probs.mul_(dp.sub_(delta)).mul_(ctx.scale)
+                ds = dp.sub_(r).mul_(weighted).to(low)
                 if need_q:
-                    dq.add_(torch.matmul(ds, keys))
+                    dqs.add_(torch.matmul(ds, keys))
                 if need_k:
-                    dk_j = torch.matmul(ds.transpose(-1, -2), qh)
-                    dk.index_add_(0, flat[:, :, j].reshape(-1), dk_j.reshape(batch * n, heads, s, dim))
+                    dk_j = torch.matmul(ds.transpose(-1, -2), qs)
+                    dk.index_add_(0, flat[:, :, j].reshape(-1), dk_j.reshape(batch * n, heads, s, dim).to(work))
         dw = torch.where(valid, dw, 0.0)
         return (
-            dq.permute(0, 1, 3, 2, 4).to(q.dtype) if need_q else None,
+            dqs.mul_(ctx.scale).permute(0, 1, 3, 2, 4).to(q.dtype) if need_q else None,
             dk.view(batch, m, heads, s, dim).permute(0, 1, 3, 2, 4).to(k.dtype) if need_k else None,
             dv.view(batch, m, heads, s, dim).permute(0, 1, 3, 2, 4).to(v.dtype) if need_v else None,
             None,
@@ -213,9 +219,9 @@ def gca_recompute(
     Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
     pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
     [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
-    [B, n, H, Lq, S] probabilities. With gradients, bf16/fp16 inputs are computed in fp32
-    (logsumexp included) and weight in fp32 whatever its dtype; without, the matmuls take q's
-    dtype and the softmax statistics are fp32 (`_gca_no_grad`). The output has q's dtype. Inputs are assumed
+    [B, n, H, Lq, S] probabilities. The matmuls take q's dtype (fp16/bf16 accumulate in fp32
+    inside); scores, softmax statistics, the fusion with the weights (fp32 whatever their dtype)
+    and the gradient sums are fp32 (fp64 for fp64). The output has q's dtype. Inputs are assumed
     valid and autocast off (`farsight.ops.gca.gca` sees to both).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
