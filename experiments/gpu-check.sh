@@ -2,63 +2,75 @@
 # The checks that need an NVIDIA GPU (CI has none), run natively on a GPU machine from the
 # repository root, with a Python that has torch (CUDA), triton and farsight's core dependencies:
 #
-#   bash experiments/gpu-check.sh [OUT_DIR]
+#   bash experiments/gpu-check.sh [OUT_DIR]            # all three parts
+#   PARTS="3 1" bash experiments/gpu-check.sh [OUT_DIR] # some of them, in that order
 #
 # Each part writes its log into OUT_DIR as it goes (a machine lent for minutes may be taken
-# back before the end), in this order:
+# back before the end):
 # 1. The quick CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the
 #    CPU) and tests/ops/test_autocast.py (every op backend under autocast and in pure bf16):
 #    about 25 s on an H200. OUT_DIR/tests-cuda.log.
 # 2. `farsight train` on the GPU in bf16-mixed, 40 steps of 8 x 2048 tokens, for a CASTLE model,
 #    the same model with causal attention and a DRT of the same width: the median tokens/s of
-#    the logged steps after the first ten in OUT_DIR/train-summary.txt (OUT_DIR/train-*.jsonl hold
-#    the trainer's metrics).
+#    the logged steps after the first ten in OUT_DIR/train-summary.txt (OUT_DIR/train-*.log hold
+#    the trainer's output).
 # 3. The Triton kernel tests with their slow CUDA cases (TRITON_TESTS_TIMEOUT seconds, default
 #    600; they ran past 170 s on an H200). OUT_DIR/tests-triton.log.
+# The exit status is 1 when any part failed.
 set -uo pipefail
 out=${1:-gpu-check}
-work=$(mktemp -d)  # the corpus and the training runs; OUT_DIR gets the logs and figures
+work=$(mktemp -d) # the corpus and the training runs
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 $python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-$python -m pytest -q -p no:cacheprovider -rf tests/models/test_cuda.py tests/ops/test_autocast.py 2>&1 | tee "$out/tests-cuda.log"
-tests_status=$?
+quick_tests() {
+    $python -m pytest -q -p no:cacheprovider -rf tests/models/test_cuda.py tests/ops/test_autocast.py 2>&1 | tee "$out/tests-cuda.log"
+}
 
-data=$work/stdlib-byte
-$python -m farsight.cli data prepare --source stdlib --tokenizer byte --out "$data" >/dev/null 2>&1
-width=(--set model.d_model=512 --set model.n_layers=8 --set model.head_dim=64)
-run=(--set data.path="$data" --set data.seq_len=2048 --set data.batch_size=8 --set train.steps=40
-     --set train.device=cuda --set train.precision=bf16-mixed --set train.log_interval=5
-     --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
-for kind in castle causal; do
-    $python -m farsight.cli train configs/r5-$kind.yaml "${width[@]}" --set model.n_heads=8 \
-        --set train.out_dir="$work/run-$kind" "${run[@]}" >"$work/train-$kind.log" 2>&1
-done
-$python -m farsight.cli train configs/lm-drt.yaml "${width[@]}" --set model.n_heads=8 \
-    --set train.out_dir="$work/run-drt" "${run[@]}" >"$work/train-drt.log" 2>&1
-for kind in castle causal drt; do
-    cp "$work/run-$kind/metrics.jsonl" "$out/train-$kind.jsonl" 2>/dev/null || tail -5 "$work/train-$kind.log"
-done
-$python - "$out" <<'EOF' | tee "$out/train-summary.txt"
+train_runs() {
+    local data=$work/stdlib-byte kind config
+    $python -m farsight.cli data prepare --source stdlib --tokenizer byte --out "$data" >/dev/null 2>&1 || return 1
+    local width=(--set model.d_model=512 --set model.n_layers=8 --set model.n_heads=8 --set model.head_dim=64)
+    local run=(--set data.path="$data" --set data.seq_len=2048 --set data.batch_size=8 --set train.steps=40
+        --set train.device=cuda --set train.precision=bf16-mixed --set train.log_interval=5
+        --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
+    for kind in castle causal drt; do
+        config=configs/r5-$kind.yaml
+        [ "$kind" = drt ] && config=configs/lm-drt.yaml
+        if ! $python -m farsight.cli train "$config" "${width[@]}" --set train.out_dir="$work/run-$kind" "${run[@]}" \
+            >"$out/train-$kind.log" 2>&1; then
+            tail -5 "$out/train-$kind.log"
+            return 1
+        fi
+    done
+    $python - "$work" <<'EOF' | tee "$out/train-summary.txt"
 import json, statistics, sys
 speed = {}
 for kind in ("castle", "causal", "drt"):
-    try:
-        rows = [json.loads(line) for line in open(f"{sys.argv[1]}/train-{kind}.jsonl")]
-    except OSError:
-        continue
+    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/run-{kind}/metrics.jsonl")]
     steps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 10]
-    speed[kind] = statistics.median(steps) if steps else float("nan")
+    speed[kind] = statistics.median(steps)
     print(f"{kind:7s} {speed[kind]:12.0f} tokens/s (median of {len(steps)} logged steps after step 10)")
-if "causal" in speed:
-    for kind in ("castle", "drt"):
-        if kind in speed:
-            print(f"causal / {kind}: {speed['causal'] / speed[kind]:.2f}x")
+for kind in ("castle", "drt"):
+    print(f"causal / {kind}: {speed['causal'] / speed[kind]:.2f}x")
 EOF
-timeout "${TRITON_TESTS_TIMEOUT:-600}" $python -m pytest -q -p no:cacheprovider -rf -m "slow or not slow" \
-    tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py 2>&1 | tee "$out/tests-triton.log"
-triton_status=$?
-exit $((tests_status || triton_status))
+}
+
+triton_tests() {
+    timeout "${TRITON_TESTS_TIMEOUT:-600}" $python -m pytest -q -p no:cacheprovider -rf -m "slow or not slow" \
+        tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py 2>&1 | tee "$out/tests-triton.log"
+}
+
+status=0
+for part in ${PARTS:-1 2 3}; do
+    case $part in
+        1) quick_tests || status=1 ;;
+        2) train_runs || status=1 ;;
+        3) triton_tests || status=1 ;;
+        *) echo "unknown part $part (1, 2 or 3)" >&2 && exit 2 ;;
+    esac
+done
+exit $status

@@ -62,10 +62,11 @@ TUNE_MALLOC_ENV = "FARSIGHT_DEFAULT_MALLOC"
 def release_freed_memory() -> None:
     """Give the memory that glibc keeps after freed CPU tensors back to the OS.
 
-    glibc raises its mmap threshold after a large block is freed, so later activations come
-    from the heap, which fragments and does not shrink: a CPU training run of the demo DRT grew
-    by about 5 MB per step, to 24 GB and an out-of-memory kill at step 2740. Trimming every
-    log interval keeps it near its working set (about 450 MB there).
+    Tensors served from the heap (always under `tune_malloc`; under glibc's defaults once its
+    mmap threshold has risen past a freed block's size) leave it fragmented, and it does not
+    shrink by itself: a CPU training run of the demo DRT once grew by about 5 MB per step, to
+    24 GB and an out-of-memory kill at step 2740. Trimming every log interval keeps it near its
+    working set (about 450 MB there).
     """
     if _GLIBC is not None:
         _GLIBC.malloc_trim(0)
@@ -83,6 +84,12 @@ def tune_malloc() -> bool:
     9.6 s), their peak memory 7-21% higher, and a bf16 streaming prefill of the demo DRT about as
     fast as with the mmap threshold at 32 MiB, at the same peak RSS (docs/results.md, stop 37). The
     heap still shrinks on `release_freed_memory()`, which the trainer calls every log interval.
+
+    Limits: freed memory inside the heap is kept (and its top up to 2 GiB) until
+    `release_freed_memory()`, so a long loop of your own may call that now and then; blocks over
+    about 64 MiB allocated by a thread other than the main one, and the main heap when the
+    system refuses to grow it, still come from mmap; a large realloc is copied instead of
+    remapped.
 
     Process-wide, so the command line and the benchmarks call it; a library user may too. It is
     skipped when the environment sets FARSIGHT_DEFAULT_MALLOC=1. Returns True when applied,

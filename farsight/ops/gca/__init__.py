@@ -113,8 +113,10 @@ def gca(
 
     q, k, v have one dtype; weight has q's dtype or fp32 and is used in fp32 (fp64 for fp64
     q). Under autocast for q's device type, q, k and v are cast to the autocast dtype first
-    and the output has that dtype. Gradients come back in each input's own dtype. Scores,
-    softmax statistics and accumulation are fp32 (fp64 for fp64 inputs) on every backend.
+    and the output has that dtype. Gradients come back in each input's own dtype. Softmax
+    statistics and accumulation are fp32 (fp64 for fp64 inputs) on every backend; the Triton
+    kernels keep the scores in fp32 too, while the "torch" path's fp16/bf16 matmuls round
+    their results (the scores among them) to the input dtype once.
 
     backend: "auto" (Triton for CUDA tensors when installed, else "torch"), "torch"
     (`gca_recompute`), "triton" (`gca_triton`; CUDA, or CPU with TRITON_INTERPRET=1) or

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from farsight.ops.checks import compute_dtype
 from farsight.ops.precision import amp_function
@@ -52,7 +53,8 @@ def _scaled_heads_first(q: torch.Tensor, scale: float) -> torch.Tensor:
 def _probs(qs: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None):
     """qs [B, n, H, Lq, d] (pre-scaled), keys [B, n, H, S, d] (one dtype), mask [B, n, S] (True
     = real key) or None -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq], both in the
-    compute dtype (fp32 for fp16/bf16 operands, whose product accumulates in fp32 in the matmul)."""
+    compute dtype. fp16/bf16 products accumulate in fp32 inside the matmul and come out rounded
+    to the operands' dtype once (as in eager bf16 attention); everything after is fp32."""
     scores = torch.matmul(qs, keys.transpose(-1, -2)).to(compute_dtype(qs.dtype))
     if mask is not None:
         scores.masked_fill_(~mask[:, :, None, None, :], float("-inf"))
@@ -62,8 +64,9 @@ def _probs(qs: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, softm
 
 
 class _GCARecompute(torch.autograd.Function):
-    """Matmul operands in q's dtype; probabilities, softmax statistics, the weights and every
-    gradient sum in the compute dtype. Slot j's weight w_j is folded into its probabilities."""
+    """Matmul operands in q's dtype (their fp16/bf16 results, the scores and dO V^T among them,
+    rounded to it once); probabilities, softmax statistics, the weights and every gradient sum
+    in the compute dtype. Slot j's weight w_j is folded into its probabilities."""
 
     @staticmethod
     def forward(
@@ -97,6 +100,7 @@ class _GCARecompute(torch.autograd.Function):
         return out.permute(0, 1, 3, 2, 4).to(q.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, index, weight, lse, key_mask = ctx.saved_tensors
         need_q, need_k, need_v, _, need_w = ctx.needs_input_grad[:5]
@@ -104,7 +108,7 @@ class _GCARecompute(torch.autograd.Function):
         m, s = k.shape[1], k.shape[2]
         low, work = q.dtype, compute_dtype(q.dtype)
         qs, kh, vh = _scaled_heads_first(q, ctx.scale), _heads_first(k), _heads_first(v)
-        go = _heads_first(grad_out.to(low)).contiguous()  # dO [B, n, H, Lq, d]
+        go = _heads_first(grad_out).contiguous()  # dO [B, n, H, Lq, d], q's dtype
         valid = index >= 0
         chunk = index.clamp(min=0)
         w = torch.where(valid, weight.to(work), 0.0)[..., None, None, None]
@@ -118,12 +122,13 @@ class _GCARecompute(torch.autograd.Function):
             keys, values = _gather(kh, chunk[:, :, j]), _gather(vh, chunk[:, :, j])
             mask = None if key_mask is None else key_mask[:, :, j]
             probs, _ = _probs(qs, keys, lse[j], ctx.softmax_one, mask)  # P, unweighted
-            dp = torch.matmul(go, values.transpose(-1, -2)).to(work)  # dO V^T
-            # r = <dO, P V> per row = rowsum(P * dO V^T) (flash attention's delta): dL/dw_j sums
-            # it, and with softmax's Jacobian (softmax_1's extra 1 is a constant)
-            # dL/dscores = w_j P * (dO V^T - r).
-            r = (probs * dp).sum(dim=-1, keepdim=True)
-            dw[:, :, j] = r.sum(dim=(2, 3, 4))
+            if need_q or need_k or need_w:
+                dp = torch.matmul(go, values.transpose(-1, -2)).to(work)  # dO V^T
+                # r = <dO, P V> per row = rowsum(P * dO V^T) (flash attention's delta): dL/dw_j
+                # sums it, and with softmax's Jacobian (softmax_1's extra 1 is a constant)
+                # dL/dscores = w_j P * (dO V^T - r).
+                r = (probs * dp).sum(dim=-1, keepdim=True)
+                dw[:, :, j] = r.sum(dim=(2, 3, 4))
             weighted = probs.mul_(w[:, :, j])
             if need_v:
                 dv_j = torch.matmul(weighted.to(low).transpose(-1, -2), go)
@@ -165,7 +170,8 @@ def _gca_no_grad(
     plain softmax over each S'-column group is softmax_1, and its zero value row adds nothing.
     `scale` is folded into q and each slot's fusion weight into its gathered values, so the score
     tile only passes through the two matmuls, the optional mask and the softmax. The matmuls
-    take q's dtype (fp16/bf16 accumulate in fp32 inside) and the softmax keeps its max and sum
+    take q's dtype (fp16/bf16 accumulate in fp32 inside and round the scores to that dtype once),
+    the weights multiply in fp32 (v * w is rounded once) and the softmax keeps its max and sum
     in fp32 (SPEC 6). Without a backward nothing is saved, so the gathered [B, n, H, K, S', d]
     keys and values cost only their (segment-sized) temporaries.
     """
@@ -179,7 +185,7 @@ def _gca_no_grad(
         has_key = key_mask.any(dim=-1)
         valid = valid & has_key
         key_mask = key_mask | ~has_key[..., None]
-    w = torch.where(valid, weight, torch.zeros((), dtype=weight.dtype, device=weight.device)).to(q.dtype)
+    w = torch.where(valid, weight.to(compute_dtype(q.dtype)), 0.0)  # fp32 (fp64): v * w is rounded once
     rows = torch.arange(batch, device=q.device)[:, None, None]
     chunk = index.clamp(min=0)
 
@@ -219,9 +225,11 @@ def gca_recompute(
     Same result as `gca_reference`. Without gradients (inference) all K slots run in one batched
     pass (`_gca_no_grad`). Saved for the backward: the inputs and a logsumexp of shape
     [K, B, n, H, Lq]; peak extra memory is one gathered chunk per slot ([B, n, S, H, d]) and its
-    [B, n, H, Lq, S] probabilities. The matmuls take q's dtype (fp16/bf16 accumulate in fp32
-    inside); scores, softmax statistics, the fusion with the weights (fp32 whatever their dtype)
-    and the gradient sums are fp32 (fp64 for fp64). The output has q's dtype. Inputs are assumed
+    [B, n, H, Lq, S] probabilities. The matmuls take q's dtype: fp16/bf16 products accumulate in
+    fp32 inside and are rounded to that dtype once (the scores and, in the backward, dO V^T; as
+    in eager bf16 attention), and `scale` is folded into q. The softmax statistics, the fusion
+    with the weights (fp32 whatever their dtype) and the gradient sums are fp32 (fp64 for fp64).
+    The output has q's dtype. Inputs are assumed
     valid and autocast off (`farsight.ops.gca.gca` sees to both).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

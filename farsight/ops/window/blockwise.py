@@ -37,8 +37,10 @@ def sliding_window_attention_blockwise(
     Key j is visible to the query at position p when p - window < j <= p. Semantics match
     `sliding_window_attention_reference` exactly. The two matrix products run in the input
     precision (fp16/bf16 products accumulate in fp32 inside the GEMM, ~4.5x faster than fp32 on
-    CPUs with bf16 instructions); the ALiBi bias, the mask and the softmax are fp32 (fp64 for
-    fp64 inputs). The output has q's dtype.
+    CPUs with bf16 instructions, and come out rounded to that dtype); the ALiBi bias, the mask
+    and the softmax are fp32 (fp64 for fp64 inputs). The output has q's dtype. The band mask is
+    an additive -inf, so the keys a query does not see must give finite scores (an fp16 score
+    past 65504 there gives NaN, where no other op would have overflowed).
     """
     batch, tq, heads, dim = q.shape
     tk = k.shape[1]
