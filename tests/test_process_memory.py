@@ -30,7 +30,8 @@ def test_peak_memory_of_a_repeated_call_is_measured_again():
 
 
 def _page_faults_of_temporaries(case: dict) -> dict:
-    """Subprocess body: minor page faults while 200 temporaries of 4-17 MB are written and freed.
+    """Subprocess body: minor page faults while case["count"] temporaries from case["mb"] MB up
+    are written and freed.
 
     Each is a little larger than the last, so glibc's default (dynamic) mmap threshold, which
     rises to the size of the largest block freed, never catches up: every one is a fresh mmap.
@@ -38,8 +39,8 @@ def _page_faults_of_temporaries(case: dict) -> dict:
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for i in range(200):
-        block = torch.ones((4 * MB + i * 64 * 1024) // 4)
+    for i in range(case["count"]):
+        block = torch.ones((case["mb"] * MB + i * 64 * 1024) // 4)
         del block
     return {"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}
 
@@ -48,9 +49,21 @@ def _page_faults_of_temporaries(case: dict) -> dict:
 def test_tuned_malloc_reuses_freed_blocks_instead_of_faulting_them_in_again():
     # 200 blocks of >= 1024 pages: at least 200K faults when each is mapped afresh; under
     # tune_malloc the heap keeps them, and only its growth to the largest block faults.
-    tuned = run_isolated(_page_faults_of_temporaries, {})["faults"]
-    default = run_isolated(_page_faults_of_temporaries, {}, default_malloc=True)["faults"]
+    case = {"count": 200, "mb": 4}
+    tuned = run_isolated(_page_faults_of_temporaries, case)["faults"]
+    default = run_isolated(_page_faults_of_temporaries, case, default_malloc=True)["faults"]
     assert default > 200_000 and tuned < 20_000
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_tuned_malloc_reuses_blocks_larger_than_any_mmap_threshold():
+    # 40 blocks of 40-43 MB, above the largest mmap threshold glibc allows (32 MiB): mapped
+    # afresh every time unless allocations never use mmap, as under tune_malloc (>= 400K faults
+    # against the ~11K of growing the heap once to the largest block).
+    case = {"count": 40, "mb": 40}
+    tuned = run_isolated(_page_faults_of_temporaries, case)["faults"]
+    default = run_isolated(_page_faults_of_temporaries, case, default_malloc=True)["faults"]
+    assert default > 400_000 and tuned < 40_000
 
 
 def _tune_malloc_under(case: dict) -> dict:
