@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from farsight.layers import (
     RMSNorm,
@@ -11,8 +12,10 @@ from farsight.layers import (
     swiglu_hidden_size,
     swiglu_reference,
 )
-from farsight.layers.attention import CausalSelfAttention, SlidingWindowAttention
-from farsight.models import TransformerConfig
+from farsight.layers import attention
+from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention, attention_by_matmuls
+from farsight.models import DRTConfig, TransformerConfig
+from tests.tolerance import RMS_RATIO, assert_close_rms
 
 
 def test_rmsnorm_matches_reference_and_gradients():
@@ -115,3 +118,52 @@ def test_rotary_frequencies_survive_a_cast_to_bf16():
     x = torch.randn(1, 3, 2, 16, dtype=torch.float64)
     got = rope(x, offset=65533)
     torch.testing.assert_close(got, rotary_reference(x, torch.arange(65533, 65536)), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_encoder_attention_by_matmuls_equals_sdpa(masked):
+    # the CPU training path of DRT's chunk encoder against SDPA: outputs and all gradients, fp64,
+    # odd sizes, with a key padding mask that leaves some rows only their own key
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 7, 5, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = None
+    if masked:
+        keep = torch.rand(3, 7) > 0.5
+        mask = (keep[:, None, :] | torch.eye(7, dtype=torch.bool))[:, None]
+    got = attention_by_matmuls(q, k, v, mask)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    cotangent = torch.randn_like(want)
+    grads_got = torch.autograd.grad(got, (q, k, v), cotangent)
+    grads_want = torch.autograd.grad(want, (q, k, v), cotangent)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for g, w in zip(grads_got, grads_want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=0)
+
+
+def test_encoder_attention_takes_the_matmul_path_only_to_train_on_cpu(monkeypatch):
+    cfg = DRTConfig(vocab_size=32, d_model=24, n_heads=3, n_layers=2, chunk_size=4, window=8, top_k=1, encoder_layers=1)
+    attn = BidirectionalAttention(cfg)
+    calls = []
+    monkeypatch.setattr(attention, "attention_by_matmuls", lambda *a: calls.append(1) or F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]))
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    with torch.no_grad():
+        inference = attn(x)
+    training = attn(x)
+    assert calls == [1]
+    torch.testing.assert_close(training, inference)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = attn(x)
+    assert low.dtype == torch.bfloat16 and calls == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encoder_attention_by_matmuls_in_low_precision(dtype):
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(4, 2, 9, 8) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    with torch.autocast("cpu", dtype=dtype):
+        autocast = attention_by_matmuls(q.to(dtype), k.to(dtype), v.to(dtype))
+    pure = attention_by_matmuls(q.to(dtype), k.to(dtype), v.to(dtype))
+    for got in (autocast, pure):
+        assert got.dtype == dtype
+        assert_close_rms("attention_by_matmuls", want, got, RMS_RATIO[dtype])
