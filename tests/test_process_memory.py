@@ -46,24 +46,23 @@ def _page_faults_of_temporaries(case: dict) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
-def test_tuned_malloc_reuses_freed_blocks_instead_of_faulting_them_in_again():
-    # 200 blocks of >= 1024 pages: at least 200K faults when each is mapped afresh; under
-    # tune_malloc the heap keeps them, and only its growth to the largest block faults.
-    case = {"count": 200, "mb": 4}
+@pytest.mark.parametrize(
+    "case, default_faults, tuned_faults",
+    [
+        # 200 blocks of >= 1024 pages: at least 200K faults when each is mapped afresh; under
+        # tune_malloc the heap keeps them, and only its growth to the largest block faults.
+        ({"count": 200, "mb": 4}, 200_000, 20_000),
+        # 40 blocks of 40-43 MB, above the largest mmap threshold glibc allows (32 MiB): mapped
+        # afresh every time unless allocations never use mmap, as under tune_malloc (>= 400K
+        # faults against the ~11K of growing the heap once to the largest block).
+        ({"count": 40, "mb": 40}, 400_000, 40_000),
+    ],
+    ids=["4MB-blocks", "blocks-above-any-mmap-threshold"],
+)
+def test_tuned_malloc_reuses_freed_blocks_instead_of_faulting_them_in_again(case, default_faults, tuned_faults):
     tuned = run_isolated(_page_faults_of_temporaries, case)["faults"]
     default = run_isolated(_page_faults_of_temporaries, case, default_malloc=True)["faults"]
-    assert default > 200_000 and tuned < 20_000
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
-def test_tuned_malloc_reuses_blocks_larger_than_any_mmap_threshold():
-    # 40 blocks of 40-43 MB, above the largest mmap threshold glibc allows (32 MiB): mapped
-    # afresh every time unless allocations never use mmap, as under tune_malloc (>= 400K faults
-    # against the ~11K of growing the heap once to the largest block).
-    case = {"count": 40, "mb": 40}
-    tuned = run_isolated(_page_faults_of_temporaries, case)["faults"]
-    default = run_isolated(_page_faults_of_temporaries, case, default_malloc=True)["faults"]
-    assert default > 400_000 and tuned < 40_000
+    assert default > default_faults and tuned < tuned_faults
 
 
 def _tune_malloc_under(case: dict) -> dict:

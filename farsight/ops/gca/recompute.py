@@ -25,8 +25,9 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-    """x [B, m, H, S, d] (any strides), chunk [B, n] (valid ids) -> [B, n, H, S, d] contiguous."""
-    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    """x [B, m, ...] (any strides), chunk [B, *idx] (valid ids) -> [B, *idx, ...]: the chunks each
+    row of the batch reads, e.g. [B, m, H, S, d] by [B, n] -> [B, n, H, S, d]."""
+    rows = torch.arange(x.shape[0], device=x.device).view(-1, *[1] * (chunk.dim() - 1))
     return x[rows, chunk]
 
 
@@ -186,13 +187,12 @@ def _gca_no_grad(
         valid = valid & has_key
         key_mask = key_mask | ~has_key[..., None]
     w = torch.where(valid, weight.to(compute_dtype(q.dtype)), 0.0)  # fp32 (fp64): v * w is rounded once
-    rows = torch.arange(batch, device=q.device)[:, None, None]
     chunk = index.clamp(min=0)
 
     def gathered(x: torch.Tensor, slot_weight: torch.Tensor | None) -> torch.Tensor:
         # [B, m, S, H, d] -> [B, n, H, K * S', d], zero in every chunk's extra row
         out = x.new_empty(batch, n, heads, n_slots, width, dim)
-        part = x[rows, chunk].permute(0, 1, 4, 2, 3, 5)  # [B, n, H, K, S, d]
+        part = _gather(x, chunk).permute(0, 1, 4, 2, 3, 5)  # [B, n, H, K, S, d]
         if slot_weight is None:
             out[..., :s, :] = part
         else:
@@ -201,7 +201,7 @@ def _gca_no_grad(
         return out.view(batch, n, heads, n_slots * width, dim)
 
     keys, values = gathered(k, None), gathered(v, w)
-    scores = torch.matmul(_heads_first(q * scale), keys.transpose(-1, -2))
+    scores = torch.matmul(_scaled_heads_first(q, scale), keys.transpose(-1, -2))
     scores = scores.view(batch, n, heads, lq, n_slots, width)
     if key_mask is not None:
         scores[..., :s].masked_fill_(~key_mask[:, :, None, None], float("-inf"))
