@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6
+.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,14 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -72,7 +72,11 @@ def main() -> None:
                 }
             )
     print(f"one-row appends [1, 1, {WIDTH}] bf16 from half capacity to one row past it\n")
-    print(format_table(rows_out, ["rows", "growth", "MB at doubling", "total ms", "mean us", "max ms", "max plain / max spread"]))
+    print(
+        format_table(
+            rows_out, ["rows", "growth", "MB at doubling", "total ms", "mean us", "max ms", "max plain / max spread"]
+        )
+    )
     if args.json:
         write_json(args.json, {"benchmark": "buffers", "machine": machine_description(), "appends": rows_out})
 

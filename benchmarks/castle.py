@@ -253,7 +253,9 @@ def run_decoding(contexts: list[int]) -> list[dict]:
                     "kv-cache sdpa ms/token": _ms(sdpa, "token_s"),
                     "castle/sdpa": _ratio(_ms(castle, "token_s"), _ms(sdpa, "token_s")),
                     "in-place U ms/token": _ms(in_place, "token_s") if window is None else None,
-                    "castle/in-place": _ratio(_ms(castle, "token_s"), _ms(in_place, "token_s")) if window is None else None,
+                    "castle/in-place": _ratio(_ms(castle, "token_s"), _ms(in_place, "token_s"))
+                    if window is None
+                    else None,
                 }
             )
     return rows

@@ -64,8 +64,12 @@ from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM, l
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes
 from farsight.train.config import PRECISIONS
 
-TRAIN_CONFIG = dict(vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2)
-STREAM_CONFIG = dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1)
+TRAIN_CONFIG = dict(
+    vocab_size=260, d_model=256, n_layers=8, n_heads=4, chunk_size=64, window=512, top_k=8, groups=1, encoder_layers=2
+)
+STREAM_CONFIG = dict(
+    vocab_size=260, d_model=128, n_layers=4, n_heads=4, chunk_size=32, window=64, top_k=4, groups=1, encoder_layers=1
+)
 TRAIN_TOKENS = 16384
 DECODE_STEPS = 128
 DECODE_ROUND = 16  # steps per session per round of part (c)
@@ -167,7 +171,9 @@ def _timed(totals: dict[str, float], section: str, fn):
 def _corpus_blocks(corpus: str, total: int):
     tokens = load_token_dataset(corpus, "train")
     if len(tokens) < total:
-        raise SystemExit(f"{corpus} holds {len(tokens)} training tokens, fewer than the {total} asked; pick a shorter length")
+        raise SystemExit(
+            f"{corpus} holds {len(tokens)} training tokens, fewer than the {total} asked; pick a shorter length"
+        )
     for start in range(0, total, BLOCK):
         yield torch.from_numpy(np.asarray(tokens[start : min(total, start + BLOCK)], dtype=np.int64))[None]
 
@@ -216,24 +222,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short lengths only")
     parser.add_argument("--json", help="write the figures as JSON")
-    parser.add_argument("--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split")
-    parser.add_argument("--decode-lengths", help="contexts of part (c), e.g. 4k,16m (default 4k,64k,1m; 4k,64k with --quick)")
     parser.add_argument(
-        "--train-precisions", default="fp32", help="comma-separated trainer precisions of part (a), e.g. fp32,bf16-mixed (default fp32)"
+        "--parts", default="train,prefill,decode,split", help="comma-separated subset of train,prefill,decode,split"
     )
-    parser.add_argument("--decode-memory", default="device", choices=["device", "host", "disk"], help="chunk memory tier of part (c)")
-    parser.add_argument("--decode-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (c)")
+    parser.add_argument(
+        "--decode-lengths", help="contexts of part (c), e.g. 4k,16m (default 4k,64k,1m; 4k,64k with --quick)"
+    )
+    parser.add_argument(
+        "--train-precisions",
+        default="fp32",
+        help="comma-separated trainer precisions of part (a), e.g. fp32,bf16-mixed (default fp32)",
+    )
+    parser.add_argument(
+        "--decode-memory", default="device", choices=["device", "host", "disk"], help="chunk memory tier of part (c)"
+    )
+    parser.add_argument(
+        "--decode-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (c)"
+    )
     parser.add_argument("--decode-model", help="model directory for part (c) (default: demo-sized, random weights)")
-    parser.add_argument("--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)")
-    parser.add_argument("--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)")
-    parser.add_argument("--split-model", help="model directory for part (d) (default: demo-sized, random weights)")
-    parser.add_argument("--split-corpus", help="prepared dataset whose training tokens part (d) streams (default: random tokens)")
-    parser.add_argument("--split-baseline", action="store_true", help="part (d) also with every landmark key scored in fp32")
     parser.add_argument(
-        "--split-lowrank-baseline", action="store_true", help="part (d) also without the low-rank screen (the bf16 screen where bf16 is native)"
+        "--split-lengths", help="lengths of part (d), e.g. 1m,4m,16m (default 1m,4m; 64k,256k with --quick)"
     )
     parser.add_argument(
-        "--malloc-baseline", action="store_true", help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)"
+        "--split-dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype of part (d)"
+    )
+    parser.add_argument("--split-model", help="model directory for part (d) (default: demo-sized, random weights)")
+    parser.add_argument(
+        "--split-corpus", help="prepared dataset whose training tokens part (d) streams (default: random tokens)"
+    )
+    parser.add_argument(
+        "--split-baseline", action="store_true", help="part (d) also with every landmark key scored in fp32"
+    )
+    parser.add_argument(
+        "--split-lowrank-baseline",
+        action="store_true",
+        help="part (d) also without the low-rank screen (the bf16 screen where bf16 is native)",
+    )
+    parser.add_argument(
+        "--malloc-baseline",
+        action="store_true",
+        help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)",
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -242,7 +270,9 @@ def main() -> None:
     train_precisions = args.train_precisions.split(",")
     unknown = [p for p in train_precisions if p not in PRECISIONS or p == "auto"]
     if unknown:
-        parser.error(f"--train-precisions takes a comma-separated subset of {','.join(p for p in PRECISIONS if p != 'auto')}, not {unknown}")
+        parser.error(
+            f"--train-precisions takes a comma-separated subset of {','.join(p for p in PRECISIONS if p != 'auto')}, not {unknown}"
+        )
     default_split = "64k,256k" if args.quick else "1m,4m"
     split_lengths = [parse_length(text) for text in (args.split_lengths or default_split).split(",")]
     train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
@@ -293,7 +323,12 @@ def main() -> None:
 
     decode_rows = []
     if "decode" in parts:
-        case = {"memory": args.decode_memory, "dtype": args.decode_dtype, "lengths": decode_contexts, "model": args.decode_model}
+        case = {
+            "memory": args.decode_memory,
+            "dtype": args.decode_dtype,
+            "lengths": decode_contexts,
+            "model": args.decode_model,
+        }
         r = run_isolated(_decode_case, case)
         rows = r.get("rows") or [{"error": r.get("error")} for _ in decode_contexts]
         decode_rows = [{"context": format_length(length), **row} for length, row in zip(decode_contexts, rows)]
@@ -312,7 +347,13 @@ def main() -> None:
     for length in split_lengths if "split" in parts else []:
         rows = []
         for variant, baseline, default_malloc in split_variants:
-            case = {"length": length, "dtype": args.split_dtype, "model": args.split_model, "corpus": args.split_corpus, "baseline": baseline}
+            case = {
+                "length": length,
+                "dtype": args.split_dtype,
+                "model": args.split_model,
+                "corpus": args.split_corpus,
+                "baseline": baseline,
+            }
             r = run_isolated(_split_case, case, default_malloc=default_malloc)
             rows.append({"T": format_length(length), "variant": variant, **r})
             note(f"split T={format_length(length)} ({variant})")
@@ -320,24 +361,68 @@ def main() -> None:
         split_rows += rows
 
     if train_rows:
-        print("\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step")
-        columns = ["precision", "T", "baselm step s", "drt step s", "time DRT/BaseLM", "FLOP DRT/BaseLM", "baselm peak MB", "drt peak MB", "memory DRT/BaseLM"]
+        print(
+            "\n(a) training step, DRT vs BaseLM (d_model 256, 8 layers, W 512; DRT S 64, K 8, 2 encoder layers), 16K tokens/step"
+        )
+        columns = [
+            "precision",
+            "T",
+            "baselm step s",
+            "drt step s",
+            "time DRT/BaseLM",
+            "FLOP DRT/BaseLM",
+            "baselm peak MB",
+            "drt peak MB",
+            "memory DRT/BaseLM",
+        ]
         print(format_table(train_rows, columns))
     if prefill_rows:
         print("\n(b) streaming prefill, batch 1 (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer)")
-        columns = ["tier", "T", "variant", "tokens_per_s", "peak_rss_mb", "RSS / RSS(64K)", "rss_growth_mb", "memory_mb"]
+        columns = [
+            "tier",
+            "T",
+            "variant",
+            "tokens_per_s",
+            "peak_rss_mb",
+            "RSS / RSS(64K)",
+            "rss_growth_mb",
+            "memory_mb",
+        ]
         print(format_table(prefill_rows, columns + (["farsight speedup"] if args.malloc_baseline else [])))
     if decode_rows:
         print(
             f"\n(c) decode latency per token, mean of {DECODE_STEPS} steps after a prefill of t tokens "
             f"({args.decode_model or 'demo-sized DRT, random weights'}, {args.decode_memory} tier, {args.decode_dtype})"
         )
-        print(format_table(decode_rows, ["context", "ms_per_token", f"ratio to {decode_rows[0]['context']}", "median_ms", "max_ms", "prefill_s", "peak_rss_mb"]))
+        print(
+            format_table(
+                decode_rows,
+                [
+                    "context",
+                    "ms_per_token",
+                    f"ratio to {decode_rows[0]['context']}",
+                    "median_ms",
+                    "max_ms",
+                    "prefill_s",
+                    "peak_rss_mb",
+                ],
+            )
+        )
     if split_rows:
         what = args.split_model or "demo-sized DRT, random weights"
         tokens = f"{args.split_corpus} tokens" if args.split_corpus else "random tokens"
-        print(f"\n(d) where a streaming prefill spends its time, % of wall time ({what}, {tokens}, disk tier, {args.split_dtype})")
-        columns = ["T", "variant", "tokens_per_s", "seconds", *(f"{s} %" for s in SPLIT_SECTIONS), "rest %", "peak_rss_mb"]
+        print(
+            f"\n(d) where a streaming prefill spends its time, % of wall time ({what}, {tokens}, disk tier, {args.split_dtype})"
+        )
+        columns = [
+            "T",
+            "variant",
+            "tokens_per_s",
+            "seconds",
+            *(f"{s} %" for s in SPLIT_SECTIONS),
+            "rest %",
+            "peak_rss_mb",
+        ]
         columns += ["farsight speedup"] if len(split_variants) > 1 else []
         print(format_table(split_rows, columns + (["error"] if any("error" in r for r in split_rows) else [])))
     checks = []
@@ -347,13 +432,19 @@ def main() -> None:
     last = decode_rows[-1] if decode_rows else {}
     first = decode_rows[0]["context"] if decode_rows else ""
     if first == "4K" and "ratio to 4K" in last and last is not decode_rows[0]:
-        checks.append((f"decode at {last['context']} / decode at 4K <= 1.2", last["ratio to 4K"], last["ratio to 4K"] <= 1.2))
+        checks.append(
+            (f"decode at {last['context']} / decode at 4K <= 1.2", last["ratio to 4K"], last["ratio to 4K"] <= 1.2)
+        )
     disk_1m = by_tier.get(("disk", "1M"))
     if disk_1m and "RSS / RSS(64K)" in disk_1m:
-        checks.append(("disk tier peak RSS at 1M / at 64K <= 1.2", disk_1m["RSS / RSS(64K)"], disk_1m["RSS / RSS(64K)"] <= 1.2))
+        checks.append(
+            ("disk tier peak RSS at 1M / at 64K <= 1.2", disk_1m["RSS / RSS(64K)"], disk_1m["RSS / RSS(64K)"] <= 1.2)
+        )
     device_1m = by_tier.get(("device", "1M"))
     if device_1m and "tokens_per_s" in device_1m:
-        checks.append(("prefill tokens/s at 1M (device) >= 50000", device_1m["tokens_per_s"], device_1m["tokens_per_s"] >= 50000))
+        checks.append(
+            ("prefill tokens/s at 1M (device) >= 50000", device_1m["tokens_per_s"], device_1m["tokens_per_s"] >= 50000)
+        )
     if checks:
         print("\ntargets:")
         for what, value, ok in checks:

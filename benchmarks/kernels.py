@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -128,10 +129,9 @@ def run_gca(batch: int, steps_list: list[int], quick: bool) -> list[dict]:
     rows = []
     for steps in steps_list:
         (q, k, v, weight), index = gca_inputs(batch, steps)
-        results = {
-            backend: measure(lambda b=backend: gca(q, k, v, index, weight, backend=b), quick)
-            for backend in ("triton", "torch")
-        }
+        results = {}
+        for backend in ("triton", "torch"):
+            results[backend] = measure(partial(gca, q, k, v, index, weight, backend=backend), quick)
         _report(f"gca T={steps}", results)
         tri, tor = results["triton"], results["torch"]
         rows.append(
@@ -151,18 +151,19 @@ def run_gca(batch: int, steps_list: list[int], quick: bool) -> list[dict]:
     return rows
 
 
-def run_castle(batch: int, dims: list[int], steps_list: list[int], windows: list[int | None], quick: bool) -> list[dict]:
+def run_castle(
+    batch: int, dims: list[int], steps_list: list[int], windows: list[int | None], quick: bool
+) -> list[dict]:
     rows = []
     for dim in dims:
         for steps in steps_list:
             xs = leaves((batch, steps, CASTLE_HEADS, dim), 6)
             qkv = leaves((batch, CASTLE_HEADS, steps, dim), 3)
-            sdpa = measure(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), quick)
+            sdpa = measure(partial(F.scaled_dot_product_attention, *qkv, is_causal=True), quick)
             for window in windows:
-                results = {
-                    backend: measure(lambda b=backend: castle_attention(*xs, window=window, backend=b), quick)
-                    for backend in ("triton", "torch")
-                }
+                results = {}
+                for backend in ("triton", "torch"):
+                    results[backend] = measure(partial(castle_attention, *xs, window=window, backend=backend), quick)
                 results["sdpa"] = sdpa
                 variant = "castle" if window is None else f"swl-{window}"
                 _report(f"{variant} d={dim} T={steps}", results)
@@ -196,12 +197,11 @@ def run_window(batch: int, steps_list: list[int], sizes: list[int], quick: bool)
     for steps in steps_list:
         q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
         heads_first = [x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v)]
-        sdpa = measure(lambda: F.scaled_dot_product_attention(*heads_first, is_causal=True), quick)
+        sdpa = measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), quick)
         for window in sizes:
-            results = {
-                backend: measure(lambda b=backend: sliding_window_attention(q, k, v, window, backend=b), quick)
-                for backend in ("auto", "blockwise")
-            }
+            results = {}
+            for backend in ("auto", "blockwise"):
+                results[backend] = measure(partial(sliding_window_attention, q, k, v, window, backend=backend), quick)
             results["sdpa causal"] = sdpa
             _report(f"window={window} T={steps}", results)
             auto, blockwise = results["auto"], results["blockwise"]

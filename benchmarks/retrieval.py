@@ -111,14 +111,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16K and 64K keys only")
     parser.add_argument("--json", help="write the figures as JSON")
-    parser.add_argument("--model", default="models/demo-drt", help="the DRT whose keys and queries the trained case copies")
+    parser.add_argument(
+        "--model", default="models/demo-drt", help="the DRT whose keys and queries the trained case copies"
+    )
     parser.add_argument("--corpus", default="data/stdlib-byte", help="token directory with a val split to prefill")
     args = parser.parse_args()
     sizes = [1 << 14, 1 << 16] if args.quick else [1 << 14, 1 << 16, 1 << 18, 1 << 19]
     trained = trained_keys(args.model, args.corpus)
     rows = [case(kind, n, 3 if args.quick else 5, trained) for kind in ("random", "trained") for n in sizes]
-    print(f"retrieval top-{TOP_K} of {QUERIES} queries, d_model 128, batch 1 ({torch.get_num_threads()} threads); trained: {args.model}")
-    columns = ["keys", "n", "tokens", "rank", "fit ms", "fp32 ms", "bf16 screen ms", "low-rank ms", "bf16 speedup", "low-rank speedup", "same top-k"]
+    print(
+        f"retrieval top-{TOP_K} of {QUERIES} queries, d_model 128, batch 1 ({torch.get_num_threads()} threads); trained: {args.model}"
+    )
+    columns = [
+        "keys",
+        "n",
+        "tokens",
+        "rank",
+        "fit ms",
+        "fp32 ms",
+        "bf16 screen ms",
+        "low-rank ms",
+        "bf16 speedup",
+        "low-rank speedup",
+        "same top-k",
+    ]
     print(format_table(rows, columns))
     screens = screen_pays_off(torch.device("cpu"))
     if screens:
@@ -126,7 +142,10 @@ def main() -> None:
     else:
         auto = "low-rank screen, fp32 scan where keys have no low-rank basis (it has no bf16 matrix instructions)"
     print(f"auto on this CPU: {auto}")
-    write_json(args.json, {"benchmark": "retrieval", "machine": machine_description(), "auto_screens_bf16": screens, "rows": rows})
+    write_json(
+        args.json,
+        {"benchmark": "retrieval", "machine": machine_description(), "auto_screens_bf16": screens, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -153,7 +153,9 @@ def throughput(kinds: list[str], precisions: list[str], quick: bool) -> list[dic
     for precision in precisions[1:]:
         ratios = []
         for kind in kinds:
-            found = [r[f"speed {precision}/{base}"] for r in rows if r["kind"] == kind and f"speed {precision}/{base}" in r]
+            found = [
+                r[f"speed {precision}/{base}"] for r in rows if r["kind"] == kind and f"speed {precision}/{base}" in r
+            ]
             if found:
                 ratios.append(f"{kind} {math.exp(sum(map(math.log, found)) / len(found)):.2f}x")
         print(f"speed {precision}/{base} by kind (geometric mean over lengths): {', '.join(ratios) or '-'}")
@@ -167,7 +169,9 @@ def loss_curves(kinds: list[str], precisions: list[str], steps: int, seeds: int)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens"
-        prepare_corpus([str(Path(sysconfig.get_paths()["stdlib"]) / "email")], "byte", data, val_fraction=0.1, progress=False)
+        prepare_corpus(
+            [str(Path(sysconfig.get_paths()["stdlib"]) / "email")], "byte", data, val_fraction=0.1, progress=False
+        )
         for kind in kinds:
             for seed in range(seeds):
                 row: dict = {"kind": kind, "seed": seed}
@@ -203,14 +207,20 @@ def loss_curves(kinds: list[str], precisions: list[str], steps: int, seeds: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="two short lengths, one timed step")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated model kinds (default: {','.join(KINDS)})")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated model kinds (default: {','.join(KINDS)})"
+    )
     parser.add_argument(
         "--precisions",
         default="fp32,bf16-mixed",
         help=f"comma-separated, the first is the reference of the ratios (default: fp32,bf16-mixed; any of {','.join(PRECISIONS)}, each also as NAME:torch)",
     )
     parser.add_argument(
-        "--loss-steps", type=int, default=0, metavar="N", help="instead of timing, compare the losses after N training steps"
+        "--loss-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of timing, compare the losses after N training steps",
     )
     parser.add_argument("--seeds", type=int, default=3, help="with --loss-steps: train seeds 0..N-1 (default 3)")
     parser.add_argument("--json", help="write the figures as JSON")
@@ -220,7 +230,9 @@ def main() -> None:
     payload = {"benchmark": "train_throughput", "machine": machine_description()}
     if args.loss_steps > 0:
         if any(":" in p for p in precisions):
-            raise SystemExit("--loss-steps trains through farsight's trainer, which has no NAME:torch variant; drop the :torch")
+            raise SystemExit(
+                "--loss-steps trains through farsight's trainer, which has no NAME:torch variant; drop the :torch"
+            )
         payload["loss_rows"] = loss_curves(kinds, precisions, args.loss_steps, args.seeds)
     else:
         payload["rows"] = throughput(kinds, precisions, args.quick)

@@ -31,7 +31,9 @@ class ConfigBase:
     def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
         prefix = f"{where}." if where else ""
         if not isinstance(data, dict):
-            raise ConfigError(f"{where or cls.__name__} must be a mapping of field names to values, got {type(data).__name__}")
+            raise ConfigError(
+                f"{where or cls.__name__} must be a mapping of field names to values, got {type(data).__name__}"
+            )
         names = cls.field_names()
         unknown = [k for k in data if k not in names]
         if unknown:

@@ -22,7 +22,9 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     would give it (the umask applies, unlike mkstemp's owner-only mode)."""
     tmp = _name_beside(path, "tmp")
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-    created_mode = os.stat(tmp).st_mode  # what the umask left; a writer that recreates tmp (safetensors) may not keep it
+    created_mode = os.stat(
+        tmp
+    ).st_mode  # what the umask left; a writer that recreates tmp (safetensors) may not keep it
     try:
         write(tmp)
         if path.exists():

@@ -22,7 +22,9 @@ def test_help_lists_every_command_without_loading_torch():
 
 
 def test_python_dash_m_runs_the_cli():
-    out = subprocess.run([sys.executable, "-m", "farsight.cli", "eval", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "farsight.cli", "eval", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "passkey" in out and "bench" in out
 
 
@@ -30,7 +32,9 @@ def test_memory_choices_are_the_model_tiers(capsys):
     from farsight.models import MEMORY_TIERS
 
     for tier in MEMORY_TIERS:
-        assert build_parser().parse_args(["eval", "ppl", "--model", "m", "--corpus", "c", "--memory", tier]).memory == tier
+        assert (
+            build_parser().parse_args(["eval", "ppl", "--model", "m", "--corpus", "c", "--memory", tier]).memory == tier
+        )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--memory", "nowhere"])
     assert "invalid choice: 'nowhere'" in capsys.readouterr().err
@@ -68,7 +72,6 @@ def test_bad_list_arguments_are_input_errors():
         parse_list("0,x", float, "--depths", "numbers")
 
 
-
 def test_every_command_runs_under_farsights_malloc_settings(monkeypatch, tmp_path):
     import farsight.cli
 
@@ -78,7 +81,9 @@ def test_every_command_runs_under_farsights_malloc_settings(monkeypatch, tmp_pat
     assert calls == ["tuned"]
 
 
-@pytest.mark.parametrize("native, dtype, noted", [(False, "bf16", True), (True, "bf16", False), (False, "fp32", False), (True, "fp16", True)])
+@pytest.mark.parametrize(
+    "native, dtype, noted", [(False, "bf16", True), (True, "bf16", False), (False, "fp32", False), (True, "fp16", True)]
+)
 def test_a_dtype_this_cpu_emulates_gets_a_note(native, dtype, noted, monkeypatch, capsys):
     import torch
 
@@ -86,9 +91,13 @@ def test_a_dtype_this_cpu_emulates_gets_a_note(native, dtype, noted, monkeypatch
     from farsight.ops import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
-    monkeypatch.setattr(precision, "cpu_has_native_fp16", lambda: False)  # a CPU with bf16 instructions may lack fp16 ones
+    monkeypatch.setattr(
+        precision, "cpu_has_native_fp16", lambda: False
+    )  # a CPU with bf16 instructions may lack fp16 ones
     model, _ = load_model_and_tokenizer(str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt"), dtype)
-    assert next(model.parameters()).dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    assert (
+        next(model.parameters()).dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    )
     err = capsys.readouterr().err
     assert (f"--dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32" in err) == noted
     assert len(err.strip().splitlines()) == int(noted)
@@ -100,7 +109,9 @@ def test_a_bf16_command_widens_the_products_this_cpu_lacks(native, monkeypatch, 
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: native)
     model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
-    assert main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3", "--dtype", "bf16"]) == 0
+    assert (
+        main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3", "--dtype", "bf16"]) == 0
+    )
     assert bool(widened_ops) != native
     widened_ops.clear()
     assert main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3"]) == 0  # fp32

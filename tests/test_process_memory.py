@@ -75,4 +75,6 @@ def _tune_malloc_under(case: dict) -> dict:
 
 def test_tune_malloc_can_be_turned_off():
     assert run_isolated(_tune_malloc_under, {"env": "1"}, default_malloc=True)["applied"] is False
-    assert run_isolated(_tune_malloc_under, {"env": "0"}, default_malloc=True)["applied"] is sys.platform.startswith("linux")
+    assert run_isolated(_tune_malloc_under, {"env": "0"}, default_malloc=True)["applied"] is sys.platform.startswith(
+        "linux"
+    )

@@ -18,7 +18,9 @@ MODEL_HELP = "model directory or training run directory"
 MAX_LENGTH = 64 << 20  # longer evaluation lengths need --allow-long: 1e9 is more likely a typo than a plan
 
 
-def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None = None, repeatable: bool = False) -> None:
+def add_model_argument(
+    parser: argparse.ArgumentParser, *, default: str | None = None, repeatable: bool = False
+) -> None:
     """--model: required unless `default` is given; `repeatable` collects one path per --model."""
     if repeatable:
         parser.add_argument("--model", action="append", required=True, help=f"{MODEL_HELP} (repeat to compare)")
@@ -52,14 +54,20 @@ def add_memory_argument(parser: argparse.ArgumentParser) -> None:
     memory = parser.add_argument("--memory", default="device", help="DRT chunk memory tier")
     memory.choices = _LazyChoices("MEMORY_TIERS")
     kv_dtype = parser.add_argument(
-        "--kv-dtype", default=None, help="dtype of DRT's stored chunk K/V (default: the model's; bf16/fp16 halve an fp32 model's memory)"
+        "--kv-dtype",
+        default=None,
+        help="dtype of DRT's stored chunk K/V (default: the model's; bf16/fp16 halve an fp32 model's memory)",
     )
     kv_dtype.choices = _LazyChoices("KV_DTYPES")
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype: the dtype the model is cast to for evaluation (farsight.models.MODEL_DTYPES)."""
-    dtype = parser.add_argument("--dtype", default="fp32", help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions; on CPUs without, bf16/fp16 products run as fp32 GEMMs)")
+    dtype = parser.add_argument(
+        "--dtype",
+        default="fp32",
+        help="run the model in this dtype (bf16 is ~4x faster than fp32 on CPUs with bf16 instructions; on CPUs without, bf16/fp16 products run as fp32 GEMMs)",
+    )
     dtype.choices = _LazyChoices("MODEL_DTYPES")
     # `farsight` runs the command's CPU products in this dtype widened where the CPU lacks them
     parser.set_defaults(widen_cpu_matmuls=True)
@@ -76,14 +84,19 @@ def add_lengths_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--allow-long", action="store_true", help="allow lengths above 64M tokens")
 
 
-def add_needle_grid_arguments(parser: argparse.ArgumentParser, *, lengths: str, trials: int, long_trials: int | None) -> None:
+def add_needle_grid_arguments(
+    parser: argparse.ArgumentParser, *, lengths: str, trials: int, long_trials: int | None
+) -> None:
     """--lengths, --allow-long, --depths, --trials and --long-trials: the length x depth grid of a needle evaluation."""
     add_lengths_argument(parser, lengths)
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
     parser.add_argument("--trials", type=int, default=trials, help="trials per (length, depth) cell")
     long_default = "--trials" if long_trials is None else "%(default)s"
     parser.add_argument(
-        "--long-trials", type=int, default=long_trials, help=f"trials per cell for lengths above 64K (default: {long_default})"
+        "--long-trials",
+        type=int,
+        default=long_trials,
+        help=f"trials per cell for lengths above 64K (default: {long_default})",
     )
 
 
@@ -95,7 +108,9 @@ def parse_list(text: str, convert: Callable[[str], T], option: str, what: str) -
         raise InputError(f"{option}={text!r} is not a comma-separated list of {what}: {exc}") from exc
 
 
-def parse_labels(text: str | None, paths: list[str], what: str, default: Callable[[Path], str], unique: bool) -> list[str]:
+def parse_labels(
+    text: str | None, paths: list[str], what: str, default: Callable[[Path], str], unique: bool
+) -> list[str]:
     """--labels: one name per path in `paths` (the `what`), stripped and not empty; without it
     `default(path)` for each, or the paths themselves where those defaults collide. With `unique`
     two paths may not share a name (seeds of one model may, in a legend)."""
@@ -104,7 +119,9 @@ def parse_labels(text: str | None, paths: list[str], what: str, default: Callabl
         return labels if len(set(labels)) == len(labels) and all(labels) else [str(path) for path in paths]
     labels = [label.strip() for label in text.split(",")]
     if len(labels) != len(paths):
-        raise InputError(f"--labels names {len(labels)} for {len(paths)} {what}; give one label per path, separated by commas")
+        raise InputError(
+            f"--labels names {len(labels)} for {len(paths)} {what}; give one label per path, separated by commas"
+        )
     if not all(labels):
         raise InputError(f"--labels={text!r} has an empty name; give every one of the {len(paths)} {what} a name")
     if unique and len(set(labels)) != len(labels):
@@ -119,9 +136,13 @@ def parse_lengths(args: argparse.Namespace, minimum: int = 1) -> list[int]:
     lengths = parse_list(args.lengths, parse_length, "--lengths", "lengths")
     for length in lengths:
         if length < minimum:
-            raise InputError(f"--lengths {length} is too short; this evaluation needs lengths of at least {minimum} tokens")
+            raise InputError(
+                f"--lengths {length} is too short; this evaluation needs lengths of at least {minimum} tokens"
+            )
         if length > MAX_LENGTH and not args.allow_long:
-            raise InputError(f"--lengths {length} is above {format_length(MAX_LENGTH)} tokens; pass --allow-long if you mean it")
+            raise InputError(
+                f"--lengths {length} is above {format_length(MAX_LENGTH)} tokens; pass --allow-long if you mean it"
+            )
     return lengths
 
 
@@ -133,7 +154,9 @@ def needle_grid(args: argparse.Namespace) -> tuple[list[int], list[float], dict[
     depths = parse_list(args.depths, float, "--depths", "numbers")
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
-            raise InputError(f"--depths {depth} is outside [0, 1]; a depth is the needle's position as a fraction of the haystack")
+            raise InputError(
+                f"--depths {depth} is outside [0, 1]; a depth is the needle's position as a fraction of the haystack"
+            )
     return lengths, depths, trials_per_length(lengths, args.trials, args.long_trials)
 
 
@@ -163,7 +186,9 @@ def check_plot_file(path: str | None, flag: str = "--plot") -> None:
 
         formats = sorted(FigureCanvasBase.get_supported_filetypes())
         if suffix not in formats:
-            raise InputError(f"{flag} {path}: matplotlib cannot write .{suffix} files; use one of .{', .'.join(formats)}")
+            raise InputError(
+                f"{flag} {path}: matplotlib cannot write .{suffix} files; use one of .{', .'.join(formats)}"
+            )
 
 
 def check_output_folder(path: str, flag: str) -> None:
@@ -176,9 +201,13 @@ def _check_writable_folder(folder: Path, flag: str, path: str) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise InputError(f"{flag} {path} cannot be written: {existing} is not a folder; pass a path in a writable folder")
+        raise InputError(
+            f"{flag} {path} cannot be written: {existing} is not a folder; pass a path in a writable folder"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path} cannot be written: {existing} is not writable; pass a path in a writable folder")
+        raise InputError(
+            f"{flag} {path} cannot be written: {existing} is not writable; pass a path in a writable folder"
+        )
 
 
 def model_tokenizer(path: str) -> Any:
@@ -221,7 +250,10 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
 
     reason = software_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
     if reason is not None:
-        print(f"note: {reason}: --dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32", file=sys.stderr)
+        print(
+            f"note: {reason}: --dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32",
+            file=sys.stderr,
+        )
     directory = resolve_model_dir(path)
     return load_model(directory).to(MODEL_DTYPES[dtype]).eval(), load_tokenizer(directory)
 

@@ -9,7 +9,9 @@ from farsight.cli.arguments import check_output_folder, model_tokenizer
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    data = commands.add_parser("data", help="prepare corpora as token files", description="Prepare corpora as token files.")
+    data = commands.add_parser(
+        "data", help="prepare corpora as token files", description="Prepare corpora as token files."
+    )
     actions = data.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     prepare = actions.add_parser(
         "prepare",
@@ -18,9 +20,15 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "shakespeare, hf:NAME[:CONFIG][@SPLIT], jsonl:PATH or *.jsonl, a text file or a folder.",
     )
     prepare.add_argument("--source", action="append", required=True, help="a text source (repeatable)")
-    prepare.add_argument("--tokenizer", default="byte", help="byte, gpt2, a directory/file with tokenizer.json, or a training run (its newest checkpoint's tokenizer)")
+    prepare.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte, gpt2, a directory/file with tokenizer.json, or a training run (its newest checkpoint's tokenizer)",
+    )
     prepare.add_argument("--out", required=True, help="output directory")
-    prepare.add_argument("--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)")
+    prepare.add_argument(
+        "--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)"
+    )
     prepare.add_argument("--seed", type=int, default=0, help="seed of the document split")
     prepare.set_defaults(func=_prepare)
     info = actions.add_parser("info", help="print a prepared dataset's metadata")

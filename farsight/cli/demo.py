@@ -25,12 +25,17 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "from haystacks of up to 1M tokens; prints the table and writes a heatmap.",
     )
     add_model_argument(demo, default="models/demo-drt")
-    demo.add_argument("--corpus", default="data/stdlib-byte", help="prepared byte-level corpus for the haystacks (made if missing)")
+    demo.add_argument(
+        "--corpus", default="data/stdlib-byte", help="prepared byte-level corpus for the haystacks (made if missing)"
+    )
     add_needle_grid_arguments(demo, lengths="1k,4k,16k,64k,256k,1m", trials=2, long_trials=1)
     demo.add_argument("--batch-size", type=int, default=2)
     demo.add_argument(
-        "--align", type=int, default=1, help="the question ends on a multiple of this (default 1: each trial's question at its own "
-        "offset within a chunk, unpadded; the chunk size pads each prompt to a chunk boundary, the paper's setup)"
+        "--align",
+        type=int,
+        default=1,
+        help="the question ends on a multiple of this (default 1: each trial's question at its own "
+        "offset within a chunk, unpadded; the chunk size pads each prompt to a chunk boundary, the paper's setup)",
     )
     add_memory_argument(demo)
     add_dtype_argument(demo)
@@ -55,7 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
     lengths, depths, trials = needle_grid(args)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     if not isinstance(model, DRTForCausalLM):
-        raise UnsupportedModelError(f"the demo shows a DRT's retrieval but {args.model} is a {type(model).__name__}; pass a DRT model directory")
+        raise UnsupportedModelError(
+            f"the demo shows a DRT's retrieval but {args.model} is a {type(model).__name__}; pass a DRT model directory"
+        )
     corpus = Path(args.corpus)
     if not (corpus / "meta.json").is_file():
         from farsight.data.token_files import prepare_corpus
@@ -69,7 +76,15 @@ def _demo(args: argparse.Namespace) -> int:
         f"chunk size {model.config.chunk_size}, questions ending at: {question_offsets_label(model, task)}"
     )
     summary = evaluate_needle_task(
-        model, task, lengths, depths, trials, seed=args.seed, memory=args.memory, kv_dtype=args.kv_dtype, batch_size=args.batch_size
+        model,
+        task,
+        lengths,
+        depths,
+        trials,
+        seed=args.seed,
+        memory=args.memory,
+        kv_dtype=args.kv_dtype,
+        batch_size=args.batch_size,
     )
     print(results_table(summary))
     out = Path(args.out)

@@ -22,8 +22,8 @@ from farsight.cli.arguments import (
     open_corpus,
     parse_labels,
     parse_lengths,
-    parse_task_options,
     parse_list,
+    parse_task_options,
 )
 from farsight.cli.harness import add_harness_command
 from farsight.cli.ruler import add_ruler_command
@@ -37,19 +37,27 @@ NEEDLE_TASKS = (
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    evaluate = commands.add_parser("eval", help="long-context evaluations and benchmarks", description="Long-context evaluations and benchmarks.")
+    evaluate = commands.add_parser(
+        "eval", help="long-context evaluations and benchmarks", description="Long-context evaluations and benchmarks."
+    )
     evaluations = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVALUATION")
     for task, what in NEEDLE_TASKS:
         _add_needle_command(evaluations, task, what)
     add_ruler_command(evaluations)
     add_harness_command(evaluations)
 
-    ppl = evaluations.add_parser("ppl", help="perplexity vs evaluation length", description="Perplexity vs evaluation length on held-out documents.")
+    ppl = evaluations.add_parser(
+        "ppl",
+        help="perplexity vs evaluation length",
+        description="Perplexity vs evaluation length on held-out documents.",
+    )
     add_model_argument(ppl, repeatable=True)
     ppl.add_argument("--corpus", required=True, help="prepared dataset")
     ppl.add_argument("--split", default="val")
     add_lengths_argument(ppl, "1k,2k,4k,8k")
-    ppl.add_argument("--windows", type=int, default=8, help="disjoint windows, each scored from its start to the longest length")
+    ppl.add_argument(
+        "--windows", type=int, default=8, help="disjoint windows, each scored from its start to the longest length"
+    )
     ppl.add_argument(
         "--window-length",
         help="draw windows this long (default: the longest length) and score their first tokens: compares a model that "
@@ -64,7 +72,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     ppl.set_defaults(func=_perplexity)
 
     retrieval = evaluations.add_parser(
-        "retrieval", help="show the chunks a DRT retrieves", description="Show, per chunk, the past chunks a DRT retrieves with their weights and text."
+        "retrieval",
+        help="show the chunks a DRT retrieves",
+        description="Show, per chunk, the past chunks a DRT retrieves with their weights and text.",
     )
     add_model_argument(retrieval)
     source = retrieval.add_mutually_exclusive_group(required=True)
@@ -73,7 +83,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     retrieval.add_argument("--split", default="val")
     retrieval.add_argument("--document", type=int, default=0, help="document number in --split (from 0)")
     retrieval.add_argument("--chunks", help="comma-separated querying chunks to show (default: all)")
-    retrieval.add_argument("--top", type=int, default=None, help="show only the N chunks with the most confident retrieval")
+    retrieval.add_argument(
+        "--top", type=int, default=None, help="show only the N chunks with the most confident retrieval"
+    )
     retrieval.add_argument("--max-tokens", type=int, default=16384)
     add_json_output_argument(retrieval)
     retrieval.set_defaults(func=_retrieval)
@@ -83,7 +95,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="compare needle-task results of several models",
         description="One table (and plot) of needle-task results written by --out: a row per length, a column per model.",
     )
-    compare.add_argument("results", nargs="+", help="JSON files written by `farsight eval passkey|multikey|niah2hop --out`")
+    compare.add_argument(
+        "results", nargs="+", help="JSON files written by `farsight eval passkey|multikey|niah2hop --out`"
+    )
     compare.add_argument(
         "--labels",
         help="comma-separated column names (default: the file names); files with one name are one model's lengths run in parts",
@@ -102,7 +116,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     runs.add_argument("run", nargs="+", help="training run directories (train.out_dir)")
     add_json_output_argument(runs)
     runs.add_argument("--plot", help="write the loss curves (train and held-out loss vs tokens) as a PNG")
-    runs.add_argument("--labels", help="comma-separated legend names, one per run; runs with the same name (seeds) share a colour")
+    runs.add_argument(
+        "--labels", help="comma-separated legend names, one per run; runs with the same name (seeds) share a colour"
+    )
     runs.add_argument("--title", default="training loss")
     runs.add_argument(
         "--relative-to",
@@ -112,7 +128,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     runs.set_defaults(func=_runs)
 
-    bench = evaluations.add_parser("bench", help="run the benchmarks and collect their figures", description="Run benchmarks/*.py and collect their figures.")
+    bench = evaluations.add_parser(
+        "bench",
+        help="run the benchmarks and collect their figures",
+        description="Run benchmarks/*.py and collect their figures.",
+    )
     bench.add_argument("--only", help="comma-separated subset, e.g. castle,drt")
     bench.add_argument("--quick", action="store_true")
     add_json_output_argument(bench, flag="--json", what="all figures")
@@ -131,8 +151,13 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--filler", choices=["corpus", "repeat"], default="corpus", help="haystack text")
     needle.add_argument("--corpus", default="data/stdlib-byte", help="prepared dataset for corpus filler")
     needle.add_argument("--split", default="val", help="split of --corpus used as filler (default: held-out val)")
-    needle.add_argument("--align", type=int, default=None, help="the question ends on a multiple of this (default: the model's chunk size, where the session pads it to a chunk boundary; "
-        "below the chunk size each trial's question sits at its own offset, unpadded)")
+    needle.add_argument(
+        "--align",
+        type=int,
+        default=None,
+        help="the question ends on a multiple of this (default: the model's chunk size, where the session pads it to a chunk boundary; "
+        "below the chunk size each trial's question sits at its own offset, unpadded)",
+    )
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
     add_dtype_argument(needle)
@@ -141,9 +166,16 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     add_json_output_argument(needle)
     needle.add_argument("--plot", help="write the length x depth heatmap PNG")
     needle.add_argument(
-        "--export-choice", metavar="DIR", help="write the grid's items as lm-eval multiple-choice tasks to DIR instead of evaluating"
+        "--export-choice",
+        metavar="DIR",
+        help="write the grid's items as lm-eval multiple-choice tasks to DIR instead of evaluating",
     )
-    needle.add_argument("--choices", type=int, default=4, help="with --export-choice: choices per item (the answer and random distractors)")
+    needle.add_argument(
+        "--choices",
+        type=int,
+        default=4,
+        help="with --export-choice: choices per item (the answer and random distractors)",
+    )
     needle.set_defaults(func=_needle, task=task)
 
 
@@ -164,9 +196,25 @@ def _needle(args: argparse.Namespace) -> int:
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
     task = make_task(args.task, tokenizer, filler, align, **options)
     summary = evaluate_needle_task(
-        model, task, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory, kv_dtype=args.kv_dtype
+        model,
+        task,
+        lengths,
+        depths,
+        trials,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        memory=args.memory,
+        kv_dtype=args.kv_dtype,
     )
-    summary.update(model=str(args.model), dtype=args.dtype, kv_dtype=args.kv_dtype, align=align, filler=args.filler, corpus=args.corpus, split=args.split)
+    summary.update(
+        model=str(args.model),
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        align=align,
+        filler=args.filler,
+        corpus=args.corpus,
+        split=args.split,
+    )
     print(results_table(summary))
     write_json(args.out, summary)
     if args.plot:
@@ -176,7 +224,9 @@ def _needle(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[float], trials: dict[int, int], options: dict) -> int:
+def _export_choice(
+    args: argparse.Namespace, lengths: list[int], depths: list[float], trials: dict[int, int], options: dict
+) -> int:
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.choice import export_choice_tasks
 
@@ -184,10 +234,14 @@ def _export_choice(args: argparse.Namespace, lengths: list[int], depths: list[fl
     check_at_least(args, {"--choices": 2})
     tokenizer = model_tokenizer(args.model)
     align = args.align or model_chunk_size(args.model)
-    task = make_task(args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options)
+    task = make_task(
+        args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options
+    )
     names = export_choice_tasks(task, lengths, depths, trials, args.export_choice, args.choices, args.seed)
     print(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
-    print(f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} --tasks {','.join(names)}")
+    print(
+        f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} --tasks {','.join(names)}"
+    )
     return 0
 
 
@@ -235,7 +289,16 @@ def _perplexity(args: argparse.Namespace) -> int:
     if len(args.model) > 1:
         print(f"\nNLL minus {args.model[0]}'s on the same windows (paired mean ± standard error, nats):")
         print(format_table(_paired_rows(results, args.model, lengths), ["length", "tokens", *args.model[1:]]))
-    write_json(args.out, {"corpus": args.corpus, "split": args.split, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "results": results})
+    write_json(
+        args.out,
+        {
+            "corpus": args.corpus,
+            "split": args.split,
+            "dtype": args.dtype,
+            "kv_dtype": args.kv_dtype,
+            "results": results,
+        },
+    )
     if args.plot:
         from farsight.eval.plots import curves
 
@@ -251,7 +314,10 @@ def _paired_rows(results: dict, models: list[str], lengths: list[int]) -> list[d
     rows = []
     for n in lengths:
         base = results[models[0]]["by_length"][str(n)]
-        for key, tokens in (("window_nll", "first L"), ("window_bucket_nll", f"{format_length(base['bucket_start'])}-L")):
+        for key, tokens in (
+            ("window_nll", "first L"),
+            ("window_bucket_nll", f"{format_length(base['bucket_start'])}-L"),
+        ):
             cells = {}
             for path in models[1:]:
                 mean, sem = paired_difference(results[path]["by_length"][str(n)][key], base[key])
@@ -280,7 +346,13 @@ def _retrieval(args: argparse.Namespace) -> int:
     tokenizer = model_tokenizer(args.model)
     if args.text:
         if not Path(args.text).is_file():
-            what = "is a folder" if Path(args.text).is_dir() else "is not a regular file" if Path(args.text).exists() else "does not exist"
+            what = (
+                "is a folder"
+                if Path(args.text).is_dir()
+                else "is not a regular file"
+                if Path(args.text).exists()
+                else "does not exist"
+            )
             raise MissingFileError(f"--text {args.text} {what}; pass a text file")
         ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
     else:
@@ -297,7 +369,9 @@ def _retrieval(args: argparse.Namespace) -> int:
     model, _ = load_model_and_tokenizer(args.model)
     records = inspect_retrieval(model, ids, chunks)
     if args.top and chunks is None:
-        records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[: args.top]
+        records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[
+            : args.top
+        ]
         records.sort(key=lambda r: r["chunk"])
     print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
     write_json(args.out, {"records": records})
@@ -319,7 +393,9 @@ def _compare(args: argparse.Namespace) -> int:
         try:
             summaries.append((label, json.loads(Path(path).read_text())))
         except json.JSONDecodeError as exc:
-            raise InputError(f"{path} is not valid JSON ({exc}); pass a file written by `farsight eval passkey ... --out`") from exc
+            raise InputError(
+                f"{path} is not valid JSON ({exc}); pass a file written by `farsight eval passkey ... --out`"
+            ) from exc
     table, series = compare_summaries(summaries, args.metric)
     print(f"{args.metric.replace('_', ' ')} %")
     print(table)
@@ -341,7 +417,9 @@ def _runs(args: argparse.Namespace) -> int:
     check_plot_file(args.plot)
     labels = parse_labels(args.labels, args.run, "run directories", lambda path: path.resolve().name, unique=False)
     if args.relative_to is not None and not args.plot:
-        raise InputError(f"--relative-to needs --plot (the gaps are drawn, not printed), got --relative-to {args.relative_to!r} alone")
+        raise InputError(
+            f"--relative-to needs --plot (the gaps are drawn, not printed), got --relative-to {args.relative_to!r} alone"
+        )
     rows = [summarize_run(run) for run in args.run]
     if args.plot:  # first: a bad --relative-to label fails before anything is printed or written
         from farsight.eval.plots import loss_curves

@@ -26,8 +26,12 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
     add_model_argument(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     harness.add_argument("--include-path", help="folder of extra task YAML files")
-    harness.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if below 1), for quick checks")
-    harness.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's)")
+    harness.add_argument(
+        "--limit", type=float, default=None, help="examples per task (a fraction if below 1), for quick checks"
+    )
+    harness.add_argument(
+        "--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's)"
+    )
     harness.add_argument("--batch-size", type=int, default=1, help="requests of equal token lengths decoded together")
     add_memory_argument(harness)
     add_dtype_argument(harness)
@@ -44,19 +48,30 @@ def _harness(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit <= 0:
         raise InputError(f"--limit must be > 0, got {args.limit}")
     if args.include_path is not None and not Path(args.include_path).is_dir():
-        raise MissingFileError(f"--include-path {args.include_path} is not a folder; pass the folder holding the task YAML files")
+        raise MissingFileError(
+            f"--include-path {args.include_path} is not a folder; pass the folder holding the task YAML files"
+        )
     tasks = parse_list(args.tasks, str.strip, "--tasks", "task names")
     try:
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError as exc:
-        raise MissingDependencyError(f"farsight eval harness needs lm-eval ({exc}); run: pip install farsight[eval]") from None
+        raise MissingDependencyError(
+            f"farsight eval harness needs lm-eval ({exc}); run: pip install farsight[eval]"
+        ) from None
     from farsight.eval.efficiency import write_json
     from farsight.hf.harness import evaluate  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = evaluate(
-        args.model, tasks, include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size, memory=args.memory, kv_dtype=args.kv_dtype, dtype=args.dtype,
+        args.model,
+        tasks,
+        include_path=args.include_path,
+        limit=limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        memory=args.memory,
+        kv_dtype=args.kv_dtype,
+        dtype=args.dtype,
     )
     print(make_table(results))
     if "groups" in results:

@@ -8,7 +8,9 @@ from farsight.cli.arguments import add_dtype_argument, add_model_argument, load_
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    generate = commands.add_parser("generate", help="sample text from a trained model", description="Sample text from a trained model.")
+    generate = commands.add_parser(
+        "generate", help="sample text from a trained model", description="Sample text from a trained model."
+    )
     add_model_argument(generate)
     add_dtype_argument(generate)
     generate.add_argument("--prompt", default="", help="text to continue")
@@ -30,9 +32,23 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("source", help="training run directory or checkpoint directory")
     export.add_argument("out", help="model directory to write")
-    export.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="store the weights in this dtype (default: as trained; bf16 halves an fp32 model)")
-    export.add_argument("--card", action="store_true", help="write a model card, README.md: the stages of training along train.init_from, from a run")
-    export.add_argument("--results", nargs="+", default=[], metavar="JSON", help="with --card: results files (`farsight eval ... --out`) to tabulate")
+    export.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        help="store the weights in this dtype (default: as trained; bf16 halves an fp32 model)",
+    )
+    export.add_argument(
+        "--card",
+        action="store_true",
+        help="write a model card, README.md: the stages of training along train.init_from, from a run",
+    )
+    export.add_argument(
+        "--results",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="with --card: results files (`farsight eval ... --out`) to tabulate",
+    )
     export.add_argument(
         "--sample",
         action="append",
@@ -47,7 +63,9 @@ def _generate(args: argparse.Namespace) -> int:
     from farsight.models.generation import continue_text
 
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
-    text = continue_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    text = continue_text(
+        model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
+    )
     print(args.prompt + text)
     return 0
 
@@ -68,5 +86,9 @@ def _export(args: argparse.Namespace) -> int:
         # reads the training chain and the results now; export_model hands it the exported model
         readme = model_card(args.source, out.resolve().name, args.results, args.sample, args.dtype, exported_to=out)
     source = export_model(args.source, out, args.dtype, readme)
-    print(f"exported {source} -> {out}" + (f" (weights in {args.dtype})" if args.dtype else "") + (", with README.md" if readme else ""))
+    print(
+        f"exported {source} -> {out}"
+        + (f" (weights in {args.dtype})" if args.dtype else "")
+        + (", with README.md" if readme else "")
+    )
     return 0

@@ -34,23 +34,43 @@ def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
         "answers in the greedy output) and exact match over lengths x depths. With --export, write them as lm-eval tasks instead.",
     )
     add_model_argument(ruler, default="")
-    ruler.add_argument("--tasks", default="all", help="comma-separated RULER tasks (niah_single_1, ..., vt, cwe, fwe), or all")
+    ruler.add_argument(
+        "--tasks", default="all", help="comma-separated RULER tasks (niah_single_1, ..., vt, cwe, fwe), or all"
+    )
     add_needle_grid_arguments(ruler, lengths="1k,4k", trials=10, long_trials=None)
     ruler.add_argument(
-        "--haystack", choices=["noise", "corpus"], default=None, help="filler text of every task (default: RULER's per task, real text for most NIAH tasks)"
+        "--haystack",
+        choices=["noise", "corpus"],
+        default=None,
+        help="filler text of every task (default: RULER's per task, real text for most NIAH tasks)",
     )
-    ruler.add_argument("--corpus", default=None, help="prepared dataset for real-text haystacks (farsight data prepare)")
+    ruler.add_argument(
+        "--corpus", default=None, help="prepared dataset for real-text haystacks (farsight data prepare)"
+    )
     ruler.add_argument("--split", default="val", help="split of --corpus used as haystack (default: held-out val)")
-    ruler.add_argument("--align", type=int, default=None, help="the question ends on a multiple of this (default: the model's chunk size; 1 with --export; "
-        "below the chunk size each trial's question sits at its own offset, unpadded)")
+    ruler.add_argument(
+        "--align",
+        type=int,
+        default=None,
+        help="the question ends on a multiple of this (default: the model's chunk size; 1 with --export; "
+        "below the chunk size each trial's question sits at its own offset, unpadded)",
+    )
     ruler.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(ruler)
     add_dtype_argument(ruler)
     ruler.add_argument("--seed", type=int, default=0)
-    ruler.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="an option of every task asked, e.g. keys=8")
+    ruler.add_argument(
+        "--task-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of every task asked, e.g. keys=8",
+    )
     add_json_output_argument(ruler)
     ruler.add_argument("--plot", help="write length x depth heatmaps (PNG; one per task, named after it when several)")
-    ruler.add_argument("--export", metavar="DIR", help="write the items and lm-eval task YAMLs to DIR instead of evaluating")
+    ruler.add_argument(
+        "--export", metavar="DIR", help="write the items and lm-eval task YAMLs to DIR instead of evaluating"
+    )
     ruler.add_argument("--tokenizer", help="with --export: byte, gpt2 or a tokenizer.json path (default: --model's)")
     ruler.set_defaults(func=_ruler)
 
@@ -80,14 +100,30 @@ def _ruler(args: argparse.Namespace) -> int:
 
     model, _ = load_model_and_tokenizer(args.model, args.dtype)
     results = evaluate_ruler(
-        model, tasks, lengths, depths, trials, seed=args.seed, batch_size=args.batch_size, memory=args.memory, kv_dtype=args.kv_dtype
+        model,
+        tasks,
+        lengths,
+        depths,
+        trials,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        memory=args.memory,
+        kv_dtype=args.kv_dtype,
     )
     for name, summary in results["tasks"].items():
         print(f"\n{name} ({summary['haystack']} haystack)")
         print(ruler_table(summary))
     print("\nstring match % (RULER's score)")
     print(average_table(results))
-    results.update(model=str(args.model), dtype=args.dtype, kv_dtype=args.kv_dtype, align=align, corpus=args.corpus, split=args.split, seed=args.seed)
+    results.update(
+        model=str(args.model),
+        dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        align=align,
+        corpus=args.corpus,
+        split=args.split,
+        seed=args.seed,
+    )
     write_json(args.out, results)
     if args.plot:
         from farsight.eval.plots import needle_heatmap
@@ -96,7 +132,9 @@ def _ruler(args: argparse.Namespace) -> int:
             path = Path(args.plot)
             if len(results["tasks"]) > 1:
                 path = path.with_name(f"{path.stem}-{name}{path.suffix}")
-            print(f"wrote {needle_heatmap(summary, path, title=f'{name}: string match, {args.model}', metric='string_match')}")
+            print(
+                f"wrote {needle_heatmap(summary, path, title=f'{name}: string match, {args.model}', metric='string_match')}"
+            )
     return 0
 
 
@@ -108,7 +146,14 @@ def _check_lengths(tasks: list, lengths: list[int]) -> None:
         task.sample(min(lengths), 0.5, np.random.default_rng(0))
 
 
-def _export(args: argparse.Namespace, names: list[str], options: dict[str, object], lengths: list[int], depths: list[float], trials: dict[int, int]) -> int:
+def _export(
+    args: argparse.Namespace,
+    names: list[str],
+    options: dict[str, object],
+    lengths: list[int],
+    depths: list[float],
+    trials: dict[int, int],
+) -> int:
     from farsight.data.tasks.ruler import make_ruler_tasks
     from farsight.data.tokenizers import load_tokenizer
     from farsight.eval.ruler import export_lm_eval
@@ -119,10 +164,14 @@ def _export(args: argparse.Namespace, names: list[str], options: dict[str, objec
     elif args.model:
         tokenizer = model_tokenizer(args.model)
     else:
-        raise InputError("--export needs the tokenizer the lengths are measured in: pass --tokenizer (byte, gpt2, a path) or --model")
+        raise InputError(
+            "--export needs the tokenizer the lengths are measured in: pass --tokenizer (byte, gpt2, a path) or --model"
+        )
     tasks = make_ruler_tasks(names, tokenizer, args.align or 1, args.haystack, args.corpus, args.split, options)
     _check_lengths(tasks, lengths)
     written = export_lm_eval(tasks, lengths, depths, trials, args.export, seed=args.seed)
     print(f"wrote {len(written)} lm-eval tasks to {args.export}: {', '.join(written)}")
-    print(f"run them with lm_eval --include_path {args.export} --tasks {written[0]} (or the tag farsight_ruler for all)")
+    print(
+        f"run them with lm_eval --include_path {args.export} --tasks {written[0]} (or the tag farsight_ruler for all)"
+    )
     return 0

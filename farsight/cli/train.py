@@ -11,10 +11,16 @@ EXIT_INTERRUPTED = 130
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
-    train = commands.add_parser("train", help="train a model from a YAML config", description="Train a model from a YAML config.")
+    train = commands.add_parser(
+        "train", help="train a model from a YAML config", description="Train a model from a YAML config."
+    )
     train.add_argument("config", help="YAML file with sections model, data, optim, train")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100")
-    train.add_argument("--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100"
+    )
+    train.add_argument(
+        "--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir"
+    )
     train.add_argument(
         "--allow-config-change",
         action="store_true",

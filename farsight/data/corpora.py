@@ -40,7 +40,9 @@ KNOWN_TITLE_FIELDS = ("short_book_title", "title")
 KNOWN_ID_FIELDS = ("id", "doc_id", "url")
 
 # Directories that hold test suites, third-party packages or caches rather than library source.
-_STDLIB_SKIP_DIRS = frozenset({"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"})
+_STDLIB_SKIP_DIRS = frozenset(
+    {"test", "tests", "testing", "idle_test", "__pycache__", "site-packages", "dist-packages"}
+)
 
 
 def _read_text(path: Path) -> str:
@@ -62,12 +64,19 @@ class LocalTextSource(Source):
 
     kind = "files"
 
-    def __init__(self, path: str | os.PathLike[str], extensions: Iterable[str] = DEFAULT_EXTENSIONS, license: str = UNSPECIFIED_LICENSE) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        extensions: Iterable[str] = DEFAULT_EXTENSIONS,
+        license: str = UNSPECIFIED_LICENSE,
+    ) -> None:
         super().__init__(str(path), license)
         self.path = Path(path)
         if not self.path.exists():
             raise CorpusError(f"no such file or folder: {self.path}")
-        self.extensions = tuple(sorted({ext.lower() if ext.startswith(".") else f".{ext.lower()}" for ext in extensions}))
+        self.extensions = tuple(
+            sorted({ext.lower() if ext.startswith(".") else f".{ext.lower()}" for ext in extensions})
+        )
         if not self.extensions:
             raise CorpusError(f"extensions for {self.path} is empty; pass e.g. extensions=('.txt', '.md')")
 
@@ -76,7 +85,9 @@ class LocalTextSource(Source):
         if self.path.is_file():
             return [self.path]
         if not self.path.is_dir():
-            raise CorpusError(f"{self.path} is neither a regular file nor a folder; pass a text file or a folder of them")
+            raise CorpusError(
+                f"{self.path} is neither a regular file nor a folder; pass a text file or a folder of them"
+            )
         root = self.path.resolve()
         found: list[Path] = []
         for directory, subdirs, names in os.walk(self.path):
@@ -86,14 +97,20 @@ class LocalTextSource(Source):
                     _note(f"skipped {Path(directory) / name}: links to folders are not followed")
             for name in sorted(names):
                 path = Path(directory) / name
-                if not name.startswith(".") and Path(name).suffix.lower() in self.extensions and _readable_inside(path, root):
+                if (
+                    not name.startswith(".")
+                    and Path(name).suffix.lower() in self.extensions
+                    and _readable_inside(path, root)
+                ):
                     found.append(path)
         return found
 
     def __iter__(self) -> Iterator[Document]:
         files = self.files()
         if not files:
-            raise CorpusError(f"no files with extensions {', '.join(self.extensions)} under {self.path}; pass extensions=[...] to read other kinds of file")
+            raise CorpusError(
+                f"no files with extensions {', '.join(self.extensions)} under {self.path}; pass extensions=[...] to read other kinds of file"
+            )
         base = self.path.resolve().parent
         for path in files:
             doc_id = path.resolve().relative_to(base).as_posix()
@@ -129,7 +146,13 @@ class JsonlSource(Source):
 
     kind = "jsonl"
 
-    def __init__(self, path: str | os.PathLike[str], text_field: str = "text", id_field: str | None = None, license: str = UNSPECIFIED_LICENSE) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        text_field: str = "text",
+        id_field: str | None = None,
+        license: str = UNSPECIFIED_LICENSE,
+    ) -> None:
         super().__init__(f"jsonl:{path}", license)
         self.path = Path(path)
         if not self.path.is_file():
@@ -146,18 +169,26 @@ class JsonlSource(Source):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise CorpusError(f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object") from error
+                    raise CorpusError(
+                        f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object"
+                    ) from error
                 if not isinstance(record, dict):
                     raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
                 text = _field(record, self.text_field, where, "text_field")
-                doc_id = f"{self.path.name}:{line_number}" if self.id_field is None else str(_field(record, self.id_field, where, "id_field", want_str=False))
+                doc_id = (
+                    f"{self.path.name}:{line_number}"
+                    if self.id_field is None
+                    else str(_field(record, self.id_field, where, "id_field", want_str=False))
+                )
                 yield Document(doc_id=doc_id, text=text, license=self.license)
 
 
 def _field(record: Mapping[str, Any], name: str, where: str, option: str, want_str: bool = True) -> Any:
     if name not in record:
         keys = ", ".join(sorted(map(str, record))) or "(none)"
-        raise CorpusError(f"{where}: record has no {name!r} field; available keys: {keys}; pass {option}=... to read another field")
+        raise CorpusError(
+            f"{where}: record has no {name!r} field; available keys: {keys}; pass {option}=... to read another field"
+        )
     value = record[name]
     if want_str and not isinstance(value, str):
         raise CorpusError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
@@ -167,11 +198,15 @@ def _field(record: Mapping[str, Any], name: str, where: str, option: str, want_s
 def parse_hf_spec(spec: str) -> tuple[str, str | None, str | None]:
     """Split "hf:NAME[:CONFIG][@SPLIT]" into (name, config, split); missing parts are None."""
     if not spec.startswith("hf:"):
-        raise CorpusError(f"{spec!r} is not a Hugging Face source; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'")
+        raise CorpusError(
+            f"{spec!r} is not a Hugging Face source; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'"
+        )
     body, _, split = spec[3:].partition("@")
     name, _, config = body.partition(":")
     if not name:
-        raise CorpusError(f"{spec!r} names no dataset; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'")
+        raise CorpusError(
+            f"{spec!r} names no dataset; expected 'hf:NAME[:CONFIG][@SPLIT]', e.g. 'hf:deepmind/pg19@validation'"
+        )
     return name, config or None, split or None
 
 
@@ -179,7 +214,9 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as error:
-        raise CorpusError("Hugging Face sources need the `datasets` package, which is not installed; run: pip install farsight[hf]") from error
+        raise CorpusError(
+            "Hugging Face sources need the `datasets` package, which is not installed; run: pip install farsight[hf]"
+        ) from error
     return datasets
 
 
@@ -221,16 +258,22 @@ class HuggingFaceSource(Source):
         name, config, split = parse_hf_spec(spec)
         for key, parsed in (("config", config), ("split", split)):
             if parsed is not None and key in options and options[key] != parsed:
-                raise CorpusError(f"{spec!r} sets {key}={parsed!r} but the options set {key}={options[key]!r}; give it in one place")
+                raise CorpusError(
+                    f"{spec!r} sets {key}={parsed!r} but the options set {key}={options[key]!r}; give it in one place"
+                )
             if parsed is not None:
                 options[key] = parsed
         return cls(name, **options)
 
     def __iter__(self) -> Iterator[Document]:
         try:
-            dataset = self._datasets.load_dataset(self.name, self.config, split=self.split, streaming=self.streaming, **self.load_kwargs)
+            dataset = self._datasets.load_dataset(
+                self.name, self.config, split=self.split, streaming=self.streaming, **self.load_kwargs
+            )
         except Exception as error:  # datasets raises many unrelated types for "cannot load"
-            raise CorpusError(f"could not load Hugging Face dataset {self.spec}: {type(error).__name__}: {error}") from error
+            raise CorpusError(
+                f"could not load Hugging Face dataset {self.spec}: {type(error).__name__}: {error}"
+            ) from error
         if not self._license_given:
             declared = getattr(getattr(dataset, "info", None), "license", None)
             if isinstance(declared, str) and declared.strip():
@@ -243,14 +286,22 @@ class HuggingFaceSource(Source):
                 if text_field is None:
                     text_field = next((key for key in KNOWN_TEXT_FIELDS if isinstance(record.get(key), str)), None)
                     if text_field is None:
-                        raise CorpusError(f"{where}: none of the known text fields {', '.join(KNOWN_TEXT_FIELDS)} is present (keys: {', '.join(sorted(record))}); pass text_field=...")
+                        raise CorpusError(
+                            f"{where}: none of the known text fields {', '.join(KNOWN_TEXT_FIELDS)} is present (keys: {', '.join(sorted(record))}); pass text_field=..."
+                        )
                 if id_field is None:
                     id_field = next((key for key in KNOWN_ID_FIELDS if key in record), None)
                 title_field = next((key for key in KNOWN_TITLE_FIELDS if key in record), None)
             text = _field(record, text_field, where, "text_field")
-            doc_id = f"{self.spec}:{index}" if id_field is None else f"{self.spec}:{_field(record, id_field, where, 'id_field', want_str=False)}"
+            doc_id = (
+                f"{self.spec}:{index}"
+                if id_field is None
+                else f"{self.spec}:{_field(record, id_field, where, 'id_field', want_str=False)}"
+            )
             title = record.get(title_field) if title_field else None
-            yield Document(doc_id=doc_id, text=text, license=self.license, title=title if isinstance(title, str) else None)
+            yield Document(
+                doc_id=doc_id, text=text, license=self.license, title=title if isinstance(title, str) else None
+            )
 
 
 class StdlibSource(Source):
@@ -267,7 +318,9 @@ class StdlibSource(Source):
         super().__init__("stdlib", STDLIB_LICENSE)
         self.root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
         if not self.root.is_dir():
-            raise CorpusError(f"standard library folder {self.root} does not exist; pass root=PATH to a CPython Lib folder")
+            raise CorpusError(
+                f"standard library folder {self.root} does not exist; pass root=PATH to a CPython Lib folder"
+            )
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
@@ -280,7 +333,9 @@ class StdlibSource(Source):
         found: list[Path] = []
         for directory, subdirs, names in os.walk(self.root):
             subdirs[:] = sorted(name for name in subdirs if not _is_skipped_stdlib_dir(name))
-            found.extend(Path(directory) / name for name in sorted(names) if name.endswith(".py") and not _is_test_file(name))
+            found.extend(
+                Path(directory) / name for name in sorted(names) if name.endswith(".py") and not _is_test_file(name)
+            )
         return found
 
     def __iter__(self) -> Iterator[Document]:
@@ -340,4 +395,6 @@ def _check_options(kind: str, options: Mapping[str, Any], given: int = 0) -> Non
     valid = [p.name for p in parameters]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise CorpusError(f"option(s) {', '.join(unknown)} not valid for {kind} sources; valid options: {', '.join(valid)}")
+        raise CorpusError(
+            f"option(s) {', '.join(unknown)} not valid for {kind} sources; valid options: {', '.join(valid)}"
+        )

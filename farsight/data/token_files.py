@@ -57,7 +57,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def split_score(doc_id: str, seed: int = 0) -> float:
     """A number in [0, 1) fixed by (seed, doc_id): documents scoring below val_fraction go to val."""
-    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\x00{doc_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / float(1 << 64)
 
 
@@ -160,9 +160,13 @@ def prepare_corpus(
     the end, meta.json last: an interrupted run leaves any previous dataset there untouched.
     """
     if isinstance(sources, (str, os.PathLike)) or not sources:
-        raise TokenDataError("sources must be a non-empty list of source specs, e.g. ['shakespeare'] or ['stdlib', 'notes/']")
+        raise TokenDataError(
+            "sources must be a non-empty list of source specs, e.g. ['shakespeare'] or ['stdlib', 'notes/']"
+        )
     if not 0.0 < val_fraction < 1.0:
-        raise TokenDataError(f"val_fraction={val_fraction} must be strictly between 0 and 1 so both splits get documents")
+        raise TokenDataError(
+            f"val_fraction={val_fraction} must be strictly between 0 and 1 so both splits get documents"
+        )
     resolved = [source if isinstance(source, Source) else resolve_source(source) for source in sources]
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
@@ -170,7 +174,10 @@ def prepare_corpus(
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
     try:
-        counts = [{"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0} for _ in resolved]
+        counts = [
+            {"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0}
+            for _ in resolved
+        ]
         with open(scratch / "train.bin", "wb") as train_handle, open(scratch / "val.bin", "wb") as val_handle:
             writers = {"train": _SplitWriter(train_handle), "val": _SplitWriter(val_handle)}
             splitter = _HeldBackSplitter(writers, counts, val_fraction)
@@ -181,7 +188,9 @@ def prepare_corpus(
                 os.fsync(handle.fileno())
         total_documents = sum(c["documents"] for c in counts)
         if total_documents < 2:
-            raise TokenDataError(f"the sources hold {total_documents} document(s); a split by document needs at least 2 (add documents or sources)")
+            raise TokenDataError(
+                f"the sources hold {total_documents} document(s); a split by document needs at least 2 (add documents or sources)"
+            )
         for split in SPLITS:
             with open(scratch / f"{split}.docs.npy", "wb") as handle:
                 np.save(handle, np.asarray(writers[split].starts, dtype=np.int64))
@@ -231,7 +240,9 @@ def _tokenize_sources(
             if batch:
                 flush(batch, index)
             if counts[index]["documents"] == 0:
-                raise TokenDataError(f"source {source.spec!r} produced no documents; check that it points at the data you meant")
+                raise TokenDataError(
+                    f"source {source.spec!r} produced no documents; check that it points at the data you meant"
+                )
 
 
 def _build_meta(
@@ -255,7 +266,12 @@ def _build_meta(
         "val_fraction": val_fraction,
         "seed": seed,
         "splits": {
-            split: {"tokens": writers[split].tokens, "documents": len(writers[split].starts), "file": f"{split}.bin", "offsets_file": f"{split}.docs.npy"}
+            split: {
+                "tokens": writers[split].tokens,
+                "documents": len(writers[split].starts),
+                "file": f"{split}.bin",
+                "offsets_file": f"{split}.docs.npy",
+            }
             for split in SPLITS
         },
         "sources": [{**source.describe(), **count} for source, count in zip(sources, counts)],
@@ -281,8 +297,12 @@ def load_meta(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     path = directory / META_FILENAME
     if not path.is_file():
         if any((directory / f"{split}.bin").exists() for split in SPLITS):
-            raise TokenDataError(f"{directory} has token files but no {META_FILENAME}: a prepare was interrupted while replacing them; run `farsight data prepare ... --out {directory}` again")
-        raise TokenDataError(f"no prepared dataset at {directory} ({META_FILENAME} missing); {_prepare_command(directory)}")
+            raise TokenDataError(
+                f"{directory} has token files but no {META_FILENAME}: a prepare was interrupted while replacing them; run `farsight data prepare ... --out {directory}` again"
+            )
+        raise TokenDataError(
+            f"no prepared dataset at {directory} ({META_FILENAME} missing); {_prepare_command(directory)}"
+        )
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
@@ -327,13 +347,19 @@ class TokenFile:
     def _check_vocab(self, tokenizer: Tokenizer | str | os.PathLike[str] | None, vocab_size: int | None) -> None:
         where = self.directory / META_FILENAME
         if self.dtype != token_dtype(self.vocab_size):
-            raise TokenDataError(f"{where}: dtype {self.dtype} does not match vocab_size {self.vocab_size} (expected {token_dtype(self.vocab_size)}); prepare the dataset again")
+            raise TokenDataError(
+                f"{where}: dtype {self.dtype} does not match vocab_size {self.vocab_size} (expected {token_dtype(self.vocab_size)}); prepare the dataset again"
+            )
         spec = self.meta["tokenizer"]
         if spec.get("vocab_size") != self.vocab_size:
-            raise TokenDataError(f"{where}: vocab_size {self.vocab_size} disagrees with its tokenizer spec ({spec.get('vocab_size')}); prepare the dataset again")
+            raise TokenDataError(
+                f"{where}: vocab_size {self.vocab_size} disagrees with its tokenizer spec ({spec.get('vocab_size')}); prepare the dataset again"
+            )
         saved = self.directory / TOKENIZER_FILENAME
         if saved.is_file() and json.loads(saved.read_text(encoding="utf-8")) != spec:
-            raise TokenDataError(f"{saved} differs from the tokenizer recorded in {where}; it was replaced after prepare; prepare the dataset again")
+            raise TokenDataError(
+                f"{saved} differs from the tokenizer recorded in {where}; it was replaced after prepare; prepare the dataset again"
+            )
         if tokenizer is not None:
             expected = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
             if expected.to_spec() != spec:
@@ -342,7 +368,9 @@ class TokenFile:
                     f"{expected.kind} tokenizer (vocab_size {expected.vocab_size}) was requested; prepare it again with that tokenizer, or use the dataset's"
                 )
         if vocab_size is not None and vocab_size < self.vocab_size:
-            raise TokenDataError(f"model vocab_size {vocab_size} is smaller than the dataset's vocab_size {self.vocab_size} ({self.directory}); set the model's vocab_size to at least {self.vocab_size}")
+            raise TokenDataError(
+                f"model vocab_size {vocab_size} is smaller than the dataset's vocab_size {self.vocab_size} ({self.directory}); set the model's vocab_size to at least {self.vocab_size}"
+            )
 
     def _open_tokens(self, path: Path, count: int) -> np.ndarray:
         if not path.is_file():
@@ -350,7 +378,9 @@ class TokenFile:
         expected_bytes = count * self.dtype.itemsize
         actual_bytes = path.stat().st_size
         if actual_bytes != expected_bytes:
-            raise TokenDataError(f"{path} holds {actual_bytes} bytes but {META_FILENAME} promises {count} {self.dtype} tokens ({expected_bytes} bytes); prepare the dataset again")
+            raise TokenDataError(
+                f"{path} holds {actual_bytes} bytes but {META_FILENAME} promises {count} {self.dtype} tokens ({expected_bytes} bytes); prepare the dataset again"
+            )
         if count == 0:
             # mmap cannot map an empty file.
             return np.zeros(0, dtype=self.dtype)
@@ -360,9 +390,17 @@ class TokenFile:
         if not path.is_file():
             raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; prepare the dataset again")
         starts = np.load(path)
-        valid = starts.ndim == 1 and len(starts) == count and (count == 0 or (starts[0] == 0 and bool(np.all(np.diff(starts) >= 0)) and starts[-1] <= len(self.tokens)))
+        valid = (
+            starts.ndim == 1
+            and len(starts) == count
+            and (
+                count == 0 or (starts[0] == 0 and bool(np.all(np.diff(starts) >= 0)) and starts[-1] <= len(self.tokens))
+            )
+        )
         if not valid:
-            raise TokenDataError(f"{path} does not hold {count} increasing document offsets within {len(self.tokens)} tokens; prepare the dataset again")
+            raise TokenDataError(
+                f"{path} does not hold {count} increasing document offsets within {len(self.tokens)} tokens; prepare the dataset again"
+            )
         return starts.astype(np.int64, copy=False)
 
     def __len__(self) -> int:

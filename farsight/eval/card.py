@@ -64,7 +64,9 @@ def training_chain(source: str | Path) -> tuple[list[Stage], str | None]:
     while found is not None:
         run, step = found
         if any(run.resolve() == stage.run.resolve() for stage in stages):
-            raise InputError(f"the train.init_from chain of {source} comes back to {run}; fix the init_from in its config.yaml")
+            raise InputError(
+                f"the train.init_from chain of {source} comes back to {run}; fix the init_from in its config.yaml"
+            )
         if step is None:
             checkpoints = list_checkpoints(run / "checkpoints")
             step = checkpoints[-1][0] if checkpoints else None
@@ -82,20 +84,28 @@ def _read_results(path: Path) -> dict[str, Any]:
     try:
         results = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read results file {path} ({exc}); pass a JSON file written by `farsight eval ... --out`") from exc
+        raise InputError(
+            f"cannot read results file {path} ({exc}); pass a JSON file written by `farsight eval ... --out`"
+        ) from exc
     if not isinstance(results, dict):
-        raise InputError(f"{path} holds a JSON {type(results).__name__}, not the object `farsight eval ... --out` writes")
+        raise InputError(
+            f"{path} holds a JSON {type(results).__name__}, not the object `farsight eval ... --out` writes"
+        )
     return results
 
 
 def _is_needle_summary(results: dict[str, Any]) -> bool:
     cells = results.get("by_length")
-    return isinstance(cells, dict) and all(isinstance(c, dict) and {"trials", "exact_match", "first_token"} <= c.keys() for c in cells.values())
+    return isinstance(cells, dict) and all(
+        isinstance(c, dict) and {"trials", "exact_match", "first_token"} <= c.keys() for c in cells.values()
+    )
 
 
 def _is_ppl_entry(entry: Any) -> bool:
     cells = entry.get("by_length") if isinstance(entry, dict) else None
-    return isinstance(cells, dict) and all(isinstance(c, dict) and {"nll", "nll_sem", "windows"} <= c.keys() for c in cells.values())
+    return isinstance(cells, dict) and all(
+        isinstance(c, dict) and {"nll", "nll_sem", "windows"} <= c.keys() for c in cells.values()
+    )
 
 
 def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
@@ -107,8 +117,14 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
     if _is_needle_summary(results):
         model = results.get("model")
         if model is not None and Path(model).resolve() not in names:
-            raise InputError(f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}")
-        haystack = f"text of {results.get('corpus')} ({results.get('split')} split)" if results.get("filler", "corpus") == "corpus" else "repeated filler text"
+            raise InputError(
+                f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}"
+            )
+        haystack = (
+            f"text of {results.get('corpus')} ({results.get('split')} split)"
+            if results.get("filler", "corpus") == "corpus"
+            else "repeated filler text"
+        )
         # files from before question_offsets was recorded were all measured with the prompt padded to a chunk boundary
         offsets = results.get("question_offsets", "chunk boundary")
         where = {
@@ -124,15 +140,27 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
             if name is None:
                 continue
             rows = [
-                {"length": format_length(int(n)), "windows": c["windows"], "NLL (nats/token)": f"{c['nll']:.4f}", "± s.e.": format_error(c["nll_sem"])}
+                {
+                    "length": format_length(int(n)),
+                    "windows": c["windows"],
+                    "NLL (nats/token)": f"{c['nll']:.4f}",
+                    "± s.e.": format_error(c["nll_sem"]),
+                }
                 for n, c in sorted(entry["by_length"].items(), key=lambda item: int(item[0]))
             ]
-            lines += [f"**perplexity of {name}** (`{path.name}`): {results.get('corpus')} ({results.get('split')} split), run in {results.get('dtype')}.", ""]
+            lines += [
+                f"**perplexity of {name}** (`{path.name}`): {results.get('corpus')} ({results.get('split')} split), run in {results.get('dtype')}.",
+                "",
+            ]
             lines += [format_table(rows, ["length", "windows", "NLL (nats/token)", "± s.e."], markdown=True), ""]
         if not lines:
-            raise InputError(f"{path} holds no perplexity of this model or its earlier stages; pass a file from `farsight eval ppl --model RUN --out`")
+            raise InputError(
+                f"{path} holds no perplexity of this model or its earlier stages; pass a file from `farsight eval ppl --model RUN --out`"
+            )
         return lines
-    raise InputError(f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`")
+    raise InputError(
+        f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`"
+    )
 
 
 def samples_section(source: str | Path, model: Any, name: str, prompts: list[str]) -> list[str]:
@@ -147,11 +175,25 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
     from farsight.models.generation import continue_text
 
     tokenizer = load_tokenizer(resolve_model_dir(str(source)))
-    lines = ["## Samples", "", "Sampled with `farsight generate`'s defaults (200 new tokens, temperature 0.8, seed 0); each command prints the same text.", ""]
+    lines = [
+        "## Samples",
+        "",
+        "Sampled with `farsight generate`'s defaults (200 new tokens, temperature 0.8, seed 0); each command prints the same text.",
+        "",
+    ]
     for prompt in prompts:
         text = prompt + continue_text(model, tokenizer, prompt)
         fence = "`" * max(3, 1 + max((len(run) for run in re.findall("`+", text)), default=0))
-        lines += ["```bash", f"farsight generate --model {name} --prompt {shlex.quote(prompt)}", "```", "", fence + "text", text, fence, ""]
+        lines += [
+            "```bash",
+            f"farsight generate --model {name} --prompt {shlex.quote(prompt)}",
+            "```",
+            "",
+            fence + "text",
+            text,
+            fence,
+            "",
+        ]
     return lines
 
 
@@ -173,7 +215,9 @@ def model_card(
     # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
     names: dict[Path, str] = {} if exported_to is None else {exported_to.resolve(): "this model"}
     for number, stage in enumerate(stages, 1):
-        label = "this model" if number == len(stages) else f"stage {number} (`{stage.run.name}`, before the later stages)"
+        label = (
+            "this model" if number == len(stages) else f"stage {number} (`{stage.run.name}`, before the later stages)"
+        )
         names[stage.run.resolve()] = label
         if stage.until is not None:
             names[(stage.run / "checkpoints" / f"step_{stage.until:08d}").resolve()] = label
@@ -189,7 +233,12 @@ def model_card(
             f"| {(record['tokens'] or 0) / 1e6:.2f}M | {record['precision'] or '-'} | {val} |"
         )
     optim = stages[-1].config.optim.to_dict()
-    training += ["", "Each stage's full configuration is its run's `config.yaml`. The last stage's optimiser: AdamW, " + ", ".join(f"{k} {v}" for k, v in optim.items()) + "."]
+    training += [
+        "",
+        "Each stage's full configuration is its run's `config.yaml`. The last stage's optimiser: AdamW, "
+        + ", ".join(f"{k} {v}" for k, v in optim.items())
+        + ".",
+    ]
     results_lines = ["", "## Results", ""] if results else []
     for path in results:
         results_lines += results_section(path, names)

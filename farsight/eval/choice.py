@@ -19,7 +19,9 @@ from farsight.errors import InputError
 from farsight.eval.needle import format_length, trial_rng
 
 
-def choice_items(task: NeedleTask, length: int, depths: list[float], trials: int, choices: int = 4, seed: int = 0) -> list[dict[str, Any]]:
+def choice_items(
+    task: NeedleTask, length: int, depths: list[float], trials: int, choices: int = 4, seed: int = 0
+) -> list[dict[str, Any]]:
     """One item per (depth, trial): input (the prompt text, ending before the answer), choices
     (the answer and choices - 1 distinct random digit strings of its length, in random order),
     gold (the answer's place)."""
@@ -32,24 +34,40 @@ def choice_items(task: NeedleTask, length: int, depths: list[float], trials: int
             sample = task.sample(length, depth, trial_rng(seed, length, di, t))
             answer = tokenizer.decode(sample.answer.tolist()).strip()
             if not answer.isdigit():
-                raise InputError(f"the {task.name} task's answers are not digit strings ({answer!r}); export passkey or multikey")
+                raise InputError(
+                    f"the {task.name} task's answers are not digit strings ({answer!r}); export passkey or multikey"
+                )
             rng = np.random.default_rng([seed, length, di, t, choices])
             options = {answer}
             if 10 ** len(answer) < choices:
-                raise InputError(f"{len(answer)}-digit answers allow fewer than {choices} distinct choices; use fewer --choices")
+                raise InputError(
+                    f"{len(answer)}-digit answers allow fewer than {choices} distinct choices; use fewer --choices"
+                )
             while len(options) < choices:
                 options.add("".join(str(int(d)) for d in rng.integers(0, 10, size=len(answer))))
             ordered = sorted(options - {answer})
             gold = int(rng.integers(0, choices))
             ordered.insert(gold, answer)
             items.append(
-                {"input": tokenizer.decode(sample.prompt.tolist()), "choices": ordered, "gold": gold, "length": length, "depth": depth}
+                {
+                    "input": tokenizer.decode(sample.prompt.tolist()),
+                    "choices": ordered,
+                    "gold": gold,
+                    "length": length,
+                    "depth": depth,
+                }
             )
     return items
 
 
 def export_choice_tasks(
-    task: NeedleTask, lengths: list[int], depths: list[float], trials: dict[int, int], out: str | Path, choices: int = 4, seed: int = 0
+    task: NeedleTask,
+    lengths: list[int],
+    depths: list[float],
+    trials: dict[int, int],
+    out: str | Path,
+    choices: int = 4,
+    seed: int = 0,
 ) -> list[str]:
     """Write out/data/NAME.jsonl and out/NAME.yaml per length (NAME = farsight_TASK_mc_LENGTH,
     tagged farsight_TASK_mc); returns the task names."""

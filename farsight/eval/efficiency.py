@@ -52,7 +52,9 @@ def time_fn(
     return statistics.median(times)
 
 
-def training_step(model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True) -> Callable[[], None]:
+def training_step(
+    model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True
+) -> Callable[[], None]:
     """One AdamW step (lr 1e-4) of `model` on `ids` [B, T] as their own labels, in the trainer's
     precision `precision` (train.precision.MODES): parameters cast, autocast around the forward,
     loss scaling for fp16, and, with `widen`, the bf16/fp16 products of a CPU without matrix
@@ -111,7 +113,9 @@ def _isolated_entry(target: Callable[[dict], dict], case: dict, conn, default_ma
         conn.close()
 
 
-def run_isolated(target: Callable[[dict], dict], case: dict, timeout: float | None = None, default_malloc: bool = False) -> dict:
+def run_isolated(
+    target: Callable[[dict], dict], case: dict, timeout: float | None = None, default_malloc: bool = False
+) -> dict:
     """Run `target(case)` in a fresh spawned process and return its result dict.
 
     The process runs with farsight's malloc settings (`tune_malloc`), as the command line does,

@@ -87,7 +87,9 @@ def question_offsets(model: Any, task: NeedleTask) -> int:
     if chunk is None or task.align >= chunk:
         return 1
     if chunk % task.align:
-        raise InputError(f"align {task.align} does not divide the model's chunk size {chunk}; pass a divisor of {chunk}, e.g. 1")
+        raise InputError(
+            f"align {task.align} does not divide the model's chunk size {chunk}; pass a divisor of {chunk}, e.g. 1"
+        )
     return chunk // task.align
 
 
@@ -141,7 +143,12 @@ def evaluate_needle_task(
         for di, depth in enumerate(depths):
             bar.set_postfix(length=format_length(length), depth=depth)
             samples = [
-                task.sample(length, depth, trial_rng(seed, length, di, t), task.align * int(offset_rng(seed, length, di, t).integers(offsets)))
+                task.sample(
+                    length,
+                    depth,
+                    trial_rng(seed, length, di, t),
+                    task.align * int(offset_rng(seed, length, di, t).integers(offsets)),
+                )
                 for t in range(per_length[length])
             ]
             groups: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -161,7 +168,7 @@ def evaluate_needle_task(
                             session,
                             prompt[:, :question],
                             answer_len,
-                            on_tokens=lambda n: bar.update(n * len(batch)),
+                            on_tokens=lambda n: bar.update(n * len(batch)),  # noqa: B023 (called in this iteration)
                             lead_in=prompt[:, question:],
                             aligned=offsets == 1,
                         )
@@ -180,7 +187,8 @@ def evaluate_needle_task(
                                 first_token=first,
                                 retrieved_needle=None
                                 if retrieved is None
-                                else sample.evidence_chunks(model.config.chunk_size, session.prompt_offset) <= retrieved[row],
+                                else sample.evidence_chunks(model.config.chunk_size, session.prompt_offset)
+                                <= retrieved[row],
                                 answer=task.tokenizer.decode(sample.answer.tolist()),
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
                             )
@@ -234,7 +242,9 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
 METRICS = ("exact_match", "first_token", "needle_retrieved")
 
 
-def compare_summaries(summaries: list[tuple[str, dict[str, Any]]], metric: str = "exact_match") -> tuple[str, dict[str, dict[int, float]]]:
+def compare_summaries(
+    summaries: list[tuple[str, dict[str, Any]]], metric: str = "exact_match"
+) -> tuple[str, dict[str, dict[int, float]]]:
     """(label, needle summary as written by --out) pairs => (a table with one row per length and
     a column per label, in %; and the same numbers as plot series). "-" where a model was not
     run. Summaries that share a label are one model's grid run in parts: their lengths are joined,
@@ -246,7 +256,9 @@ def compare_summaries(summaries: list[tuple[str, dict[str, Any]]], metric: str =
     series: dict[str, dict[int, float]] = {}
     for label, summary in summaries:
         if "by_length" not in summary:
-            raise InputError(f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`")
+            raise InputError(
+                f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`"
+            )
         points = series.setdefault(label, {})
         for n, row in summary["by_length"].items():
             if int(n) in points:
@@ -276,7 +288,11 @@ def results_table(summary: dict[str, Any], markdown: bool = False) -> str:
         }
         for k, v in summary["by_length"].items()
     ]
-    return format_table(rows, ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"], markdown)
+    return format_table(
+        rows,
+        ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"],
+        markdown,
+    )
 
 
 def _interval_cell(interval: list[float] | None) -> str | None:

@@ -114,13 +114,22 @@ def evaluate_perplexity(
     longest = max(lengths)
     window_length = longest if window_length is None else window_length
     if window_length < longest:
-        raise InputError(f"the window length {window_length} is shorter than the longest evaluation length {longest}; raise it or drop the longer lengths")
+        raise InputError(
+            f"the window length {window_length} is shorter than the longest evaluation length {longest}; raise it or drop the longer lengths"
+        )
     device = next(model.parameters()).device
     data, source = draw_windows(split, window_length, windows, seed)
     data = data[:, :longest]
     # Running sums of the NLL over positions, per window: prefix means for every length.
     cumulative = torch.zeros(windows, longest, dtype=torch.float64)
-    bar = tqdm(total=windows * (longest - 1), unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True, desc=f"ppl {format_length(longest)}")
+    bar = tqdm(
+        total=windows * (longest - 1),
+        unit="tok",
+        unit_scale=True,
+        disable=not progress,
+        dynamic_ncols=True,
+        desc=f"ppl {format_length(longest)}",
+    )
     for start in range(0, windows, batch_size):
         batch = torch.from_numpy(data[start : start + batch_size]).to(device)
         cumulative[start : start + len(batch), 1:] = token_nll(model, batch, block, memory, kv_dtype, bar).cumsum(1)

@@ -32,7 +32,9 @@ def _save(plt: Any, fig: Any, path: str | Path) -> Path:
 HEATMAP_METRICS = {"exact_match": "exact match", "first_token": "first token", "string_match": "string match"}
 
 
-def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None = None, metric: str = "exact_match") -> Path:
+def needle_heatmap(
+    summary: dict[str, Any], path: str | Path, title: str | None = None, metric: str = "exact_match"
+) -> Path:
     """A needle metric (exact match by default; RULER scores string match) in % as a depth
     (rows) x context length (columns) heatmap."""
     label = HEATMAP_METRICS[metric]
@@ -57,9 +59,7 @@ def needle_heatmap(summary: dict[str, Any], path: str | Path, title: str | None 
     return _save(plt, fig, path)
 
 
-def curves(
-    series: dict[str, dict[int, float]], path: str | Path, ylabel: str, title: str, logx: bool = True
-) -> Path:
+def curves(series: dict[str, dict[int, float]], path: str | Path, ylabel: str, title: str, logx: bool = True) -> Path:
     """One line per model: value vs context length."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -92,7 +92,11 @@ def loss_curve_points(records: list[dict[str, Any]], smooth: int = 10) -> dict[s
     tokens = [0] + [r["tokens"] for r in train]
     # past the last logged step, go on at the last interval's tokens per step
     rate = (tokens[-1] - tokens[-2]) / max(steps[-1] - steps[-2], 1) if train else 0.0
-    val_tokens = [float(np.interp(r["step"], steps, tokens)) + rate * max(r["step"] - steps[-1], 0) for r in val] if train else []
+    val_tokens = (
+        [float(np.interp(r["step"], steps, tokens)) + rate * max(r["step"] - steps[-1], 0) for r in val]
+        if train
+        else []
+    )
     return {
         "train_x": [r["tokens"] / 1e6 for r in train],
         "train_y": [sum(window) / len(window) for window in recent],
@@ -101,7 +105,9 @@ def loss_curve_points(records: list[dict[str, Any]], smooth: int = 10) -> dict[s
     }
 
 
-def held_out_gaps(runs: list[tuple[str, list[dict[str, Any]]]], reference: str, smooth: int = 10) -> list[tuple[str, list[float], list[float]]]:
+def held_out_gaps(
+    runs: list[tuple[str, list[dict[str, Any]]]], reference: str, smooth: int = 10
+) -> list[tuple[str, list[float], list[float]]]:
     """Each run's held-out loss minus that of its reference run, at the run's own tokens seen:
     (label, tokens in millions, gap) for every run not labelled `reference`. With one reference
     run every run is compared with it; with several (seeds), the i-th run of each label is compared
@@ -111,7 +117,9 @@ def held_out_gaps(runs: list[tuple[str, list[dict[str, Any]]]], reference: str, 
     return _paired_gaps([(label, loss_curve_points(records, smooth)) for label, records in runs], reference)
 
 
-def _paired_gaps(points: list[tuple[str, dict[str, list[float]]]], reference: str) -> list[tuple[str, list[float], list[float]]]:
+def _paired_gaps(
+    points: list[tuple[str, dict[str, list[float]]]], reference: str
+) -> list[tuple[str, list[float], list[float]]]:
     """held_out_gaps on runs already reduced to loss_curve_points, (label, points) each."""
     import numpy as np
 
@@ -135,12 +143,18 @@ def _paired_gaps(points: list[tuple[str, dict[str, list[float]]]], reference: st
         if not ref["val_x"]:
             raise InputError(f"the {reference!r} run it is compared with has no held-out losses in its metrics.jsonl")
         kept = [(x, y) for x, y in zip(p["val_x"], p["val_y"]) if ref["val_x"][0] <= x <= ref["val_x"][-1]]
-        gaps.append((label, [x for x, _ in kept], [y - float(np.interp(x, ref["val_x"], ref["val_y"])) for x, y in kept]))
+        gaps.append(
+            (label, [x for x, _ in kept], [y - float(np.interp(x, ref["val_x"], ref["val_y"])) for x, y in kept])
+        )
     return gaps
 
 
 def loss_curves(
-    runs: list[tuple[str, list[dict[str, Any]]]], path: str | Path, title: str, smooth: int = 10, relative_to: str | None = None
+    runs: list[tuple[str, list[dict[str, Any]]]],
+    path: str | Path,
+    title: str,
+    smooth: int = 10,
+    relative_to: str | None = None,
 ) -> Path:
     """Training curves of runs, (label, metrics.jsonl records) each: the train loss faint, the
     held-out loss with markers, vs tokens seen. Runs that share a label (the seeds of one model)

@@ -11,14 +11,18 @@ from farsight.errors import InputError, UnsupportedModelError
 from farsight.models import DRTForCausalLM
 
 
-def inspect_retrieval(model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int] | None = None) -> list[dict[str, Any]]:
+def inspect_retrieval(
+    model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int] | None = None
+) -> list[dict[str, Any]]:
     """ids [L] -> one record per querying chunk t (default: all that retrieved something):
     {"chunk": t, "groups": [[{"chunk": k, "weight": w}, ...] per group]}, best first.
 
     Chunk t's landmark made the retrieval; chunk t + 1 is the chunk that reads it.
     """
     if not isinstance(model, DRTForCausalLM):
-        raise UnsupportedModelError("retrieval inspection needs a DRT model; pass a model directory saved from a DRT run")
+        raise UnsupportedModelError(
+            "retrieval inspection needs a DRT model; pass a model directory saved from a DRT run"
+        )
     if model.config.retriever == "none":
         raise InputError("this model has retriever='none': it retrieves nothing")
     model.eval()
@@ -40,7 +44,9 @@ def inspect_retrieval(model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int
     return records
 
 
-def format_retrieval(records: list[dict[str, Any]], ids: torch.Tensor, tokenizer: Any, chunk_size: int, width: int = 100) -> str:
+def format_retrieval(
+    records: list[dict[str, Any]], ids: torch.Tensor, tokenizer: Any, chunk_size: int, width: int = 100
+) -> str:
     """Human-readable report: the querying chunk, the chunk it serves, and the retrieved chunks' text."""
     ids = ids.reshape(-1).tolist()
 
@@ -56,6 +62,8 @@ def format_retrieval(records: list[dict[str, Any]], ids: torch.Tensor, tokenizer
             lines.append(f"chunk {t + 1} (target) | {text(t + 1)}")
         for g, group in enumerate(rec["groups"]):
             for rank, item in enumerate(group, 1):
-                lines.append(f"  group {g} #{rank} chunk {item['chunk']:>5} w={item['weight']:.3f} | {text(item['chunk'])}")
+                lines.append(
+                    f"  group {g} #{rank} chunk {item['chunk']:>5} w={item['weight']:.3f} | {text(item['chunk'])}"
+                )
         lines.append("")
     return "\n".join(lines)

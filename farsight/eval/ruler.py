@@ -64,7 +64,9 @@ def add_string_match(summary: dict[str, Any], has_needles: bool = True) -> dict[
     for length, row in summary["by_length"].items():
         row["string_match"] = mean([t for t in summary["trials"] if t["length"] == int(length)])
     for cell in summary["by_cell"]:
-        cell["string_match"] = mean([t for t in summary["trials"] if (t["length"], t["depth"]) == (cell["length"], cell["depth"])])
+        cell["string_match"] = mean(
+            [t for t in summary["trials"] if (t["length"], t["depth"]) == (cell["length"], cell["depth"])]
+        )
     if not has_needles:
         for row in [*summary["by_length"].values(), *summary["by_cell"]]:
             row.pop("needle_retrieved", None)
@@ -103,7 +105,8 @@ def evaluate_ruler(
         results[task.name] = add_string_match(summary, has_needles=task.uses_depth)
         summary["haystack"] = task.haystack_text
     average = {
-        str(length): sum(r["by_length"][str(length)]["string_match"] for r in results.values()) / len(results) for length in lengths
+        str(length): sum(r["by_length"][str(length)]["string_match"] for r in results.values()) / len(results)
+        for length in lengths
     }
     return {"tasks": results, "average": average}
 
@@ -175,7 +178,12 @@ def ruler_items(task: RulerTask, length: int, depths: list[float], trials: int, 
 
 
 def export_lm_eval(
-    tasks: list[RulerTask], lengths: list[int], depths: list[float], trials: int | dict[int, int], out: str | Path, seed: int = 0
+    tasks: list[RulerTask],
+    lengths: list[int],
+    depths: list[float],
+    trials: int | dict[int, int],
+    out: str | Path,
+    seed: int = 0,
 ) -> list[str]:
     """Write the items of every task and length to `out/data/NAME.jsonl`, a task YAML `out/NAME.yaml`
     for each, and the template and utils module they use; returns the task names.

@@ -95,4 +95,6 @@ def runs_table(rows: list[dict[str, Any]]) -> str:
         }
         for r in rows
     ]
-    return format_table(cells, ["run", "model", "params (M)", "steps", "tokens (M)", "train loss", "val loss", "tokens/s", "hours"])
+    return format_table(
+        cells, ["run", "model", "params (M)", "steps", "tokens (M)", "train loss", "val loss", "tokens/s", "hours"]
+    )

@@ -23,7 +23,12 @@ except ImportError as exc:
 
 from farsight.errors import ConfigError
 from farsight.hf.configuration import CONFIG_CLASSES, FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig
-from farsight.hf.modeling import MODEL_CLASSES, FarsightDRTForCausalLM, FarsightForCausalLM, FarsightTransformerForCausalLM
+from farsight.hf.modeling import (
+    MODEL_CLASSES,
+    FarsightDRTForCausalLM,
+    FarsightForCausalLM,
+    FarsightTransformerForCausalLM,
+)
 from farsight.hf.tokenization import FarsightTokenizerFast
 
 LM_EVAL_MODEL_NAME = "farsight"

@@ -68,7 +68,9 @@ class FarsightTransformerConfig(FarsightConfig):
     model_type = "transformer"
 
 
-CONFIG_CLASSES: dict[str, type[FarsightConfig]] = {cls.model_type: cls for cls in (FarsightDRTConfig, FarsightTransformerConfig)}
+CONFIG_CLASSES: dict[str, type[FarsightConfig]] = {
+    cls.model_type: cls for cls in (FarsightDRTConfig, FarsightTransformerConfig)
+}
 
 
 def resolve_dtype(value: Any) -> torch.dtype | None:
@@ -82,4 +84,6 @@ def resolve_dtype(value: Any) -> torch.dtype | None:
     named = getattr(torch, str(value), None)
     if isinstance(named, torch.dtype) and named in MODEL_DTYPES.values():
         return named
-    raise ConfigError(f"dtype={value!r} is not one farsight runs in; choose one of {list(MODEL_DTYPES)} (or the torch dtype)")
+    raise ConfigError(
+        f"dtype={value!r} is not one farsight runs in; choose one of {list(MODEL_DTYPES)} (or the torch dtype)"
+    )

@@ -53,7 +53,9 @@ class FarsightLM(TemplateLM):
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InputError(f"kv_dtype={kv_dtype!r} is unknown; choose one of {list(KV_DTYPES)}")
         if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise InputError(f"batch_size={batch_size!r} must be an integer >= 1 (farsight has no automatic batch size)")
+            raise InputError(
+                f"batch_size={batch_size!r} must be an integer >= 1 (farsight has no automatic batch size)"
+            )
         directory = resolve_model_dir(pretrained)
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_model(directory, map_location=self._device).eval()
@@ -81,7 +83,9 @@ class FarsightLM(TemplateLM):
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens)
 
-    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """Per (context ids, continuation ids): the summed log-probability of the continuation and
         whether greedy decoding would have produced it."""
         pairs = [(context, continuation) for _, context, continuation in requests]
@@ -136,7 +140,9 @@ class FarsightLM(TemplateLM):
         """Around model work: bf16/fp16 products that this device's CPU lacks run as fp32 GEMMs."""
         return widened_matmuls(self._device, next(self.model.parameters()).dtype)
 
-    def _score_pairs(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
+    def _score_pairs(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str
+    ) -> list[tuple[float, bool]]:
         """(log p(continuation | context) summed, greedy match) per (context, continuation) ids,
         sessions batching the pairs of equal lengths (DRT: one prefill per distinct context)."""
         if self.model.model_type == "drt":
@@ -149,7 +155,9 @@ class FarsightLM(TemplateLM):
         for indices in groups.values():
             for batch in _batches(indices, self.batch_size):
                 context = torch.tensor([pairs[i][0] for i in batch], dtype=torch.long, device=self._device)  # [b, Tc]
-                continuation = torch.tensor([pairs[i][1] for i in batch], dtype=torch.long, device=self._device)  # [b, Tn]
+                continuation = torch.tensor(
+                    [pairs[i][1] for i in batch], dtype=torch.long, device=self._device
+                )  # [b, Tn]
                 for index, result in zip(batch, self._score(context, continuation)):
                     results[index] = result
                 progress.update(len(batch))
@@ -165,7 +173,9 @@ class FarsightLM(TemplateLM):
             score = session.score_continuation(continuation)  # [b, Tn]
         return _totals(score)
 
-    def _score_by_context(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str) -> list[tuple[float, bool]]:
+    def _score_by_context(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool, what: str
+    ) -> list[tuple[float, bool]]:
         """DRT: every distinct context is fed once and its continuations are scored from it in
         turn (the session rewinds between them), so a multiple-choice item costs one prefill."""
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -177,7 +187,9 @@ class FarsightLM(TemplateLM):
             scored = [i for i in indices if pairs[i][1]]
             with self.model.new_session(1, **self.session_options) as session:
                 session.prefill(torch.tensor([context], dtype=torch.long, device=self._device))
-                scores = session.score_each([torch.tensor([pairs[i][1]], dtype=torch.long, device=self._device) for i in scored])
+                scores = session.score_each(
+                    [torch.tensor([pairs[i][1]], dtype=torch.long, device=self._device) for i in scored]
+                )
             for index, score in zip(scored, scores):
                 results[index] = _totals(score)[0]
             progress.update(len(indices))
@@ -210,7 +222,10 @@ class FarsightLM(TemplateLM):
 
 def _totals(score: ContinuationScore) -> list[tuple[float, bool]]:
     """Per row: the continuation's summed log-probability and whether greedy decoding gives all of it."""
-    return [(float(total), bool(match)) for total, match in zip(score.logprobs.sum(dim=1).tolist(), score.greedy.all(dim=1).tolist())]
+    return [
+        (float(total), bool(match))
+        for total, match in zip(score.logprobs.sum(dim=1).tolist(), score.greedy.all(dim=1).tolist())
+    ]
 
 
 def generation_options(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -224,7 +239,9 @@ def generation_options(gen_kwargs: dict[str, Any]) -> dict[str, Any]:
     do_sample = bool(options.pop("do_sample", temperature > 0))
     top_k, top_p = options.pop("top_k", None), options.pop("top_p", None)
     if options:
-        raise InputError(f"generation_kwargs {sorted(options)} are not supported by farsight; use until, max_gen_toks, do_sample, temperature, top_k, top_p")
+        raise InputError(
+            f"generation_kwargs {sorted(options)} are not supported by farsight; use until, max_gen_toks, do_sample, temperature, top_k, top_p"
+        )
     return {
         "until": until,
         "max_gen_toks": max_gen_toks,
@@ -283,8 +300,15 @@ def evaluate(
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f"in {include_path} or " if include_path else ""
-        raise InputError(f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML")
+        raise InputError(
+            f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML"
+        )
     model = FarsightLM(pretrained, memory=memory, kv_dtype=kv_dtype, dtype=dtype, batch_size=batch_size, device=device)
     return lm_eval.simple_evaluate(
-        model=model, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit, task_manager=manager, log_samples=log_samples
+        model=model,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=log_samples,
     )

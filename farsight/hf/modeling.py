@@ -20,21 +20,43 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer
 from farsight.errors import InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
-from farsight.models.session import check_left_padding
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
+from farsight.models.session import check_left_padding
 from farsight.ops.precision import widened_matmuls
 
 # arguments the Auto classes and the Hub API pass to `from_pretrained`; a local directory needs none
 _HUB_KWARGS = (
-    "_from_auto", "adapter_kwargs", "trust_remote_code", "revision", "cache_dir", "force_download",
-    "local_files_only", "proxies", "token", "subfolder", "code_revision", "use_safetensors", "low_cpu_mem_usage",
+    "_from_auto",
+    "adapter_kwargs",
+    "trust_remote_code",
+    "revision",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "token",
+    "subfolder",
+    "code_revision",
+    "use_safetensors",
+    "low_cpu_mem_usage",
 )
 # generation options farsight's sampler does not implement, with the value that means "off"
 _UNSUPPORTED_GENERATION = {
-    "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": None,
-    "min_new_tokens": None, "min_length": 0, "penalty_alpha": None, "return_dict_in_generate": False,
-    "output_scores": False, "output_logits": False, "num_beam_groups": 1, "bad_words_ids": None,
-    "force_words_ids": None, "stop_strings": None, "assistant_model": None,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "penalty_alpha": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+    "num_beam_groups": 1,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "stop_strings": None,
+    "assistant_model": None,
 }
 
 
@@ -50,13 +72,17 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules: ClassVar[list[str]] = []
 
-    def __init__(self, config: FarsightConfig, model: PretrainedLM | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, config: FarsightConfig, model: PretrainedLM | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
         config.dtype = resolve_dtype(config.dtype)
         super().__init__(config)
         # a fresh model is initialised by farsight's constructor; `_init_weights` leaves it as it is
         self.model = model if model is not None else build_model({"type": config.model_type, **config.config})
         if self.model.model_type != config.model_type:
-            raise ModelFileError(f"the config is a {config.model_type!r} model's but the weights are a {self.model.model_type!r} model's")
+            raise ModelFileError(
+                f"the config is a {config.model_type!r} model's but the weights are a {self.model.model_type!r} model's"
+            )
         self.farsight_tokenizer = tokenizer
         if tokenizer is not None:
             self.generation_config = GenerationConfig(
@@ -75,7 +101,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ---- loading and saving --------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any) -> FarsightForCausalLM:
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
+    ) -> FarsightForCausalLM:
         """Load a farsight model directory (or a training run's newest checkpoint) with farsight's
         loader. Options: `memory`, `kv_dtype` (DRT sessions), `dtype`/`torch_dtype` ("fp32",
         "bf16", torch.bfloat16, ...), `device_map` (one device, e.g. "cuda")."""
@@ -88,7 +116,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         kwargs.pop("torch_dtype", None)
         device = kwargs.pop("device_map", None)
         if device is not None and not isinstance(device, (str, torch.device)) or device == "auto":
-            raise InputError(f"device_map={device!r}: a farsight model runs on one device; pass device_map='cpu' or 'cuda:0'")
+            raise InputError(
+                f"device_map={device!r}: a farsight model runs on one device; pass device_map='cpu' or 'cuda:0'"
+            )
         path = resolve_model_dir(pretrained_model_name_or_path)
         if config is None:
             config_class = cls.config_class if cls.config_class is not FarsightConfig else None
@@ -145,14 +175,19 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         """
         for name in ("past_key_values", "inputs_embeds"):
             if kwargs.get(name) is not None:
-                raise InputError(f"{name} is not supported: farsight keeps its caches in a Session; use generate() or model.model.new_session()")
+                raise InputError(
+                    f"{name} is not supported: farsight keeps its caches in a Session; use generate() or model.model.new_session()"
+                )
         # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
         with widened_matmuls(self.device, self.dtype):
             if attention_mask is None or bool(attention_mask.all()):
                 logits = self.model(input_ids).logits
             else:
                 width = input_ids.shape[1]
-                rows = [self.model(input_ids[row : row + 1, width - length :]).logits[0] for row, length in enumerate(left_padded_lengths(attention_mask, input_ids))]
+                rows = [
+                    self.model(input_ids[row : row + 1, width - length :]).logits[0]
+                    for row, length in enumerate(left_padded_lengths(attention_mask, input_ids))
+                ]
                 logits = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])  # [B, T, V]
                 for row, row_logits in enumerate(rows):
                     logits[row, width - row_logits.shape[0] :] = row_logits
@@ -190,10 +225,19 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         eos, pad = options["eos_token_ids"], options["pad_token_id"]
 
         def run(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # ids [b, t] -> new tokens [b, n]
-            with widened_matmuls(ids.device, self.dtype), self.model.new_session(ids.shape[0], **session_options) as session:
+            with (
+                widened_matmuls(ids.device, self.dtype),
+                self.model.new_session(ids.shape[0], **session_options) as session,
+            ):
                 out = generate(
-                    session, ids, options["max_new_tokens"], eos_token_id=eos, pad_token_id=pad, generator=generator,
-                    attention_mask=mask, **sampling,
+                    session,
+                    ids,
+                    options["max_new_tokens"],
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    generator=generator,
+                    attention_mask=mask,
+                    **sampling,
                 )
             return out[:, ids.shape[1] :]
 
@@ -204,17 +248,23 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
             new = run(input_ids, check_left_padding(attention_mask, input_ids))
         else:
             lengths = left_padded_lengths(attention_mask, input_ids)
-            rows = [run(input_ids[row : row + 1, input_ids.shape[1] - length :])[0] for row, length in enumerate(lengths)]
+            rows = [
+                run(input_ids[row : row + 1, input_ids.shape[1] - length :])[0] for row, length in enumerate(lengths)
+            ]
             new = input_ids.new_full((len(rows), max(len(r) for r in rows)), pad)
             for row, tokens in enumerate(rows):
                 new[row, : len(tokens)] = tokens
         return torch.cat([input_ids, new], dim=1)
 
-    def _generation_options(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any], prompt_length: int) -> dict[str, Any]:
+    def _generation_options(
+        self, generation_config: GenerationConfig | None, kwargs: dict[str, Any], prompt_length: int
+    ) -> dict[str, Any]:
         """What farsight's generate needs, from HF's GenerationConfig updated by kwargs."""
         for name in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn"):
             if kwargs.pop(name, None) is not None:
-                raise InputError(f"generate does not support {name}; farsight samples with temperature/top_k/top_p only")
+                raise InputError(
+                    f"generate does not support {name}; farsight samples with temperature/top_k/top_p only"
+                )
         config = copy.deepcopy(generation_config if generation_config is not None else self.generation_config)
         unused = config.update(**kwargs)
         unused.pop("use_cache", None)
@@ -278,7 +328,9 @@ def _load_config(path: Path, config_class: type[FarsightConfig] | None, kwargs: 
     options = {name: kwargs.pop(name) for name in ("memory", "kv_dtype") if name in kwargs}
     config = AutoConfig.from_pretrained(path, **options)
     if config_class is not None and not isinstance(config, config_class):
-        raise ModelFileError(f"{path} holds a {config.model_type!r} model; load it with AutoModelForCausalLM.from_pretrained")
+        raise ModelFileError(
+            f"{path} holds a {config.model_type!r} model; load it with AutoModelForCausalLM.from_pretrained"
+        )
     return config
 
 

@@ -24,7 +24,19 @@ from farsight.data.tokenizers import TOKENIZER_FILENAME, ByteTokenizer, Tokenize
 from farsight.models import resolve_model_dir
 
 # what `from_pretrained` receives from the Auto classes and the Hub API; a local spec needs none
-_HUB_KWARGS = ("_from_auto", "_commit_hash", "revision", "cache_dir", "force_download", "local_files_only", "proxies", "token", "subfolder", "trust_remote_code", "code_revision")
+_HUB_KWARGS = (
+    "_from_auto",
+    "_commit_hash",
+    "revision",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "token",
+    "subfolder",
+    "trust_remote_code",
+    "code_revision",
+)
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -92,7 +104,9 @@ class FarsightTokenizerFast(PreTrainedTokenizerFast):
         )
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any) -> FarsightTokenizerFast:
+    def from_pretrained(
+        cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
+    ) -> FarsightTokenizerFast:
         """The tokenizer of a farsight model directory (its tokenizer.json spec), a training run,
         a tokenizer.json file, or a built-in name ("byte", "gpt2")."""
         for name in _HUB_KWARGS:

@@ -81,7 +81,9 @@ class SlidingWindowAttention(_QKVAttention):
     def new_cache(self) -> SlidingKVCache:
         return SlidingKVCache(self.window)
 
-    def forward(self, x: torch.Tensor, cache: SlidingKVCache | None = None, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: SlidingKVCache | None = None, pad: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, T, D] continuing `cache` (or from position 0). pad [B] long, optional: the
         stream positions before pad[b] are left padding, hidden from the real positions' keys."""
         b, t, _ = x.shape
@@ -89,7 +91,9 @@ class SlidingWindowAttention(_QKVAttention):
         if cache is not None:
             k, v = cache.append(k, v)
         end = cache.length if cache is not None else t
-        o = sliding_window_attention(q, k, v, self.window, self.alibi_slopes, key_padding_mask=padding_mask(pad, end - k.shape[1], end))
+        o = sliding_window_attention(
+            q, k, v, self.window, self.alibi_slopes, key_padding_mask=padding_mask(pad, end - k.shape[1], end)
+        )
         return self.out(o.reshape(b, t, -1))
 
 
@@ -104,7 +108,9 @@ def padding_mask(pad: torch.Tensor | None, start: int, end: int) -> torch.Tensor
 class BidirectionalAttention(_QKVAttention):
     """Unmasked attention within a sequence (DRT's chunk encoder), RoPE at positions 0..T-1."""
 
-    def forward(self, x: torch.Tensor, cache: None = None, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: None = None, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, T, D]; key_padding_mask [B, T] (True = real token) hides padding keys from
         every query but the key's own (so rows of padding stay finite)."""
         b, t, _ = x.shape
@@ -120,7 +126,9 @@ class BidirectionalAttention(_QKVAttention):
         return self.out(o.transpose(1, 2).reshape(b, t, -1))
 
 
-def attention_by_matmuls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention_by_matmuls(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v for q, k, v [..., T, d] and a bool mask broadcastable to
     [..., T, T] (True = attend), as F.scaled_dot_product_attention computes it: two matmuls in the
     inputs' dtype and the softmax in fp32 (fp64 for fp64), autograd through plain ops.

@@ -74,7 +74,13 @@ class CastleAttention(nn.Module):
             if cache.state is None:
                 # the projections' dtype, not x's: under autocast they are bf16/fp16 while x is fp32
                 cache.state = CastleCache.empty(
-                    b, self.n_heads, self.head_dim, dtype=inputs[0].dtype, device=x.device, window=self.window, layer=id(self)
+                    b,
+                    self.n_heads,
+                    self.head_dim,
+                    dtype=inputs[0].dtype,
+                    device=x.device,
+                    window=self.window,
+                    layer=id(self),
                 )
             # a block after a prefix is decoded token by token (Algorithm 5 per step)
             steps = []

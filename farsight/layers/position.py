@@ -41,7 +41,9 @@ class RotaryEmbedding(nn.Module):
             # training forward must be able to save them for backward
             with torch.inference_mode(False):
                 exponents = torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=device) * 2 / self.head_dim
-                angles = torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
+                angles = (
+                    torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
+                )
                 self._cos, self._sin = angles.cos(), angles.sin()
         return self._cos, self._sin
 

@@ -109,7 +109,9 @@ class _PagedBuffer:
         while done < rows.shape[1]:
             if not self.pages or self.length == int(self.starts[-1]) + self.pages[-1].shape[1]:
                 size = min(self.MAX_PAGE, 2 * self.pages[-1].shape[1]) if self.pages else self.FIRST_PAGE
-                page = torch.empty((rows.shape[0], size, *rows.shape[2:]), dtype=rows.dtype, device=self.device, pin_memory=self.pin)
+                page = torch.empty(
+                    (rows.shape[0], size, *rows.shape[2:]), dtype=rows.dtype, device=self.device, pin_memory=self.pin
+                )
                 self.pages.append(page)
                 self.starts = torch.cat([self.starts, torch.tensor([self.length])])
             at = self.length - int(self.starts[-1])
@@ -204,9 +206,14 @@ class _TempFiles:
             folder.mkdir(mode=0o700, exist_ok=True)
             info = os.lstat(folder)
         except OSError as exc:
-            raise DiskMemoryError(exc.errno, f"cannot create {folder} for the disk tier ({exc.strerror}); pass path= to choose the file") from exc
+            raise DiskMemoryError(
+                exc.errno, f"cannot create {folder} for the disk tier ({exc.strerror}); pass path= to choose the file"
+            ) from exc
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise DiskMemoryError(errno.EPERM, f"{folder} is not a private directory of this user; remove it or pass path= to choose the file")
+            raise DiskMemoryError(
+                errno.EPERM,
+                f"{folder} is not a private directory of this user; remove it or pass path= to choose the file",
+            )
         return folder
 
     @staticmethod
@@ -297,7 +304,9 @@ class FileStore:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._fd)
-            raise DiskMemoryError(errno.EBUSY, f"{self.path} is in use by another session; give each session its own path") from None
+            raise DiskMemoryError(
+                errno.EBUSY, f"{self.path} is in use by another session; give each session its own path"
+            ) from None
         os.ftruncate(self._fd, 0)
         self._record: int | None = None
         self._shape: tuple[int, ...] | None = None
@@ -308,7 +317,9 @@ class FileStore:
     def _open(self, overwrite: bool) -> int:
         """Open the given path: a new file, or an existing regular one with overwrite=True."""
         if self.path.is_symlink():
-            raise DiskMemoryError(errno.ELOOP, f"disk memory path {self.path} is a symlink; give the path of a regular file")
+            raise DiskMemoryError(
+                errno.ELOOP, f"disk memory path {self.path} is a symlink; give the path of a regular file"
+            )
         if self.path.is_dir():
             raise DiskMemoryError(errno.EISDIR, f"disk memory path {self.path} is a directory; give a file path")
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | (0 if overwrite else os.O_EXCL)
@@ -317,7 +328,9 @@ class FileStore:
         except FileExistsError:
             raise DiskMemoryError(errno.EEXIST, self._exists_message()) from None
         except OSError as exc:
-            raise DiskMemoryError(exc.errno, f"cannot open {self.path} for writing ({exc.strerror}); choose a writable path") from exc
+            raise DiskMemoryError(
+                exc.errno, f"cannot open {self.path} for writing ({exc.strerror}); choose a writable path"
+            ) from exc
 
     def _exists_message(self) -> str:
         try:
@@ -337,7 +350,9 @@ class FileStore:
         if self._shape is None:
             self._shape = tuple(kv.shape[1:])
             self._torch_dtype = kv.dtype
-            self._dtype = np.dtype(str(kv.dtype).replace("torch.", "")) if kv.dtype != torch.bfloat16 else np.dtype(np.uint16)
+            self._dtype = (
+                np.dtype(str(kv.dtype).replace("torch.", "")) if kv.dtype != torch.bfloat16 else np.dtype(np.uint16)
+            )
             self._record = int(np.prod(self._shape)) * self._dtype.itemsize
         raw = kv.view(torch.uint16) if kv.dtype == torch.bfloat16 else kv
         data = raw.numpy().tobytes()
@@ -400,7 +415,9 @@ def resolve_kv_dtype(kv_dtype: torch.dtype | str | None) -> torch.dtype | None:
         return kv_dtype
     if kv_dtype in KV_DTYPES:
         return KV_DTYPES[kv_dtype]
-    raise InputError(f"kv_dtype={kv_dtype!r} is not a storage dtype; choose one of {list(KV_DTYPES)} (or None: the model's)")
+    raise InputError(
+        f"kv_dtype={kv_dtype!r} is not a storage dtype; choose one of {list(KV_DTYPES)} (or None: the model's)"
+    )
 
 
 class ChunkMemory:
@@ -429,7 +446,9 @@ class ChunkMemory:
         self.device = torch.device(device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype)
         if self.kv_dtype is not None and tier == "graph":
-            raise InputError("kv_dtype is for the inference tiers; the training forward keeps K/V in the autograd graph")
+            raise InputError(
+                "kv_dtype is for the inference tiers; the training forward keeps K/V in the autograd graph"
+            )
         self.store: KVStore = STORES[tier](self.device, path, overwrite)
         self._graph_keys: list[torch.Tensor] = []
         # keys are never written once appended, so their buffers spread each doubling over the
@@ -497,7 +516,11 @@ class ChunkMemory:
     def nbytes(self) -> int:
         """Bytes of K/V stored (in whatever tier) plus landmark keys (and their bf16 copy or
         low-rank coordinates)."""
-        keys = sum(k.numel() * k.element_size() for k in self._graph_keys) + self._keys.nbytes() + self._screen_keys.nbytes()
+        keys = (
+            sum(k.numel() * k.element_size() for k in self._graph_keys)
+            + self._keys.nbytes()
+            + self._screen_keys.nbytes()
+        )
         if self._low_rank is not None:
             keys += self._low_rank.coords.nbytes() + self._low_rank.residuals.nbytes()
         return self.store.nbytes() + keys

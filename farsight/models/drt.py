@@ -71,7 +71,10 @@ class DRTConfig(ConfigBase):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "groups"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-        require(isinstance(self.chunk_size, int) and self.chunk_size >= 1, f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+        require(
+            isinstance(self.chunk_size, int) and self.chunk_size >= 1,
+            f"chunk_size must be an integer >= 1, got {self.chunk_size!r}",
+        )
         require(isinstance(self.top_k, int) and self.top_k >= 1, f"top_k must be an integer >= 1, got {self.top_k!r}")
         require(
             isinstance(self.window, int) and self.window >= self.chunk_size + 1,
@@ -110,7 +113,10 @@ class DRTConfig(ConfigBase):
             f"landmark_id={self.landmark_id} is outside the vocabulary [0, {self.vocab_size})",
         )
         if self.pad_id is not None:
-            require(0 <= self.pad_id < self.vocab_size, f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})")
+            require(
+                0 <= self.pad_id < self.vocab_size,
+                f"pad_id={self.pad_id} is outside the vocabulary [0, {self.vocab_size})",
+            )
 
     @property
     def upper_layers(self) -> int:
@@ -240,7 +246,8 @@ class DRTForCausalLM(PretrainedLM):
         self.embed = nn.Embedding(config.vocab_size, d)
         self.lower = nn.ModuleList(TransformerBlock(block_config) for _ in range(config.lower_layers))
         self.encoder = nn.ModuleList(
-            TransformerBlock(encoder_config, BidirectionalAttention(encoder_config)) for _ in range(config.encoder_layers)
+            TransformerBlock(encoder_config, BidirectionalAttention(encoder_config))
+            for _ in range(config.encoder_layers)
         )
         self.encoder_norm = RMSNorm(d, config.norm_eps)
         self.chunk_kv = nn.Linear(d, 2 * inner, bias=False)
@@ -378,10 +385,18 @@ class DRTForCausalLM(PretrainedLM):
     def _empty_retrieval(self, h: torch.Tensor) -> CarriedRetrieval:
         k = self.config.top_k
         empty = torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device)
-        return CarriedRetrieval(empty, torch.zeros(h.shape[0], k, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device))
+        return CarriedRetrieval(
+            empty, torch.zeros(h.shape[0], k, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+        )
 
     def _retrieve(
-        self, group: int, h: torch.Tensor, span: Span, carried: CarriedRetrieval, memory: ChunkMemory, pad: torch.Tensor | None
+        self,
+        group: int,
+        h: torch.Tensor,
+        span: Span,
+        carried: CarriedRetrieval,
+        memory: ChunkMemory,
+        pad: torch.Tensor | None,
     ) -> Retrieval:
         """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
         retrieval, chunk j > 0 the one made by the landmark of chunk j - 1."""
@@ -392,11 +407,17 @@ class DRTForCausalLM(PretrainedLM):
             # chunk first_chunk + i retrieves among chunks [start, first_chunk + i): those before
             # start[b] hold nothing but left padding
             stop = first_chunk + torch.arange(len(offsets), device=h.device)
-            start = torch.zeros(h.shape[0], dtype=torch.long, device=h.device) if pad is None else pad // self.slots_per_chunk
+            start = (
+                torch.zeros(h.shape[0], dtype=torch.long, device=h.device)
+                if pad is None
+                else pad // self.slots_per_chunk
+            )
             scale = 1 / math.sqrt(self.config.d_model)
             if self.training or self.config.retriever == "random":
                 # Gumbel noise and random keys need every score
-                made_index, made_weight = self._select(retrieval_scores(query, memory.landmark_keys(), start, stop, scale))
+                made_index, made_weight = self._select(
+                    retrieval_scores(query, memory.landmark_keys(), start, stop, scale)
+                )
             else:
                 top, chosen = retrieval_topk(
                     query, memory.landmark_keys(), self.config.top_k, start, stop, scale, **memory.screen_state()
@@ -423,7 +444,9 @@ class DRTForCausalLM(PretrainedLM):
             carried.fetched = chunks
         return chunks
 
-    def _upper_group(self, group: int, h: torch.Tensor, state: DRTState, span: Span, chunks: FetchedChunks | None) -> torch.Tensor:
+    def _upper_group(
+        self, group: int, h: torch.Tensor, state: DRTState, span: Span, chunks: FetchedChunks | None
+    ) -> torch.Tensor:
         per_group = self.config.upper_layers // self.config.groups
         for j in range(group * per_group, (group + 1) * per_group):
             cache = state.caches[self.config.lower_layers + j] if state.streaming else None
@@ -431,7 +454,12 @@ class DRTForCausalLM(PretrainedLM):
         return h
 
     def _carry(
-        self, retrieval: Retrieval, carried: CarriedRetrieval, chunks: FetchedChunks | None, span: Span, slots_after: int
+        self,
+        retrieval: Retrieval,
+        carried: CarriedRetrieval,
+        chunks: FetchedChunks | None,
+        span: Span,
+        slots_after: int,
     ) -> CarriedRetrieval:
         """The retrieval the chunk after the span reads: the one its last landmark made if the
         span ended with a landmark, else the one its last chunk reads (with its chunks, fetched)."""

@@ -93,7 +93,12 @@ class DRTSession(Session):
 
     def _undo(self, mark: dict[str, Any]) -> None:
         state = self.state
-        state.slots, state.pending, state.caches, state.retrieval = mark["slots"], mark["pending"], mark["caches"], mark["retrieval"]
+        state.slots, state.pending, state.caches, state.retrieval = (
+            mark["slots"],
+            mark["pending"],
+            mark["caches"],
+            mark["retrieval"],
+        )
         self.memory.truncate(mark["chunks"])
         self._pads_due = mark["pads_due"]
         if state.record is not None:

@@ -69,7 +69,13 @@ def generate(
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     check_sampling(temperature, top_k, top_p)
-    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+    eos_ids = (
+        []
+        if eos_token_id is None
+        else [eos_token_id]
+        if isinstance(eos_token_id, int)
+        else [int(e) for e in eos_token_id]
+    )
     if pad_token_id is None and eos_ids:
         pad_token_id = eos_ids[0]
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
@@ -110,6 +116,12 @@ def continue_text(
     ids = torch.tensor([tokenizer.encode(prompt) or [tokenizer.bos_id]], dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(
-        ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=tokenizer.eos_id, generator=generator
+        ids,
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=tokenizer.eos_id,
+        generator=generator,
     )
     return tokenizer.decode(out[0, ids.shape[1] :].tolist())

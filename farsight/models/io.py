@@ -46,7 +46,9 @@ def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
     largest = torch.finfo(dtype).max
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and tensor.numel() and float(tensor.abs().max()) > largest:
-            raise InputError(f"weight {name!r} holds values up to {float(tensor.abs().max()):.4g}, beyond {dtype}'s largest {largest:.4g}; export in bf16 or fp32")
+            raise InputError(
+                f"weight {name!r} holds values up to {float(tensor.abs().max()):.4g}, beyond {dtype}'s largest {largest:.4g}; export in bf16 or fp32"
+            )
     tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
@@ -75,11 +77,17 @@ def read_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
         return None
     try:
         files = json.loads(record.read_text())["files"]
-        valid = all(isinstance(e, dict) and isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in files.values())
+        valid = all(
+            isinstance(e, dict) and isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in files.values()
+        )
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelFileError(f"{record} is corrupted ({exc!r}); restore the directory from a good copy or re-save the model") from exc
+        raise ModelFileError(
+            f"{record} is corrupted ({exc!r}); restore the directory from a good copy or re-save the model"
+        ) from exc
     if not valid:
-        raise ModelFileError(f"{record} is corrupted (an entry lacks bytes/sha256); restore the directory from a good copy or re-save the model")
+        raise ModelFileError(
+            f"{record} is corrupted (an entry lacks bytes/sha256); restore the directory from a good copy or re-save the model"
+        )
     return files
 
 
@@ -90,7 +98,9 @@ def verify_model_dir(path: Path) -> dict[str, dict[str, Any]] | None:
     for name, entry in (files or {}).items():
         file = path / name
         if not file.is_file():
-            raise ModelFileError(f"{file} is missing but {CHECKSUMS_FILE} lists it; the directory is incomplete — restore it or re-save the model")
+            raise ModelFileError(
+                f"{file} is missing but {CHECKSUMS_FILE} lists it; the directory is incomplete — restore it or re-save the model"
+            )
         size = file.stat().st_size
         if size != entry["bytes"]:
             raise ModelFileError(
@@ -113,7 +123,9 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     checkpoints = sorted((path / "checkpoints").glob("step_*[0-9]")) if path.is_dir() else []
     if checkpoints:
         return checkpoints[-1]
-    raise MissingFileError(f"{path} is neither a model directory (with {CONFIG_FILE}) nor a training run with checkpoints")
+    raise MissingFileError(
+        f"{path} is neither a model directory (with {CONFIG_FILE}) nor a training run with checkpoints"
+    )
 
 
 def read_model_meta(path: str | os.PathLike, known_types: Iterable[str] | None = None) -> dict:
@@ -144,7 +156,9 @@ def load_weights(model: nn.Module, path: str | os.PathLike, map_location: str | 
         missing, unexpected = load_model(model, weights, strict=False, device=str(map_location))
     except RuntimeError as exc:
         if "size mismatch" in str(exc):
-            raise ModelFileError(f"{weights} holds tensors of other shapes than this model ({exc}); it has another architecture") from exc
+            raise ModelFileError(
+                f"{weights} holds tensors of other shapes than this model ({exc}); it has another architecture"
+            ) from exc
         raise ModelFileError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
     except (SafetensorError, OSError) as exc:
         raise ModelFileError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
@@ -154,4 +168,6 @@ def load_weights(model: nn.Module, path: str | os.PathLike, map_location: str | 
         )
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ModelFileError(f"{weights}: tensor {name!r} holds NaN or inf values; the training run diverged — use an earlier checkpoint")
+            raise ModelFileError(
+                f"{weights}: tensor {name!r} holds NaN or inf values; the training run diverged — use an earlier checkpoint"
+            )

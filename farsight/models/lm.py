@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from farsight.config import ConfigBase
-from farsight.errors import InputError, ModelFileError
 from farsight.data.tokenizers import TOKENIZER_FILENAME
+from farsight.errors import InputError, ModelFileError
 from farsight.models.io import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -28,6 +28,7 @@ from farsight.models.io import (
 from farsight.models.session import Session
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what a model can run in
+
 
 @dataclass
 class CausalLMOutput:
@@ -51,7 +52,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     valid = (targets != -100).flatten().to(ce.dtype)
     if weights is not None:
         if weights.shape != labels.shape:
-            raise InputError(f"loss weights must have the shape of labels {list(labels.shape)}, got {list(weights.shape)}")
+            raise InputError(
+                f"loss weights must have the shape of labels {list(labels.shape)}, got {list(weights.shape)}"
+            )
         valid = valid * weights[:, 1:].flatten().to(ce.dtype)
     return (ce * valid).sum() / valid.sum().clamp(min=1e-8)
 
@@ -74,7 +77,9 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, forbidden: dict[st
             )
         for name, token in (forbidden or {}).items():
             if bool((input_ids == token).any()):
-                raise InputError(f"input_ids contain the {name} token id {token}; it is inserted by the model, pass plain text tokens")
+                raise InputError(
+                    f"input_ids contain the {name} token id {token}; it is inserted by the model, pass plain text tokens"
+                )
     return input_ids.long()
 
 
@@ -130,8 +135,14 @@ class PretrainedLM(nn.Module):
         input_ids = self.check_input_ids(input_ids)
         with self.new_session(input_ids.shape[0], **session_options) as session:
             return session.generate(
-                input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                eos_token_id=eos_token_id, generator=generator, attention_mask=attention_mask,
+                input_ids,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token_id=eos_token_id,
+                generator=generator,
+                attention_mask=attention_mask,
             )
 
     def save_pretrained(
@@ -143,7 +154,11 @@ class PretrainedLM(nn.Module):
         import farsight
 
         path = Path(path)
-        meta = {"model_type": self.model_type, "farsight_version": farsight.__version__, "config": self.config.to_dict()}
+        meta = {
+            "model_type": self.model_type,
+            "farsight_version": farsight.__version__,
+            "config": self.config.to_dict(),
+        }
         tensors = dict(state_dict if state_dict is not None else self.state_dict())
         # tied parameters (e.g. embedding and LM head) are stored once, under their first name
         seen: dict[int, str] = {}

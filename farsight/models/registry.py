@@ -17,7 +17,15 @@ from farsight.data.tokenizers import TOKENIZER_FILENAME
 from farsight.errors import InputError, ModelFileError
 from farsight.files import atomic_directory
 from farsight.models.drt import DRTForCausalLM
-from farsight.models.io import CHECKSUMS_FILE, CONFIG_FILE, WEIGHTS_FILE, cast_weights, read_model_meta, resolve_model_dir, write_checksums
+from farsight.models.io import (
+    CHECKSUMS_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    cast_weights,
+    read_model_meta,
+    resolve_model_dir,
+    write_checksums,
+)
 from farsight.models.lm import MODEL_DTYPES, PretrainedLM
 from farsight.models.transformer import TransformerForCausalLM
 
@@ -84,7 +92,9 @@ def export_model(
         copied = write_checksums(staging, names)
         for name, entry in recorded.items():
             if name in copied and copied[name] != entry:
-                raise ModelFileError(f"the copy of {source / name} differs from it; check the disk under {out.parent} and export again")
+                raise ModelFileError(
+                    f"the copy of {source / name} differs from it; check the disk under {out.parent} and export again"
+                )
         exported = load_model(staging)
         if readme is not None:  # not in checksums.json: a card can be rewritten without touching the weights
             (staging / "README.md").write_text(readme(exported.eval()) if callable(readme) else readme)

@@ -55,7 +55,9 @@ def check_left_padding(attention_mask: torch.Tensor, ids: torch.Tensor) -> torch
     mask = attention_mask if attention_mask.dim() == 2 else attention_mask[None]
     shape = list(ids.shape) if ids.dim() == 2 else [1, ids.shape[-1]]
     if list(mask.shape) != shape:
-        raise InputError(f"attention_mask has shape {list(attention_mask.shape)} but the ids {list(ids.shape)}; give one 0/1 per token")
+        raise InputError(
+            f"attention_mask has shape {list(attention_mask.shape)} but the ids {list(ids.shape)}; give one 0/1 per token"
+        )
     if mask.dtype != torch.bool:
         if bool(((mask != 0) & (mask != 1)).any()):
             raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
@@ -174,7 +176,9 @@ class Session:
             mask = None if attention_mask is None else check_left_padding(attention_mask, ids).to(self.device)
         else:
             if attention_mask is not None:
-                raise InputError("attention_mask goes with a tensor prompt; for an iterable of blocks, drop the padding instead")
+                raise InputError(
+                    "attention_mask goes with a tensor prompt; for an iterable of blocks, drop the padding instead"
+                )
             if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
                 raise InputError(f"length must be the prompt's number of tokens (an integer >= 1), got {length!r}")
             blocks, mask = ids, None
@@ -188,7 +192,9 @@ class Session:
         if not fed:
             raise InputError("prefill got no tokens; pass at least one token per row")
         if length is not None and fed != length:
-            raise InputError(f"prefill was told length={length} but the blocks held {fed} tokens; pass the prompt's true length")
+            raise InputError(
+                f"prefill was told length={length} but the blocks held {fed} tokens; pass the prompt's true length"
+            )
         return self._next_logits
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
@@ -226,7 +232,9 @@ class Session:
         for ids in continuations:
             mark = self._mark()
             if mark is None:
-                raise StateError(f"{type(self).__name__} cannot rewind; score each continuation in a session of its own")
+                raise StateError(
+                    f"{type(self).__name__} cannot rewind; score each continuation in a session of its own"
+                )
             saved = (self.tokens_seen, self._next_logits)
             try:
                 scores.append(self.score_continuation(ids))

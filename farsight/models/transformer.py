@@ -142,7 +142,9 @@ class TransformerForCausalLM(PretrainedLM):
 class TransformerSession(Session):
     """Feeds tokens through each layer's cache, `block` tokens per forward call."""
 
-    def __init__(self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int, kv_dtype: Any) -> None:
+    def __init__(
+        self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int, kv_dtype: Any
+    ) -> None:
         if memory != "device" or path is not None or kv_dtype is not None:
             raise InputError(
                 f"memory={memory!r}/path/kv_dtype select DRT's chunk-memory tier; a {model.config.attention!r} transformer "

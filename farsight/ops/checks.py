@@ -24,13 +24,9 @@ def check_same_dtype_device(named: dict[str, torch.Tensor]) -> None:
     first_name, first = items[0]
     for name, x in items[1:]:
         if x.dtype != first.dtype:
-            raise TypeError(
-                f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; cast them to one dtype"
-            )
+            raise TypeError(f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; cast them to one dtype")
         if x.device != first.device:
-            raise ValueError(
-                f"{name} is on {x.device} but {first_name} is on {first.device}; move them to one device"
-            )
+            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; move them to one device")
 
 
 def check_side_input(name: str, x: torch.Tensor, q: torch.Tensor) -> None:

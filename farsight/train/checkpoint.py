@@ -45,8 +45,12 @@ class CheckpointError(FarsightError, RuntimeError):
 def write_error(path: Path, exc: OSError) -> CheckpointError:
     """The one-line error for a failed write under `path` (a full disk, a read-only directory...)."""
     if exc.errno == errno.ENOSPC:
-        return CheckpointError(f"disk full at {path} ({exc.strerror}); free some space and run the same command to resume")
-    return CheckpointError(f"cannot write {path} ({exc.strerror or exc}); check the permissions and space of that directory")
+        return CheckpointError(
+            f"disk full at {path} ({exc.strerror}); free some space and run the same command to resume"
+        )
+    return CheckpointError(
+        f"cannot write {path} ({exc.strerror or exc}); check the permissions and space of that directory"
+    )
 
 
 def write_text_atomically(path: Path, text: str) -> None:
@@ -188,7 +192,9 @@ def save_checkpoint(
         write_model(tmp)
         _write_state(tmp, state)
         _check_tensor_files(tmp)
-        manifest = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+        }
         (tmp / MANIFEST_FILE).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
         for p in tmp.iterdir():
             with open(p, "rb") as f:
@@ -209,11 +215,15 @@ def verify_checkpoint(path: Path) -> None:
     """Raise CheckpointError unless every file matches the manifest."""
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
-        raise CheckpointError(f"{path} has no {MANIFEST_FILE}; it is incomplete — delete it to resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"{path} has no {MANIFEST_FILE}; it is incomplete — delete it to resume from an earlier checkpoint"
+        )
     try:
         manifest = json.loads(manifest_path.read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{manifest_path} is corrupted ({exc}); delete {path} to resume from an earlier checkpoint") from exc
+        raise CheckpointError(
+            f"{manifest_path} is corrupted ({exc}); delete {path} to resume from an earlier checkpoint"
+        ) from exc
     for name, entry in manifest.items():
         file = path / name
         problem = None
@@ -224,7 +234,9 @@ def verify_checkpoint(path: Path) -> None:
         elif sha256_file(file) != entry["sha256"]:
             problem = "does not match its checksum (corrupted)"
         if problem:
-            raise CheckpointError(f"checkpoint file {file} {problem}; delete {path} to resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint file {file} {problem}; delete {path} to resume from an earlier checkpoint"
+            )
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
@@ -249,4 +261,6 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
         tensors = load_file(path / STATE_TENSORS)
         return _decode(json.loads((path / STATE_JSON).read_text()), tensors)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"cannot read the trainer state in {path} ({exc}); delete {path} to resume from an earlier checkpoint") from exc
+        raise CheckpointError(
+            f"cannot read the trainer state in {path} ({exc}); delete {path} to resume from an earlier checkpoint"
+        ) from exc

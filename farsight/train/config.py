@@ -36,7 +36,9 @@ def _parse_yaml(text: str, what: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{what} is not valid YAML ({problem}{where}); fix the syntax (quote strings that contain : [ ] {{ }} #)") from exc
+        raise ConfigError(
+            f"{what} is not valid YAML ({problem}{where}); fix the syntax (quote strings that contain : [ ] {{ }} #)"
+        ) from exc
 
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -61,7 +63,9 @@ class OptimConfig(ConfigBase):
         require(self.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         require(self.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-        require(self.grad_clip is None or self.grad_clip > 0, f"optim.grad_clip must be > 0 or null, got {self.grad_clip}")
+        require(
+            self.grad_clip is None or self.grad_clip > 0, f"optim.grad_clip must be > 0 or null, got {self.grad_clip}"
+        )
 
 
 @dataclass
@@ -98,7 +102,9 @@ class RunConfig(ConfigBase):
             self.precision in PRECISIONS,
             f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
         )
-        require(self.distributed in ("ddp", "fsdp"), f"train.distributed must be 'ddp' or 'fsdp', got {self.distributed!r}")
+        require(
+            self.distributed in ("ddp", "fsdp"), f"train.distributed must be 'ddp' or 'fsdp', got {self.distributed!r}"
+        )
         require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),
             f"train.device must be auto, cpu, cuda[:N] or mps, got {self.device!r}",
@@ -158,7 +164,9 @@ def merge_config(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any
     strings, lists) is replaced whole."""
     merged = dict(base)
     for key, value in changes.items():
-        merged[key] = merge_config(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            merge_config(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -167,8 +175,12 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
     relative to the file that names it)."""
     if not path.is_file():
         if chain:
-            raise MissingFileError(f"{chain[-1]}: its base {path} does not exist; fix the base path (relative to {chain[-1].parent})")
-        raise MissingFileError(f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train")
+            raise MissingFileError(
+                f"{chain[-1]}: its base {path} does not exist; fix the base path (relative to {chain[-1].parent})"
+            )
+        raise MissingFileError(
+            f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train"
+        )
     raw = _parse_yaml(path.read_text(), str(path)) or {}
     if not isinstance(raw, dict) or BASE_KEY not in raw:
         return raw
@@ -195,4 +207,13 @@ def dump_train_config(config: TrainConfig, path: Path) -> None:
     write_text_atomically(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
-__all__ = ["PRECISIONS", "OptimConfig", "RunConfig", "TrainConfig", "apply_overrides", "dump_train_config", "load_train_config", "merge_config"]
+__all__ = [
+    "PRECISIONS",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "dump_train_config",
+    "load_train_config",
+    "merge_config",
+]

@@ -16,7 +16,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as exc:
-        raise InputError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); is it a farsight metrics.jsonl?") from exc
+        raise InputError(
+            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); is it a farsight metrics.jsonl?"
+        ) from exc
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -25,8 +27,12 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as exc:
             if number == len(lines):
                 break
-            raise InputError(f"{path} line {number} is not JSON ({exc}); is it a farsight metrics.jsonl? Delete the line to go on") from exc
+            raise InputError(
+                f"{path} line {number} is not JSON ({exc}); is it a farsight metrics.jsonl? Delete the line to go on"
+            ) from exc
         if not isinstance(record, dict):
-            raise InputError(f"{path} line {number} is not a JSON object; is it a farsight metrics.jsonl? Delete the line to go on")
+            raise InputError(
+                f"{path} line {number} is not a JSON object; is it a farsight metrics.jsonl? Delete the line to go on"
+            )
         records.append(record)
     return records

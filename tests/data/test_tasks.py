@@ -39,7 +39,9 @@ def test_passkey_text_and_answer():
     assert f"The passkey is: {key}." in text
     assert TOK.decode(s.prompt.tolist()).endswith("What is the passkey? The passkey is")
     assert TOK.decode(s.answer.tolist()) == f" {key}"
-    assert s.answer_lead == 1 and TOK.decode(s.answer[s.answer_lead :].tolist()) == key  # first-token scoring starts at the digits
+    assert (
+        s.answer_lead == 1 and TOK.decode(s.answer[s.answer_lead :].tolist()) == key
+    )  # first-token scoring starts at the digits
     needle = TOK.decode(s.input_ids[s.needle_positions[0] : s.needle_positions[0] + s.needle_lengths[0]].tolist())
     assert key in needle
 
@@ -103,7 +105,9 @@ def test_too_short_states_the_exact_minimum_for_the_shift_of_the_question(align)
     task = make_task("passkey", TOK, RepeatedFiller(TOK), align)
     for shift in (0, 16):
         shortest = next(n for n in range(8, 400) if _fits(task, n, shift))
-        with pytest.raises(InputError, match="question 16 tokens earlier" if shift else "tokens; raise --lengths$") as error:
+        with pytest.raises(
+            InputError, match="question 16 tokens earlier" if shift else "tokens; raise --lengths$"
+        ) as error:
             task.sample(shortest - 1, 0.5, rng(), shift=shift)
         assert int(re.search(r"at least (\d+) tokens", str(error.value)).group(1)) == shortest
 
@@ -118,7 +122,9 @@ def _fits(task, length, shift):
 
 
 def test_training_batches_follow_the_curriculum_and_weight_answers():
-    cfg = NeedleBatchConfig(filler="repeat", seq_len=256, batch_tokens=1024, curriculum=[[0, 128], [10, 256]], answer_weight=10.0)
+    cfg = NeedleBatchConfig(
+        filler="repeat", seq_len=256, batch_tokens=1024, curriculum=[[0, 128], [10, 256]], answer_weight=10.0
+    )
     source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
     early, late = source.train_batch(0, 0, 0), source.train_batch(10, 0, 0)
     assert early["input_ids"].shape == (8, 128) and late["input_ids"].shape == (4, 256)

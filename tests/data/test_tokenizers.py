@@ -72,7 +72,12 @@ def test_encode_batch_matches_encode(tokenizer: Tokenizer) -> None:
 
 def test_special_tokens_are_in_vocab_and_in_spec(tokenizer: Tokenizer) -> None:
     spec = tokenizer.to_spec()
-    assert spec["special_tokens"] == {"pad": tokenizer.pad_id, "bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "lmk": tokenizer.lmk_id}
+    assert spec["special_tokens"] == {
+        "pad": tokenizer.pad_id,
+        "bos": tokenizer.bos_id,
+        "eos": tokenizer.eos_id,
+        "lmk": tokenizer.lmk_id,
+    }
     assert max(_special_ids(tokenizer)) < tokenizer.vocab_size == spec["vocab_size"]
     assert len({tokenizer.pad_id, tokenizer.eos_id, tokenizer.lmk_id}) == 3
 
@@ -105,7 +110,9 @@ def test_decode_replaces_invalid_utf8(tokenizer: Tokenizer) -> None:
 
 @pytest.mark.parametrize("bad", [-1, 10**6])
 def test_decode_rejects_out_of_range_ids(tokenizer: Tokenizer, bad: int) -> None:
-    with pytest.raises(TokenizerError, match=rf"token id {bad} at position 1 is out of range.*vocab_size {tokenizer.vocab_size}"):
+    with pytest.raises(
+        TokenizerError, match=rf"token id {bad} at position 1 is out of range.*vocab_size {tokenizer.vocab_size}"
+    ):
         tokenizer.decode([65, bad])
 
 

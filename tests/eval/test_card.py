@@ -13,8 +13,25 @@ from farsight.errors import InputError, MissingFileError
 from farsight.eval.card import model_card, training_chain
 from farsight.models import DRTConfig, DRTForCausalLM, export_model, load_model
 
-CONFIG = {"type": "drt", "vocab_size": 260, "d_model": 32, "n_layers": 4, "n_heads": 2, "chunk_size": 8, "window": 16, "top_k": 2, "groups": 1, "encoder_layers": 1}
-NEEDLE = {"kind": "needle", "mix": {"passkey": 2, "multikey": 1}, "corpus": "data/lm-byte", "curriculum": [[0, 128], [10, 512], [100, 1024]], "align": 1}
+CONFIG = {
+    "type": "drt",
+    "vocab_size": 260,
+    "d_model": 32,
+    "n_layers": 4,
+    "n_heads": 2,
+    "chunk_size": 8,
+    "window": 16,
+    "top_k": 2,
+    "groups": 1,
+    "encoder_layers": 1,
+}
+NEEDLE = {
+    "kind": "needle",
+    "mix": {"passkey": 2, "multikey": 1},
+    "corpus": "data/lm-byte",
+    "curriculum": [[0, 128], [10, 512], [100, 1024]],
+    "align": 1,
+}
 
 
 def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
@@ -24,11 +41,25 @@ def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
     for step in checkpoints:
         model.save_pretrained(root / "checkpoints" / f"step_{step:08d}")
         ByteTokenizer().save(root / "checkpoints" / f"step_{step:08d}")
-    config = {"model": CONFIG, "data": data, "optim": {"lr": 0.001}, "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from}}
+    config = {
+        "model": CONFIG,
+        "data": data,
+        "optim": {"lr": 0.001},
+        "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from},
+    }
     (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     records = []
     for step in range(10, logged + 1, 10):
-        records += [{"step": step, "loss": 2.0 - step / 1000, "tokens": step * 100, "tokens_per_s": 1000.0, "precision": "bf16-mixed"}, {"step": step, "val_loss": 3.0 - step / 1000}]
+        records += [
+            {
+                "step": step,
+                "loss": 2.0 - step / 1000,
+                "tokens": step * 100,
+                "tokens_per_s": 1000.0,
+                "precision": "bf16-mixed",
+            },
+            {"step": step, "val_loss": 3.0 - step / 1000},
+        ]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return root
 
@@ -39,7 +70,13 @@ def project(tmp_path, monkeypatch):
     from runs/lm's step 40 with a relative init_from, as training writes them; the current
     directory is elsewhere, as it is when someone exports later."""
     root = tmp_path / "project"
-    make_run(root / "runs" / "lm", "runs/lm", {"kind": "tokens", "path": "data/lm-byte", "seq_len": 4096, "batch_size": 4}, [40, 80], 90)
+    make_run(
+        root / "runs" / "lm",
+        "runs/lm",
+        {"kind": "tokens", "path": "data/lm-byte", "seq_len": 4096, "batch_size": 4},
+        [40, 80],
+        90,
+    )
     make_run(root / "runs" / "ft", "runs/ft", dict(NEEDLE), [20], 20, init_from="runs/lm/checkpoints/step_00000040")
     monkeypatch.chdir(tmp_path)
     return root
@@ -72,37 +109,80 @@ def write(path, payload):
 
 
 def needle_summary(model):
-    cell = {"trials": 50, "exact_match": 0.98, "exact_match_ci95": [0.9, 1.0], "first_token": 1.0, "needle_retrieved": 1.0, "seconds": 1.5}
-    return {"task": "passkey", "model": model, "corpus": "data/lm-byte", "split": "val", "dtype": "bf16", "align": 1, "filler": "corpus", "by_length": {"1024": cell}}
+    cell = {
+        "trials": 50,
+        "exact_match": 0.98,
+        "exact_match_ci95": [0.9, 1.0],
+        "first_token": 1.0,
+        "needle_retrieved": 1.0,
+        "seconds": 1.5,
+    }
+    return {
+        "task": "passkey",
+        "model": model,
+        "corpus": "data/lm-byte",
+        "split": "val",
+        "dtype": "bf16",
+        "align": 1,
+        "filler": "corpus",
+        "by_length": {"1024": cell},
+    }
 
 
 def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp_path):
     ft = project / "runs" / "ft"
-    ppl = {"corpus": "data/lm-byte", "split": "val", "dtype": "bf16", "results": {
-        str(project / "runs" / "lm"): {"by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}}},
-        "runs/other": {"by_length": {"4096": {"nll": 9.0, "nll_sem": 0.01, "windows": 12}}}}}
+    ppl = {
+        "corpus": "data/lm-byte",
+        "split": "val",
+        "dtype": "bf16",
+        "results": {
+            str(project / "runs" / "lm"): {"by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}}},
+            "runs/other": {"by_length": {"4096": {"nll": 9.0, "nll_sem": 0.01, "windows": 12}}},
+        },
+    }
     files = [write(tmp_path / "n.json", needle_summary(str(ft))), write(tmp_path / "p.json", ppl)]
     card = model_card(ft, "my-drt", files, weights_dtype="bf16")(load_model(ft))
     assert "trained on 0.0M tokens in 2 stages, weights stored in bf16" in card
-    assert "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed | 2.9600 (step 40) |" in card
+    assert (
+        "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed | 2.9600 (step 40) |"
+        in card
+    )
     # the curriculum's 1K stage starts at step 100, after the 20 steps trained; answer weight: the default
-    assert "needle tasks (passkey 2, multikey 1) in haystacks of text of `data/lm-byte`, lengths 128 → 512 tokens, answer tokens weighted 10x" in card
+    assert (
+        "needle tasks (passkey 2, multikey 1) in haystacks of text of `data/lm-byte`, lengths 128 → 512 tokens, answer tokens weighted 10x"
+        in card
+    )
     assert "| 1K | 50 | 98 | 90-100 | 100 | 100 | 1.5 |" in card
-    assert "haystacks of text of data/lm-byte (val split), question padded to end on a chunk boundary, run in bf16" in card  # no question_offsets: an older file
-    unaligned = write(tmp_path / "u.json", {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk"})
-    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, "my-drt", [unaligned])(load_model(ft))
-    assert "perplexity of stage 1 (`lm`, before the later stages)" in card and "| 4K | 12 | 1.2000 | 0.0100 |" in card and "9.0000" not in card
+    assert (
+        "haystacks of text of data/lm-byte (val split), question padded to end on a chunk boundary, run in bf16" in card
+    )  # no question_offsets: an older file
+    unaligned = write(
+        tmp_path / "u.json", {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk"}
+    )
+    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, "my-drt", [unaligned])(
+        load_model(ft)
+    )
+    assert (
+        "perplexity of stage 1 (`lm`, before the later stages)" in card
+        and "| 4K | 12 | 1.2000 | 0.0100 |" in card
+        and "9.0000" not in card
+    )
     other = write(tmp_path / "o.json", needle_summary("runs/unrelated"))
     with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):
         model_card(ft, "my-drt", [other])  # read before any model is at hand
 
 
-@pytest.mark.parametrize("payload, problem", [
-    ("[]", "holds a JSON list"), ('"text"', "holds a JSON str"), ("{", "cannot read results file"),
-    ('{"results": [1]}', "neither a needle summary nor a perplexity file"),
-    ('{"results": {"lm-eval": {"acc": 0.5}}}', "neither a needle summary nor a perplexity file"),
-    ('{"task": "passkey", "by_length": {"1024": {"trials": 5}}}', "neither a needle summary nor a perplexity file"),
-])
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        ("[]", "holds a JSON list"),
+        ('"text"', "holds a JSON str"),
+        ("{", "cannot read results file"),
+        ('{"results": [1]}', "neither a needle summary nor a perplexity file"),
+        ('{"results": {"lm-eval": {"acc": 0.5}}}', "neither a needle summary nor a perplexity file"),
+        ('{"task": "passkey", "by_length": {"1024": {"trials": 5}}}', "neither a needle summary nor a perplexity file"),
+    ],
+)
 def test_results_of_another_shape_are_named(project, tmp_path, payload, problem):
     ft = project / "runs" / "ft"
     (tmp_path / "r.json").write_text(payload)
@@ -130,7 +210,12 @@ def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_dire
     assert (out / "README.md").read_text().startswith("# exported\n")
     # exported again without a card: the directory is replaced whole, no stale README.md
     assert main(["export", str(ft), str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["checksums.json", "config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -153,7 +238,7 @@ def test_card_samples_are_what_farsight_generate_prints_from_the_exported_model(
         printed = capsys.readouterr().out[:-1]  # less print's newline
         assert len(printed) > len(prompt) and f"\n{printed}\n```" in card
     # the command is quoted for a shell, newlines and quotes included
-    assert "farsight generate --model exported --prompt 'def read(path):\n    \"\"\"It'\"'\"'s the text.\"\"\"\n'" in card
+    assert 'farsight generate --model exported --prompt \'def read(path):\n    """It\'"\'"\'s the text."""\n\'' in card
     assert main(["export", str(ft), str(tmp_path / "y"), "--sample", "def"]) == 2
     assert "--sample goes into the model card; add --card" in capsys.readouterr().err
 
@@ -166,7 +251,14 @@ def test_a_bad_results_file_stops_the_export_before_it_starts(project, tmp_path,
 
     monkeypatch.setattr(farsight.models, "export_model", no_export)
     (tmp_path / "r.json").write_text("[]")
-    args = ["export", str(project / "runs" / "ft"), str(tmp_path / "out"), "--card", "--results", str(tmp_path / "r.json")]
+    args = [
+        "export",
+        str(project / "runs" / "ft"),
+        str(tmp_path / "out"),
+        "--card",
+        "--results",
+        str(tmp_path / "r.json"),
+    ]
     assert main(args) == 2
     assert "holds a JSON list" in capsys.readouterr().err and not (tmp_path / "out").exists()
 

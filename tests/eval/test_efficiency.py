@@ -10,7 +10,9 @@ from farsight.ops import precision as ops_precision
 
 def _model() -> DRTForCausalLM:
     torch.manual_seed(0)
-    config = DRTConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, chunk_size=4, window=8, top_k=2, encoder_layers=1)
+    config = DRTConfig(
+        vocab_size=40, d_model=16, n_layers=2, n_heads=2, chunk_size=4, window=8, top_k=2, encoder_layers=1
+    )
     return DRTForCausalLM(config)
 
 
@@ -20,7 +22,12 @@ def _ids() -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "precision, param_dtype, autocast_dtype",
-    [("fp32", torch.float32, None), ("bf16-mixed", torch.float32, torch.bfloat16), ("bf16", torch.bfloat16, None), ("fp16-mixed", torch.float32, torch.float16)],
+    [
+        ("fp32", torch.float32, None),
+        ("bf16-mixed", torch.float32, torch.bfloat16),
+        ("bf16", torch.bfloat16, None),
+        ("fp16-mixed", torch.float32, torch.float16),
+    ],
 )
 def test_a_step_trains_every_parameter_in_the_trainers_precision(precision, param_dtype, autocast_dtype, monkeypatch):
     model = _model()

@@ -7,9 +7,9 @@ import torch
 from farsight.cli import main
 from farsight.data.tasks import RepeatedFiller, make_task
 from farsight.data.tokenizers import load_tokenizer
+from farsight.errors import InputError
 from farsight.eval import needle
 from farsight.eval.decoding import greedy_continuation
-from farsight.errors import InputError
 from farsight.eval.needle import (
     TrialResult,
     evaluate_needle_task,
@@ -28,7 +28,9 @@ TOK = load_tokenizer("byte")
 
 def tiny_drt():
     torch.manual_seed(0)
-    cfg = DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=16, window=24, top_k=2, encoder_layers=1)
+    cfg = DRTConfig(
+        vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=16, window=24, top_k=2, encoder_layers=1
+    )
     return DRTForCausalLM(cfg).eval()
 
 
@@ -85,7 +87,9 @@ def test_real_decoding_runs_for_drt_and_baselines(kind):
     if kind == "drt":
         model = tiny_drt()
     else:
-        model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=24)).eval()
+        model = TransformerForCausalLM(
+            TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=24)
+        ).eval()
     task = make_task("passkey", TOK, RepeatedFiller(TOK), 16)
     summary = evaluate_needle_task(model, task, [200], [0.5], trials=3, batch_size=2, progress=False)
     row = summary["by_length"]["200"]
@@ -120,7 +124,9 @@ def test_an_align_below_the_chunk_size_asks_each_question_at_its_own_offset_unpa
     assert summary["question_offsets"] == "chunk boundary"
     assert all(aligned and (length + offset) % 16 == 0 for length, aligned, offset in calls)
     with pytest.raises(InputError, match="align 3 does not divide the model's chunk size 16"):
-        evaluate_needle_task(model, make_task("passkey", TOK, RepeatedFiller(TOK), align=3), [200], [0.0], trials=1, progress=False)
+        evaluate_needle_task(
+            model, make_task("passkey", TOK, RepeatedFiller(TOK), align=3), [200], [0.0], trials=1, progress=False
+        )
 
 
 @pytest.mark.parametrize("mode", ["autocast-bf16", "bf16"])
@@ -151,8 +157,22 @@ def test_cli_eval_writes_json_and_heatmap(tmp_path):
     model.save_pretrained(tmp_path / "m", tokenizer=TOK)
     code = main(
         [
-            "eval", "passkey", "--model", str(tmp_path / "m"), "--lengths", "160,256", "--depths", "0,1",
-            "--trials", "1", "--filler", "repeat", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "h.png"),
+            "eval",
+            "passkey",
+            "--model",
+            str(tmp_path / "m"),
+            "--lengths",
+            "160,256",
+            "--depths",
+            "0,1",
+            "--trials",
+            "1",
+            "--filler",
+            "repeat",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--plot",
+            str(tmp_path / "h.png"),
         ]
     )
     assert code == 0
@@ -163,11 +183,25 @@ def test_cli_eval_writes_json_and_heatmap(tmp_path):
 
 def test_compare_puts_models_side_by_side(tmp_path, capsys):
     def summary(rates):
-        return {"task": "passkey", "by_length": {str(n): {"trials": 4, "exact_match": r, "first_token": r} for n, r in rates.items()}}
+        return {
+            "task": "passkey",
+            "by_length": {str(n): {"trials": 4, "exact_match": r, "first_token": r} for n, r in rates.items()},
+        }
 
     (tmp_path / "a.json").write_text(json.dumps(summary({1024: 1.0, 4096: 0.75})))
     (tmp_path / "b.json").write_text(json.dumps(summary({1024: 0.5})))
-    code = main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--labels", "drt,base", "--plot", str(tmp_path / "c.png")])
+    code = main(
+        [
+            "eval",
+            "compare",
+            str(tmp_path / "a.json"),
+            str(tmp_path / "b.json"),
+            "--labels",
+            "drt,base",
+            "--plot",
+            str(tmp_path / "c.png"),
+        ]
+    )
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["length", "drt", "base"]
@@ -178,7 +212,20 @@ def test_compare_puts_models_side_by_side(tmp_path, capsys):
     assert "both hold length 1K" in capsys.readouterr().err
     # one model's grid run in parts: its files share a label and their lengths are joined
     (tmp_path / "long.json").write_text(json.dumps(summary({1 << 20: 0.25})))
-    assert main(["eval", "compare", str(tmp_path / "a.json"), str(tmp_path / "long.json"), str(tmp_path / "b.json"), "--labels", "drt,drt,base"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "compare",
+                str(tmp_path / "a.json"),
+                str(tmp_path / "long.json"),
+                str(tmp_path / "b.json"),
+                "--labels",
+                "drt,drt,base",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["length", "drt", "base"]
     assert lines[3].split() == ["1K", "100", "50"] and lines[5].split() == ["1M", "25", "-"]
@@ -197,7 +244,7 @@ def test_wilson_interval_matches_known_values_and_stays_in_bounds():
 
 
 def test_summary_carries_the_exact_match_interval():
-    rows = [TrialResult(1024, 0.5, i, i < 3, True, None, ' 1', ' 1') for i in range(4)]
+    rows = [TrialResult(1024, 0.5, i, i < 3, True, None, " 1", " 1") for i in range(4)]
     summary = summarize(rows, "passkey")
     assert summary["by_length"]["1024"]["exact_match_ci95"] == pytest.approx(wilson_interval(3, 4))
     assert "95% interval" in results_table(summary) and "30-95" in results_table(summary)

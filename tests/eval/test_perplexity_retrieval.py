@@ -17,15 +17,19 @@ def split(tmp_path_factory):
     docs = root / "docs"
     docs.mkdir()
     for i in range(6):
-        (docs / f"d{i}.txt").write_text(("alpha beta gamma delta %d " % i) * (40 + 30 * i))
+        (docs / f"d{i}.txt").write_text((f"alpha beta gamma delta {i} ") * (40 + 30 * i))
     prepare_corpus([str(docs)], TOK, root / "tok", val_fraction=0.5, progress=False)
     return load_token_dataset(root / "tok", "val")
 
 
 def models():
     torch.manual_seed(0)
-    drt = DRTForCausalLM(DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=8, window=16, top_k=2, encoder_layers=1))
-    base = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=16))
+    drt = DRTForCausalLM(
+        DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=8, window=16, top_k=2, encoder_layers=1)
+    )
+    base = TransformerForCausalLM(
+        TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=16)
+    )
     return [drt.eval(), base.eval()]
 
 
@@ -61,7 +65,9 @@ def test_blockwise_streaming_nll_equals_the_parallel_loss(split, index):
         x = windows[row : row + 1]
         torch.testing.assert_close(streamed[row].mean().float(), model(x, labels=x).loss, atol=1e-4, rtol=1e-4)
         # Position by position: the NLL of the first 60 tokens is the loss of the 60-token prefix.
-        torch.testing.assert_close(streamed[row, :59].mean().float(), model(x[:, :60], labels=x[:, :60]).loss, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            streamed[row, :59].mean().float(), model(x[:, :60], labels=x[:, :60]).loss, atol=1e-4, rtol=1e-4
+        )
 
 
 def test_every_length_is_a_prefix_of_the_same_windows(split):
@@ -85,7 +91,9 @@ def test_a_longer_window_length_scores_the_start_of_the_same_windows(split):
     assert short["window_length"] == 128
     assert short["by_length"]["64"]["nll"] == pytest.approx(full["by_length"]["64"]["nll"], rel=1e-6)
     one = evaluate_perplexity(model, split, [64], windows=1, progress=False)["by_length"]["64"]
-    assert one["nll_std"] is None and one["nll_sem"] is None and format_error(one["nll_sem"]) == "n/a"  # no spread from one window
+    assert (
+        one["nll_std"] is None and one["nll_sem"] is None and format_error(one["nll_sem"]) == "n/a"
+    )  # no spread from one window
     alone = evaluate_perplexity(model, split, [64], windows=2, batch_size=2, progress=False)
     assert alone["window_length"] == 64
     with pytest.raises(ValueError, match="shorter than the longest evaluation length"):

@@ -20,7 +20,9 @@ UTILS = Path(__file__).parents[2] / "farsight" / "eval" / "lm_eval_tasks" / "rul
 
 def tiny_drt():
     torch.manual_seed(0)
-    cfg = DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=16, window=24, top_k=2, encoder_layers=1)
+    cfg = DRTConfig(
+        vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=16, window=24, top_k=2, encoder_layers=1
+    )
     return DRTForCausalLM(cfg).eval()
 
 
@@ -75,7 +77,9 @@ def test_multi_answer_scoring_counts_each_reference(monkeypatch):
     assert all(row["exact_match"] == 1.0 for row in single["by_length"].values())
     assert all(row["exact_match"] == 0.0 for row in multi["by_length"].values())
     assert {c["depth"] for c in cwe["by_cell"]} == {0.5} and cwe["by_length"]["1024"]["trials"] == 2  # no depth for cwe
-    assert all("retrieved_needle" not in t for t in cwe["trials"]) and "needle_retrieved" not in cwe["by_length"]["1024"]
+    assert (
+        all("retrieved_needle" not in t for t in cwe["trials"]) and "needle_retrieved" not in cwe["by_length"]["1024"]
+    )
     assert results["average"] == {"1024": 1.0, "1200": 1.0}
 
     def half(answer):  # the first two of four values, then filler
@@ -143,7 +147,11 @@ def test_eval_ruler_command_on_the_demo_model(tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
-    assert "niah_single_1 (noise haystack)" in printed and "string match % (RULER's score)" in printed and "average" in printed
+    assert (
+        "niah_single_1 (noise haystack)" in printed
+        and "string match % (RULER's score)" in printed
+        and "average" in printed
+    )
     results = json.loads(out.read_text())
     assert set(results["tasks"]) == {"niah_single_1", "fwe"} and set(results["average"]) == {"512"}
     trial = results["tasks"]["niah_single_1"]["trials"][0]
@@ -151,16 +159,44 @@ def test_eval_ruler_command_on_the_demo_model(tmp_path, capsys):
 
 
 def test_eval_ruler_export_command(tmp_path, capsys):
-    assert main(["eval", "ruler", "--export", str(tmp_path), "--tokenizer", "byte", "--tasks", "vt", "--lengths", "1k", "--trials", "1", "--haystack", "noise"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "ruler",
+                "--export",
+                str(tmp_path),
+                "--tokenizer",
+                "byte",
+                "--tasks",
+                "vt",
+                "--lengths",
+                "1k",
+                "--trials",
+                "1",
+                "--haystack",
+                "noise",
+            ]
+        )
+        == 0
+    )
     assert "farsight_ruler_vt_1k" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["_farsight_ruler_template.yaml", "data", "farsight_ruler_vt_1k.yaml", "utils.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "_farsight_ruler_template.yaml",
+        "data",
+        "farsight_ruler_vt_1k.yaml",
+        "utils.py",
+    ]
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["--tasks", "niah_single_1,passkey"], "unknown RULER task 'passkey'"),
-        (["--tasks", "niah_multiquery", "--lengths", "300", "--haystack", "noise"], "too short for the niah_multiquery task"),
+        (
+            ["--tasks", "niah_multiquery", "--lengths", "300", "--haystack", "noise"],
+            "too short for the niah_multiquery task",
+        ),
         (["--tasks", "niah_single_2"], "pass --corpus DIR"),
         (["--tasks", "vt", "--task-option", "hops"], "--task-option expects KEY=VALUE"),
     ],

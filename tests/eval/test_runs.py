@@ -12,7 +12,7 @@ from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, Transf
 def make_run(root, model, records, torn=False):
     model.save_pretrained(root / "checkpoints" / "step_00000040")
     lines = [json.dumps(r) for r in records]
-    (root / "metrics.jsonl").write_text("\n".join(lines) + ("\n{\"step\": 6" if torn else "\n"))
+    (root / "metrics.jsonl").write_text("\n".join(lines) + ('\n{"step": 6' if torn else "\n"))
     return root
 
 
@@ -25,7 +25,9 @@ RECORDS = [
 
 
 def test_summary_reads_the_model_and_the_training_record(tmp_path):
-    model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=16))
+    model = TransformerForCausalLM(
+        TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="sliding", window=16)
+    )
     row = summarize_run(make_run(tmp_path, model, RECORDS, torn=True))
     assert row["parameters"] == model.num_parameters() and row["architecture"] == "sliding 16, alibi, 2 layers"
     assert (row["steps"], row["tokens"], row["train_loss"], row["val_loss"]) == (40, 4000, 2.5, 2.7)
@@ -43,7 +45,19 @@ def test_a_drt_ablation_is_named_in_its_architecture():
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    drt = DRTForCausalLM(DRTConfig(vocab_size=260, d_model=32, n_layers=4, n_heads=2, chunk_size=8, window=16, top_k=2, groups=2, encoder_layers=1))
+    drt = DRTForCausalLM(
+        DRTConfig(
+            vocab_size=260,
+            d_model=32,
+            n_layers=4,
+            n_heads=2,
+            chunk_size=8,
+            window=16,
+            top_k=2,
+            groups=2,
+            encoder_layers=1,
+        )
+    )
     run = make_run(tmp_path / "drt", drt, RECORDS)
     assert main(["eval", "runs", str(run), "--out", str(tmp_path / "runs.json")]) == 0
     out = capsys.readouterr().out
@@ -64,7 +78,12 @@ def test_loss_curve_points_smooth_the_train_loss_and_place_held_out_losses_by_to
     assert points["val_x"] == [0.002, 0.004] and points["val_y"] == [3.2, 2.7]
     assert loss_curve_points([{"step": 5, "val_loss": 1.0}])["val_x"] == []
     # a curriculum: 100 tokens per step to step 20, then 300
-    varying = [{"step": 20, "loss": 3.0, "tokens": 2000}, {"step": 10, "val_loss": 3.1}, {"step": 40, "loss": 2.0, "tokens": 8000}, {"step": 40, "val_loss": 2.1}]
+    varying = [
+        {"step": 20, "loss": 3.0, "tokens": 2000},
+        {"step": 10, "val_loss": 3.1},
+        {"step": 40, "loss": 2.0, "tokens": 8000},
+        {"step": 40, "val_loss": 2.1},
+    ]
     assert loss_curve_points(varying)["val_x"] == [0.001, 0.008]
 
 
@@ -94,9 +113,21 @@ def test_held_out_gaps_pair_each_seed_with_the_reference_seed_in_the_same_order(
     gaps = held_out_gaps(runs, "causal")
     assert [label for label, _, _ in gaps] == ["castle", "castle"]
     assert gaps[0][1] == [0.002, 0.004, 0.006] and gaps[0][2] == pytest.approx([-0.1, 0.0, -0.1])
-    assert gaps[1][1] == [0.003] and gaps[1][2] == pytest.approx([2.5 - 2.7])  # step 80 is past the reference's last: left out
-    single = held_out_gaps([("castle", _with_val([2.9, 2.0, 1.4])), ("causal", _with_val([3.0, 2.5, 1.5])), ("swl", _with_val([3.1, 2.5, 1.5]))], "causal")
-    assert [(label, pytest.approx(ys)) for label, _, ys in single] == [("castle", [-0.1, -0.5, -0.1]), ("swl", [0.1, 0.0, 0.0])]
+    assert gaps[1][1] == [0.003] and gaps[1][2] == pytest.approx(
+        [2.5 - 2.7]
+    )  # step 80 is past the reference's last: left out
+    single = held_out_gaps(
+        [
+            ("castle", _with_val([2.9, 2.0, 1.4])),
+            ("causal", _with_val([3.0, 2.5, 1.5])),
+            ("swl", _with_val([3.1, 2.5, 1.5])),
+        ],
+        "causal",
+    )
+    assert [(label, pytest.approx(ys)) for label, _, ys in single] == [
+        ("castle", [-0.1, -0.5, -0.1]),
+        ("swl", [0.1, 0.0, 0.0]),
+    ]
     with pytest.raises(InputError, match="names no run"):
         held_out_gaps(runs, "swl")
     with pytest.raises(InputError, match="'causal' has 2 runs but 'swl' has 1; give each label as many runs"):
@@ -105,13 +136,35 @@ def test_held_out_gaps_pair_each_seed_with_the_reference_seed_in_the_same_order(
 
 def test_cli_plots_the_gap_to_a_reference_label(tmp_path, capsys):
     model = TransformerForCausalLM(TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2))
-    runs = [str(make_run(tmp_path / name, model, _with_val(losses))) for name, losses in [("a", [3.0, 2.0, 1.5]), ("b", [2.9, 1.9, 1.45])]]
+    runs = [
+        str(make_run(tmp_path / name, model, _with_val(losses)))
+        for name, losses in [("a", [3.0, 2.0, 1.5]), ("b", [2.9, 1.9, 1.45])]
+    ]
     plot = tmp_path / "gap.png"
-    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "causal"]) == 0
+    assert (
+        main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "causal"]) == 0
+    )
     assert plot.read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     out = tmp_path / "runs.json"
-    assert main(["eval", "runs", *runs, "--labels", "causal,castle", "--plot", str(plot), "--relative-to", "swl", "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "runs",
+                *runs,
+                "--labels",
+                "causal,castle",
+                "--plot",
+                str(plot),
+                "--relative-to",
+                "swl",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "--relative-to 'swl' names no run; use one of the labels ['causal', 'castle']" in captured.err
     assert captured.out == "" and not out.exists()  # nothing printed or written before the error

@@ -30,14 +30,27 @@ def drt_dir() -> Path:
 def castle_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     config = TransformerConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, attention="castle")
-    return TransformerForCausalLM(config).save_pretrained(tmp_path_factory.mktemp("castle") / "model", tokenizer=ByteTokenizer())
+    return TransformerForCausalLM(config).save_pretrained(
+        tmp_path_factory.mktemp("castle") / "model", tokenizer=ByteTokenizer()
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_drt_dir(tmp_path_factory) -> Path:
     """A DRT small enough for many decoding steps in a test (the demo's steps take ~0.2 s here)."""
     torch.manual_seed(0)
-    config = DRTConfig(vocab_size=260, d_model=32, n_layers=2, n_heads=2, chunk_size=8, window=16, top_k=2, encoder_layers=1, landmark_id=259, pad_id=256)
+    config = DRTConfig(
+        vocab_size=260,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        chunk_size=8,
+        window=16,
+        top_k=2,
+        encoder_layers=1,
+        landmark_id=259,
+        pad_id=256,
+    )
     return DRTForCausalLM(config).save_pretrained(tmp_path_factory.mktemp("drt") / "model", tokenizer=ByteTokenizer())
 
 

@@ -6,7 +6,14 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationMixin, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 import farsight.hf
 import farsight.ops.precision
@@ -90,7 +97,10 @@ def test_generate_refuses_what_farsight_does_not_do(tiny_drt_dir):
     ids = prompt(load_tokenizer(tiny_drt_dir), 1)
     with pytest.raises(InputError, match="num_beams"):
         model.generate(ids, max_new_tokens=2, num_beams=2)
-    with pytest.raises(InputError, match=r"repetition_penalty=1\.2; .* temperature, top_k and top_p only: leave repetition_penalty at 1\.0"):
+    with pytest.raises(
+        InputError,
+        match=r"repetition_penalty=1\.2; .* temperature, top_k and top_p only: leave repetition_penalty at 1\.0",
+    ):
         model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
     with pytest.raises(ConfigError, match="memory="):
         model.generate(ids, max_new_tokens=2, memory="floppy")
@@ -101,7 +111,9 @@ def test_sampling_reads_the_generation_options(tiny_drt_dir):
     native = load_model(tiny_drt_dir).eval()
     ids = prompt(load_tokenizer(tiny_drt_dir), 1)
     out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=5, generator=torch.Generator().manual_seed(3))
-    expected = native.generate(ids, 6, temperature=1.0, top_k=5, eos_token_id=258, generator=torch.Generator().manual_seed(3))
+    expected = native.generate(
+        ids, 6, temperature=1.0, top_k=5, eos_token_id=258, generator=torch.Generator().manual_seed(3)
+    )
     assert torch.equal(out, expected)
 
 
@@ -109,7 +121,9 @@ def test_save_pretrained_writes_a_directory_farsight_loads(model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.save_pretrained(tmp_path / "copy")
     # every model file; a model card (README.md, written by `farsight export --card`) is not the model's to copy
-    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(p.name for p in model_dir.iterdir() if p.name != "README.md")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == sorted(
+        p.name for p in model_dir.iterdir() if p.name != "README.md"
+    )
     native, original = load_model(tmp_path / "copy"), load_model(model_dir)
     assert all(torch.equal(a, b) for a, b in zip(native.state_dict().values(), original.state_dict().values()))
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy")
@@ -152,7 +166,11 @@ def test_auto_tokenizer_equals_farsights_tokenizer(tmp_path, drt_dir):
             assert tokenizer.encode(text) == ids
             assert tokenizer.decode(ids) == native.decode(ids)
         assert native.lmk_id not in tokenizer.encode(texts[2])
-        assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (native.pad_id, native.bos_id, native.eos_id)
+        assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
+            native.pad_id,
+            native.bos_id,
+            native.eos_id,
+        )
         assert tokenizer.decode([native.bos_id, *native.encode("ab"), native.lmk_id], skip_special_tokens=True) == "ab"
         tokenizer.save_pretrained(tmp_path / "saved")
         assert load_tokenizer(tmp_path / "saved").to_spec() == native.to_spec()

@@ -33,8 +33,26 @@ def test_items_hold_the_answer_among_distinct_distractors():
 
 def test_lm_eval_accuracy_equals_the_sessions_ranking(drt_dir, tmp_path, capsys):
     out = tmp_path / "tasks"
-    code = main(["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "400", "--depths", "0.3,0.7",
-                 "--trials", "2", "--align", "1", "--export-choice", str(out)])
+    code = main(
+        [
+            "eval",
+            "passkey",
+            "--model",
+            str(drt_dir),
+            "--filler",
+            "repeat",
+            "--lengths",
+            "400",
+            "--depths",
+            "0.3,0.7",
+            "--trials",
+            "2",
+            "--align",
+            "1",
+            "--export-choice",
+            str(out),
+        ]
+    )
     assert code == 0 and "farsight_passkey_mc_400" in capsys.readouterr().out
     items = [json.loads(line) for line in (out / "data" / "farsight_passkey_mc_400.jsonl").read_text().splitlines()]
     results = evaluate(str(drt_dir), ["farsight_passkey_mc_400"], include_path=str(out), batch_size=4)

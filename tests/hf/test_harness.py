@@ -15,9 +15,24 @@ from farsight.hf.harness import task_manager  # noqa: E402
 from farsight.models import load_model  # noqa: E402
 
 DOCS = [
-    {"context": "The passkey is 4821. Hay hay hay.", "choices": [" 4821", " 1234", " 9090", " 5555"], "answer": 0, "passkey": "4821"},
-    {"context": "Grass is green. The passkey is 7070.", "choices": [" 1111", " 7070", " 3141", " 2718"], "answer": 1, "passkey": "7070"},
-    {"context": "The passkey is 12. Sky is blue.", "choices": [" 12", " 99", " 123", " 7"], "answer": 0, "passkey": "12"},
+    {
+        "context": "The passkey is 4821. Hay hay hay.",
+        "choices": [" 4821", " 1234", " 9090", " 5555"],
+        "answer": 0,
+        "passkey": "4821",
+    },
+    {
+        "context": "Grass is green. The passkey is 7070.",
+        "choices": [" 1111", " 7070", " 3141", " 2718"],
+        "answer": 1,
+        "passkey": "7070",
+    },
+    {
+        "context": "The passkey is 12. Sky is blue.",
+        "choices": [" 12", " 99", " 123", " 7"],
+        "answer": 0,
+        "passkey": "12",
+    },
 ]
 PROMPT = "{{context}}\nWhat is the passkey? The passkey is"
 
@@ -27,14 +42,16 @@ def tasks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tasks")
     data = folder / "passkey.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
-    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: \"\"\ndoc_to_text: \"{PROMPT}\"\n"
+    common = f'dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: ""\ndoc_to_text: "{PROMPT}"\n'
     (folder / "mc.yaml").write_text(
-        "task: farsight_passkey_mc\noutput_type: multiple_choice\n" + common
-        + "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+        "task: farsight_passkey_mc\noutput_type: multiple_choice\n"
+        + common
+        + 'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'
     )
     (folder / "gen.yaml").write_text(
-        "task: farsight_passkey_gen\noutput_type: generate_until\n" + common
-        + "doc_to_target: \" {{passkey}}\"\ngeneration_kwargs:\n  until: [\".\", \"\\n\"]\n  max_gen_toks: 6\n"
+        "task: farsight_passkey_gen\noutput_type: generate_until\n"
+        + common
+        + 'doc_to_target: " {{passkey}}"\ngeneration_kwargs:\n  until: [".", "\\n"]\n  max_gen_toks: 6\n'
         + "metric_list:\n  - metric: exact_match\n"
     )
     return folder
@@ -50,7 +67,9 @@ def loglikelihood_by_hand(model, tokenizer, context, continuation):
 def greedy_text_by_hand(model, tokenizer, context, max_new_tokens=6, until=(".", "\n")):
     """farsight's greedy generate, decoded and cut before the first stop string."""
     ids = torch.tensor([tokenizer.encode(context)])
-    text = tokenizer.decode(model.generate(ids, max_new_tokens, temperature=0, eos_token_id=tokenizer.eos_id)[0, ids.shape[1] :].tolist())
+    text = tokenizer.decode(
+        model.generate(ids, max_new_tokens, temperature=0, eos_token_id=tokenizer.eos_id)[0, ids.shape[1] :].tolist()
+    )
     return min((text[: text.index(stop)] for stop in until if stop in text), key=len, default=text)
 
 
@@ -76,19 +95,43 @@ def test_simple_evaluate_equals_the_sessions_by_hand(tiny_drt_dir, tasks):
 
 def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, tasks, tmp_path, capsys):
     out = tmp_path / "results.json"
-    code = main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "farsight_passkey_mc",
-                 "--include-path", str(tasks), "--limit", "2", "--batch-size", "4", "--out", str(out)])
+    code = main(
+        [
+            "eval",
+            "harness",
+            "--model",
+            str(tiny_drt_dir),
+            "--tasks",
+            "farsight_passkey_mc",
+            "--include-path",
+            str(tasks),
+            "--limit",
+            "2",
+            "--batch-size",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     assert "farsight_passkey_mc" in capsys.readouterr().out
     python = lm_eval.simple_evaluate(
-        model="farsight", model_args=f"pretrained={tiny_drt_dir}", tasks=["farsight_passkey_mc"], limit=2,
+        model="farsight",
+        model_args=f"pretrained={tiny_drt_dir}",
+        tasks=["farsight_passkey_mc"],
+        limit=2,
         task_manager=task_manager(["farsight_passkey_mc"], str(tasks)),
     )
-    assert json.loads(out.read_text())["results"]["farsight_passkey_mc"] == pytest.approx(python["results"]["farsight_passkey_mc"])
+    assert json.loads(out.read_text())["results"]["farsight_passkey_mc"] == pytest.approx(
+        python["results"]["farsight_passkey_mc"]
+    )
 
 
 def test_farsight_eval_harness_refuses_unknown_tasks(tiny_drt_dir, tasks, capsys):
-    assert main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "no_such_task", "--include-path", str(tasks)]) == 2
+    assert (
+        main(["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "no_such_task", "--include-path", str(tasks)])
+        == 2
+    )
     assert "no_such_task" in capsys.readouterr().err
 
 
@@ -105,5 +148,7 @@ def test_bf16_scoring_and_generation_widen_the_products_this_cpu_lacks(native, t
     [(logprob, _)] = lm._loglikelihood_tokens([(("", ""), context, continuation)], disable_tqdm=True)
     assert logprob < 0 and bool(widened_ops) != native
     widened_ops.clear()
-    [text] = lm.generate_until([SimpleNamespace(args=("The passkey is", {"until": ["."], "max_gen_toks": 3}))], disable_tqdm=True)
+    [text] = lm.generate_until(
+        [SimpleNamespace(args=("The passkey is", {"until": ["."], "max_gen_toks": 3}))], disable_tqdm=True
+    )
     assert isinstance(text, str) and bool(widened_ops) != native

@@ -7,13 +7,18 @@ from farsight.layers import (
     RotaryEmbedding,
     SwiGLU,
     alibi_slopes,
+    attention,
     rms_norm_reference,
     rotary_reference,
     swiglu_hidden_size,
     swiglu_reference,
 )
-from farsight.layers import attention
-from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention, attention_by_matmuls
+from farsight.layers.attention import (
+    BidirectionalAttention,
+    CausalSelfAttention,
+    SlidingWindowAttention,
+    attention_by_matmuls,
+)
 from farsight.models import DRTConfig, TransformerConfig
 from tests.tolerance import RMS_RATIO, assert_close_rms
 
@@ -81,7 +86,9 @@ def test_causal_attention_matches_explicit_softmax():
     torch.testing.assert_close(attn(x), attn.out(ref))
 
 
-@pytest.mark.parametrize("kind,extra", [("causal", {}), ("sliding", {"window": 4}), ("sliding", {"window": 4, "position": "rope"})])
+@pytest.mark.parametrize(
+    "kind,extra", [("causal", {}), ("sliding", {"window": 4}), ("sliding", {"window": 4, "position": "rope"})]
+)
 def test_cached_decoding_equals_full_forward(kind, extra):
     cfg = _config(attention=kind, **extra)
     attn = (CausalSelfAttention if kind == "causal" else SlidingWindowAttention)(cfg).double()
@@ -144,7 +151,11 @@ def test_encoder_attention_takes_the_matmul_path_only_to_train_on_cpu(monkeypatc
     cfg = DRTConfig(vocab_size=32, d_model=24, n_heads=3, n_layers=2, chunk_size=4, window=8, top_k=1, encoder_layers=1)
     attn = BidirectionalAttention(cfg)
     calls = []
-    monkeypatch.setattr(attention, "attention_by_matmuls", lambda *a: calls.append(1) or F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]))
+    monkeypatch.setattr(
+        attention,
+        "attention_by_matmuls",
+        lambda *a: calls.append(1) or F.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
+    )
     x = torch.randn(2, 5, 24, requires_grad=True)
     with torch.no_grad():
         inference = attn(x)

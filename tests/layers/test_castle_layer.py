@@ -48,7 +48,9 @@ def test_a_cache_from_another_layer_is_rejected():
 def test_head_count_for_parameter_parity():
     assert castle_heads_for_parity(14) == 8 and castle_heads_for_parity(16) == 9 and castle_heads_for_parity(1) == 1
     std = TransformerForCausalLM(TransformerConfig(d_model=448, n_heads=14, n_layers=1))
-    castle = TransformerForCausalLM(TransformerConfig(d_model=448, n_heads=8, head_dim=32, n_layers=1, attention="castle"))
+    castle = TransformerForCausalLM(
+        TransformerConfig(d_model=448, n_heads=8, head_dim=32, n_layers=1, attention="castle")
+    )
     attn_std = sum(p.numel() for p in std.blocks[0].attn.parameters())
     attn_castle = sum(p.numel() for p in castle.blocks[0].attn.parameters())
     assert attn_castle == attn_std  # 7 * 8 == 4 * 14
@@ -78,7 +80,9 @@ def test_model_level_prefill_decode_and_causality():
     ids = torch.randint(0, 50, (2, 20))
     full = model(ids).logits
     caches = model.new_caches()
-    parts = [model(ids[:, :9], caches=caches).logits] + [model(ids[:, i : i + 1], caches=caches).logits for i in range(9, 20)]
+    parts = [model(ids[:, :9], caches=caches).logits] + [
+        model(ids[:, i : i + 1], caches=caches).logits for i in range(9, 20)
+    ]
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
     changed = ids.clone()
     changed[:, 12:] = (changed[:, 12:] + 1) % 50

@@ -27,7 +27,18 @@ def make(kind):
     if kind != "drt":
         return make_cpu_model(kind)
     torch.manual_seed(0)
-    cfg = DRTConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, chunk_size=5, window=12, top_k=2, groups=2, encoder_layers=1, gumbel=False)
+    cfg = DRTConfig(
+        vocab_size=V,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        chunk_size=5,
+        window=12,
+        top_k=2,
+        groups=2,
+        encoder_layers=1,
+        gumbel=False,
+    )
     return DRTForCausalLM(cfg)
 
 
@@ -78,7 +89,9 @@ def test_session_on_cuda_equals_the_cpu_session(kind, memory):
     def stream(model):
         device = next(model.parameters()).device
         with model.new_session(batch_size=2, **options) as session:
-            logits = [session.feed(x[:, :23].to(device))] + [session.step(x[:, i].to(device))[:, None] for i in range(23, 53)]
+            logits = [session.feed(x[:, :23].to(device))] + [
+                session.step(x[:, i].to(device))[:, None] for i in range(23, 53)
+            ]
         return torch.cat(logits, 1).cpu()
 
     with torch.no_grad():

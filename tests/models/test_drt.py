@@ -138,7 +138,11 @@ def test_no_retriever_equals_a_sliding_window_transformer():
     model = tiny(retriever="none")
     cfg = model.config.block_config()
     base = TransformerForCausalLM(cfg).eval()
-    state = {"embed.weight": model.embed.weight, "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight}
+    state = {
+        "embed.weight": model.embed.weight,
+        "norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
     for i, block in enumerate(model.layers()):
         for name, p in block.named_parameters():
             if not name.startswith("cross"):
@@ -151,7 +155,15 @@ def test_no_retriever_equals_a_sliding_window_transformer():
 
 
 # 262 and 247 tokens are 53 and 50 chunks: the device/host pages (16, 32, 64 chunks) fill and grow
-STREAM_CASES = [(30, 1, "device"), (28, 2, "device"), (33, 1, "host"), (25, 2, "disk"), (31, 2, "host"), (262, 2, "device"), (247, 1, "host")]
+STREAM_CASES = [
+    (30, 1, "device"),
+    (28, 2, "device"),
+    (33, 1, "host"),
+    (25, 2, "disk"),
+    (31, 2, "host"),
+    (262, 2, "device"),
+    (247, 1, "host"),
+]
 
 
 @pytest.mark.parametrize("length,groups,memory", STREAM_CASES)
@@ -292,7 +304,14 @@ def test_paged_buffer_grows_without_copying_and_gathers_across_pages():
 
 @pytest.mark.parametrize(
     "memory, screen, native",
-    [("graph", "bf16", True), ("device", "bf16", True), ("disk", "bf16", True), ("device", "lowrank", False), ("disk", "lowrank", False), ("disk", "lowrank", True)],
+    [
+        ("graph", "bf16", True),
+        ("device", "bf16", True),
+        ("disk", "bf16", True),
+        ("device", "lowrank", False),
+        ("disk", "lowrank", False),
+        ("disk", "lowrank", True),
+    ],
 )
 def test_screened_retrieval_equals_scoring_every_key(memory, screen, native, monkeypatch):
     """A screen (farsight.ops.retrieval: low-rank where the keys have a basis, else bf16 where
@@ -329,8 +348,11 @@ def test_screened_retrieval_equals_scoring_every_key(memory, screen, native, mon
             results.append((out.logits[mask.bool()], out.retrieval))
             continue
         with model.new_session(batch_size=2, memory=memory, segment_chunks=4, record_retrieval=True) as session:
-            logits = torch.cat([session.prefill(x[:, :150], attention_mask=mask[:, :150])[:, None]]
-                               + [session.step(x[:, i])[:, None] for i in range(150, 203)], 1)
+            logits = torch.cat(
+                [session.prefill(x[:, :150], attention_mask=mask[:, :150])[:, None]]
+                + [session.step(x[:, i])[:, None] for i in range(150, 203)],
+                1,
+            )
             results.append((logits, session.retrievals))
     (ref_logits, ref_info), (logits, info) = results
     assert len(screened) == (0 if screen == "bf16" else 2 * 17)  # 2 groups x the chunks after the first
@@ -350,7 +372,11 @@ def test_chunk_memory_keeps_bf16_keys_and_a_norm_bound(monkeypatch):
     memory.append(keys[:, :3], torch.zeros(1, 3, 2, 1, 4), torch.zeros(1, 3, 2, 1, 4))
     memory.append(keys[:, 3:], torch.zeros(1, 2, 2, 1, 4), torch.zeros(1, 2, 2, 1, 4))
     state = memory.screen_state()
-    assert set(state) == {"keys_low", "max_key_norm", "low_rank"}  # the low-rank screen first, where the keys have a basis
+    assert set(state) == {
+        "keys_low",
+        "max_key_norm",
+        "low_rank",
+    }  # the low-rank screen first, where the keys have a basis
     low, bound = state["keys_low"], state["max_key_norm"]
     assert torch.equal(low, keys.bfloat16())
     torch.testing.assert_close(bound, keys.norm(dim=-1).max())
@@ -381,7 +407,9 @@ def test_chunk_memory_of_bf16_keys_screens_the_keys_themselves(monkeypatch):
     monkeypatch.setattr(retrieval, "native_bf16_matmul", lambda device: True)
     memory = ChunkMemory("host", torch.device("cpu"))
     keys = torch.randn(1, 5, 8, dtype=torch.bfloat16)
-    memory.append(keys, torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16), torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16))
+    memory.append(
+        keys, torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16), torch.zeros(1, 5, 2, 1, 4, dtype=torch.bfloat16)
+    )
     low = memory.screen_state()["keys_low"]
     assert torch.equal(low, keys) and low.data_ptr() == memory.landmark_keys().data_ptr()
     torch.testing.assert_close(memory.screen_state()["max_key_norm"], keys.float().norm(dim=-1).max())

@@ -22,7 +22,17 @@ def tiny(groups=1, top_k=8, dtype=torch.float64):
     # top_k above the number of chunks: every earlier chunk is retrieved, the partly padded one
     # included, so a pad reaching GCA or a padding-only chunk competing in retrieval shows
     torch.manual_seed(0)
-    cfg = DRTConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, chunk_size=5, window=9, top_k=top_k, groups=groups, encoder_layers=1)
+    cfg = DRTConfig(
+        vocab_size=V,
+        d_model=32,
+        n_layers=4,
+        n_heads=2,
+        chunk_size=5,
+        window=9,
+        top_k=top_k,
+        groups=groups,
+        encoder_layers=1,
+    )
     return DRTForCausalLM(cfg).to(dtype).eval()
 
 
@@ -104,7 +114,9 @@ def test_parallel_forward_masks_left_padding(groups):
     with model.new_session(batch_size=2) as session:
         last = session.prefill(batch, attention_mask=mask)
         assert session.prompt_offset == 1
-    aligned = model(torch.cat([batch.new_zeros(2, 1), batch], 1), attention_mask=torch.cat([mask.new_zeros(2, 1), mask], 1))
+    aligned = model(
+        torch.cat([batch.new_zeros(2, 1), batch], 1), attention_mask=torch.cat([mask.new_zeros(2, 1), mask], 1)
+    )
     torch.testing.assert_close(last, aligned.logits[:, -1], atol=1e-10, rtol=0)
 
 
@@ -167,7 +179,10 @@ def test_bad_attention_masks(mask, message):
 def test_models_without_padding_masks_refuse_padded_rows():
     cfg = TransformerConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, attention="causal")
     model = TransformerForCausalLM(cfg).eval()
-    with model.new_session(batch_size=2) as session, pytest.raises(InputError, match="feed each row in a session of its own"):
+    with (
+        model.new_session(batch_size=2) as session,
+        pytest.raises(InputError, match="feed each row in a session of its own"),
+    ):
         session.prefill(ids(2, 4), attention_mask=torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     with model.new_session() as session:  # an all-ones mask is no padding
         session.prefill(ids(1, 4), attention_mask=torch.ones(1, 4))

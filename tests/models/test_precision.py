@@ -24,10 +24,22 @@ DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-drt"
 def make(kind):
     torch.manual_seed(0)
     if kind == "drt":
-        cfg = DRTConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, chunk_size=5, window=12, top_k=2, groups=2, encoder_layers=1)
+        cfg = DRTConfig(
+            vocab_size=V,
+            d_model=32,
+            n_layers=4,
+            n_heads=2,
+            chunk_size=5,
+            window=12,
+            top_k=2,
+            groups=2,
+            encoder_layers=1,
+        )
         return DRTForCausalLM(cfg)
     extra = {"sliding": {"window": 6}, "castle-swl": {"lookahead_window": 5}}.get(kind, {})
-    return TransformerForCausalLM(TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attention=kind, **extra))
+    return TransformerForCausalLM(
+        TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attention=kind, **extra)
+    )
 
 
 def ids(b, n, seed=1):
@@ -127,7 +139,9 @@ def test_fp16_chunk_memory_gives_the_demo_models_passkey_answers(memory):
     task = make_task("passkey", tokenizer, _stdlib_filler(tokenizer), model.config.chunk_size)
 
     def answers(kv_dtype):
-        summary = evaluate_needle_task(model, task, [1024, 4096], [0.2, 0.8], trials=2, memory=memory, kv_dtype=kv_dtype, progress=False)
+        summary = evaluate_needle_task(
+            model, task, [1024, 4096], [0.2, 0.8], trials=2, memory=memory, kv_dtype=kv_dtype, progress=False
+        )
         return [t["predicted"] for t in summary["trials"]], summary
 
     fp32, summary = answers(None)

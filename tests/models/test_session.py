@@ -17,7 +17,17 @@ V = 40
 def make(kind):
     torch.manual_seed(0)
     if kind == "drt":
-        cfg = DRTConfig(vocab_size=V, d_model=32, n_layers=4, n_heads=2, chunk_size=5, window=12, top_k=2, groups=2, encoder_layers=1)
+        cfg = DRTConfig(
+            vocab_size=V,
+            d_model=32,
+            n_layers=4,
+            n_heads=2,
+            chunk_size=5,
+            window=12,
+            top_k=2,
+            groups=2,
+            encoder_layers=1,
+        )
         return DRTForCausalLM(cfg).double().eval()
     extra = {"sliding": {"window": 6}, "castle-swl": {"lookahead_window": 5}}.get(kind, {})
     cfg = TransformerConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, attention=kind, **extra)

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from farsight.config import ConfigError
-from farsight.models import TransformerConfig, TransformerForCausalLM, load_model
-from farsight.models import build_model, sample_next_token
+from farsight.models import TransformerConfig, TransformerForCausalLM, build_model, load_model, sample_next_token
 
 KINDS = [("causal", {}), ("sliding", {"window": 6})]
 
@@ -33,7 +32,9 @@ def test_loss_weights_and_ignored_labels():
     weights = torch.ones(2, 9)
     weights[:, -1] = 10.0
     out = model(ids, labels=labels, loss_weights=weights)
-    ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1), reduction="none").view(2, 8)
+    ce = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(2, 8)
     w = weights[:, 1:] * (labels[:, 1:] != -100)
     torch.testing.assert_close(out.loss, (ce * w).sum() / w.sum())
 

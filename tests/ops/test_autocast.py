@@ -23,13 +23,13 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from farsight.ops.castle import inference as castle_inference  # noqa: E402
 from farsight.ops.castle import (  # noqa: E402
     castle_attention,
     castle_decode,
     castle_prefill,
     castle_recurrent,
 )
+from farsight.ops.castle import inference as castle_inference  # noqa: E402
 from farsight.ops.gca import gca  # noqa: E402
 from farsight.ops.window import sliding_window_attention, sliding_window_attention_flex  # noqa: E402
 from tests.tolerance import RMS_RATIO, assert_close_rms  # noqa: E402

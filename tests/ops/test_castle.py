@@ -31,8 +31,7 @@ def decode_update(request, monkeypatch):
 def make_inputs(batch, steps, heads, dim, dtype=torch.float64, requires_grad=False, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(batch, steps, heads, dim, generator=gen, dtype=dtype).requires_grad_(requires_grad)
-        for _ in NAMES
+        torch.randn(batch, steps, heads, dim, generator=gen, dtype=dtype).requires_grad_(requires_grad) for _ in NAMES
     ]
 
 

@@ -334,7 +334,16 @@ def test_inference_path_in_low_precision_matches_fp64(dtype: torch.dtype, softma
     mask = _key_mask(index, 7)
     want = gca_reference(q, k, v, index, weight, softmax_one=softmax_one, key_mask=mask)
     with torch.no_grad():
-        got = gca(q.to(dtype), k.to(dtype), v.to(dtype), index, weight.float(), softmax_one=softmax_one, key_mask=mask, backend="torch")
+        got = gca(
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+            index,
+            weight.float(),
+            softmax_one=softmax_one,
+            key_mask=mask,
+            backend="torch",
+        )
     assert got.dtype == dtype
     error = (got.double() - want).norm() / want.norm()
     assert error < (0.02 if dtype == torch.bfloat16 else 0.005), error

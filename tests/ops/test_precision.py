@@ -42,7 +42,9 @@ def test_each_product_is_the_fp32_product_rounded_once(dtype, grad_mode, widened
         # exactly the fp32 product rounded once (no second rounding, no product left in dtype)
         assert out.dtype == dtype and torch.equal(out, fn(*(x.float() for x in inputs)).to(dtype)), name
         # within one ulp of the exact product, and what torch's own kernel computes to its rounding
-        assert_close(out.float(), fn(*(x.double() for x in inputs)).float(), rtol=torch.finfo(dtype).eps, atol=1e-5, msg=name)
+        assert_close(
+            out.float(), fn(*(x.double() for x in inputs)).float(), rtol=torch.finfo(dtype).eps, atol=1e-5, msg=name
+        )
         assert_close(out.float(), fn(*inputs).float(), rtol=4 * torch.finfo(dtype).eps, atol=1e-2, msg=name)
 
 

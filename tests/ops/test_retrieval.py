@@ -32,7 +32,9 @@ def assert_same_topk(ref, got, atol):
     # where fewer than k are candidates, the finite entries name the same keys
     for r, g, f in zip(ri[~full], gi[~full], finite[~full]):
         assert set(r[f].tolist()) == set(g[f].tolist())
-    torch.testing.assert_close(gs.sort(-1).values[finite.all(-1)], rs.sort(-1).values[finite.all(-1)], atol=atol, rtol=0)
+    torch.testing.assert_close(
+        gs.sort(-1).values[finite.all(-1)], rs.sort(-1).values[finite.all(-1)], atol=atol, rtol=0
+    )
 
 
 def inputs(b, m, n, d, dtype, seed=0):
@@ -165,7 +167,9 @@ def test_given_bf16_keys_and_norm_bound_are_used():
     q, keys = inputs(1, 4, 1500, 32, torch.float32)
     start, stop = torch.zeros(1, dtype=torch.long), torch.arange(4) + 1400
     ref = retrieval_topk_reference(q, keys, 4, start, stop, 0.2)
-    got = retrieval_topk(q, keys, 4, start, stop, 0.2, keys.bfloat16(), keys.norm(dim=-1).max() * 1.5, backend="screened")
+    got = retrieval_topk(
+        q, keys, 4, start, stop, 0.2, keys.bfloat16(), keys.norm(dim=-1).max() * 1.5, backend="screened"
+    )
     assert_same_topk(ref, got, 2e-6)
 
 
@@ -180,10 +184,14 @@ def test_non_finite_inputs_take_the_reference_path():
 
 def test_empty_memory_and_empty_queries():
     q, keys = inputs(2, 3, 0, 8, torch.float32)
-    index, scores = retrieval_topk(q, keys, 4, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1.0, backend="screened")
+    index, scores = retrieval_topk(
+        q, keys, 4, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1.0, backend="screened"
+    )
     assert index.shape == scores.shape == (2, 3, 0)
     q, keys = inputs(1, 0, 2000, 8, torch.float32)
-    index, scores = retrieval_topk(q, keys, 4, torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0, backend="screened")
+    index, scores = retrieval_topk(
+        q, keys, 4, torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0, backend="screened"
+    )
     assert index.shape == (1, 0, 4)
 
 
@@ -198,7 +206,14 @@ def test_empty_memory_and_empty_queries():
     ],
 )
 def test_bad_inputs_name_the_problem(change, message):
-    args = dict(query=torch.zeros(1, 3, 8), keys=torch.zeros(1, 5, 8), k=2, start=torch.zeros(1, dtype=torch.long), stop=torch.arange(3), scale=1.0)
+    args = dict(
+        query=torch.zeros(1, 3, 8),
+        keys=torch.zeros(1, 5, 8),
+        k=2,
+        start=torch.zeros(1, dtype=torch.long),
+        stop=torch.arange(3),
+        scale=1.0,
+    )
     args.update(change)
     with pytest.raises(ValueError, match=message):
         retrieval_topk(**args)
@@ -246,7 +261,9 @@ def low_rank_keys(b, n, d, rank=5, noise=1e-3, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     mean = 3 * torch.randn(b, 1, d, generator=g, dtype=torch.float64)
     directions = torch.linalg.qr(torch.randn(b, d, rank, generator=g, dtype=torch.float64)).Q.transpose(1, 2)
-    coefficients = torch.randn(b, n, rank, generator=g, dtype=torch.float64) * torch.linspace(2, 0.5, rank, dtype=torch.float64)
+    coefficients = torch.randn(b, n, rank, generator=g, dtype=torch.float64) * torch.linspace(
+        2, 0.5, rank, dtype=torch.float64
+    )
     keys = mean + coefficients @ directions + noise * torch.randn(b, n, d, generator=g, dtype=torch.float64)
     return keys.to(dtype)
 
@@ -262,7 +279,9 @@ def test_low_rank_topk_equals_the_reference_without_scoring_every_key(dtype, ato
     low_rank.update(keys)
     assert low_rank.basis.shape == (2, 8, 64)
     ref = retrieval_topk_reference(q, keys, k, start, stop, 0.2)
-    if 6 * k * lowrank_module.GROUP * groups_module.RESCORE_LIMIT <= n:  # else the top-k's groups alone may be too many to rescore
+    if (
+        6 * k * lowrank_module.GROUP * groups_module.RESCORE_LIMIT <= n
+    ):  # else the top-k's groups alone may be too many to rescore
         monkeypatch.setattr(groups_module, "retrieval_topk_reference", no_fallback)
     assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2, low_rank), atol)
     assert_same_topk(ref, retrieval_topk_lowrank(q, keys, k, start, stop, 0.2), atol)  # fitted on the fly
@@ -273,7 +292,9 @@ def order_hidden_outside_the_basis(n=20000, d=64, close=16, gap=0.05):
     keys score 100 + gap * p_i inside the span (p a permutation of 0..close-1) and -2 gap * p_i
     along side, too little energy to enter the fitted basis, so their exact scores 100 - gap * p_i
     run in the opposite order to what the basis sees; every other key scores below 60."""
-    keys = low_rank_keys(1, n, d, rank=7, noise=0.0, dtype=torch.float64)[0]  # mean + 7: no spare dimension in a rank-8 basis
+    keys = low_rank_keys(1, n, d, rank=7, noise=0.0, dtype=torch.float64)[
+        0
+    ]  # mean + 7: no spare dimension in a rank-8 basis
     g = torch.Generator().manual_seed(2)
     span = torch.linalg.svd(keys, full_matrices=False).Vh[:8]
     u = span[0]
@@ -351,11 +372,17 @@ def test_low_rank_keys_grow_refit_and_truncate_like_the_memory():
     low_rank.truncate(4000)
     assert low_rank.n_keys == low_rank.coords.length == low_rank.residuals.length == 4000
     low_rank.update(keys[:, :4500])
-    assert low_rank.coords.length == 4500 and torch.equal(low_rank.coords.view()[:, 4000:], keys[:, 4000:4500] @ basis.transpose(1, 2))
+    assert low_rank.coords.length == 4500 and torch.equal(
+        low_rank.coords.view()[:, 4000:], keys[:, 4000:4500] @ basis.transpose(1, 2)
+    )
     assert low_rank.max_norm >= keys.norm(dim=-1).max()
     q = keys[:, :3] + 0.1
     start, stop = torch.zeros(1, dtype=torch.long), torch.tensor([4000, 4200, 4500])
-    assert_same_topk(retrieval_topk_reference(q, keys[:, :4500], 4, start, stop, 0.2), retrieval_topk_lowrank(q, keys[:, :4500], 4, start, stop, 0.2, low_rank), 1e-4)
+    assert_same_topk(
+        retrieval_topk_reference(q, keys[:, :4500], 4, start, stop, 0.2),
+        retrieval_topk_lowrank(q, keys[:, :4500], 4, start, stop, 0.2, low_rank),
+        1e-4,
+    )
     with pytest.raises(ValueError, match="low_rank covers 4500 keys, keys has 5000"):
         retrieval_topk_lowrank(q, keys, 4, start, stop, 0.2, low_rank)
 
@@ -378,11 +405,24 @@ def test_low_rank_keys_of_a_bf16_memory_cast_only_new_rows_between_refits(monkey
     for stop in (1000, 1100, 1500, 1600, 2100, 2200):
         bf16.update(keys[:, :stop])
     monkeypatch.undo()
-    assert cast_rows == [1000, 100, 1100, 400, 100, 500, 100, 2200]  # new rows, and all of them at the fits (1100, 2200)
+    assert cast_rows == [
+        1000,
+        100,
+        1100,
+        400,
+        100,
+        500,
+        100,
+        2200,
+    ]  # new rows, and all of them at the fits (1100, 2200)
     for stop in (1000, 1100, 1500, 1600, 2100, 2200):
         fp32.update(keys[:, :stop].float())
     assert bf16.fitted_at == fp32.fitted_at == 2200 and bf16.basis.dtype == torch.float32
-    for got, want in ((bf16.basis, fp32.basis), (bf16.coords.view(), fp32.coords.view()), (bf16.residuals.view(), fp32.residuals.view())):
+    for got, want in (
+        (bf16.basis, fp32.basis),
+        (bf16.coords.view(), fp32.coords.view()),
+        (bf16.residuals.view(), fp32.residuals.view()),
+    ):
         assert torch.equal(got, want)
 
 
@@ -418,8 +458,12 @@ def test_low_rank_scores_stay_fp32_under_autocast():
 
 def test_low_rank_empty_memory_and_empty_queries():
     q, keys = inputs(2, 3, 0, 64, torch.float32)
-    index, scores = retrieval_topk(q, keys, 4, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1.0, backend="lowrank")
+    index, scores = retrieval_topk(
+        q, keys, 4, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), 1.0, backend="lowrank"
+    )
     assert index.shape == scores.shape == (2, 3, 0)
     keys = low_rank_keys(1, 2000, 64)
-    index, scores = retrieval_topk(keys[:, :0], keys, 4, torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0, backend="lowrank")
+    index, scores = retrieval_topk(
+        keys[:, :0], keys, 4, torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1.0, backend="lowrank"
+    )
     assert index.shape == (1, 0, 4)

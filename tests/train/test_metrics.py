@@ -12,7 +12,13 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     assert read_metrics(path) == []
 
 
-@pytest.mark.parametrize("text, problem", [('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not JSON"), ('[1, 2]\n{"step": 2}\n', "line 1 is not a JSON object")])
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not JSON"),
+        ('[1, 2]\n{"step": 2}\n', "line 1 is not a JSON object"),
+    ],
+)
 def test_a_bad_line_before_the_end_is_named(tmp_path, text, problem):
     path = tmp_path / "metrics.jsonl"
     path.write_text(text)

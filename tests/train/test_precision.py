@@ -16,10 +16,22 @@ from tests.train.conftest import tiny_config
 PRECISIONS = ["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
 MODELS = {
     "causal": {"type": "transformer", "d_model": 32, "n_layers": 2, "n_heads": 2},
-    "sliding": {"type": "transformer", "d_model": 32, "n_layers": 2, "n_heads": 2, "attention": "sliding", "window": 16},
+    "sliding": {
+        "type": "transformer",
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "attention": "sliding",
+        "window": 16,
+    },
     "castle": {"type": "transformer", "d_model": 32, "n_layers": 2, "n_heads": 2, "attention": "castle"},
     "castle-swl": {
-        "type": "transformer", "d_model": 32, "n_layers": 2, "n_heads": 2, "attention": "castle-swl", "lookahead_window": 8
+        "type": "transformer",
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "attention": "castle-swl",
+        "lookahead_window": 8,
     },
     "drt": {"type": "drt", "d_model": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 8, "window": 16},
 }
@@ -61,7 +73,12 @@ def test_parameters_and_optimizer_state_keep_their_precision(token_dir, tmp_path
     trainer.model.blocks[0].mlp.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
     trainer.fit()
     kept = torch.bfloat16 if precision == "bf16" else torch.float32
-    computed = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, "bf16": torch.bfloat16}
+    computed = {
+        "fp32": torch.float32,
+        "bf16-mixed": torch.bfloat16,
+        "fp16-mixed": torch.float16,
+        "bf16": torch.bfloat16,
+    }
     assert dtypes == {computed[precision]}
     assert {p.dtype for p in trainer.model.parameters()} == {kept}
     moments = [v for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"]
@@ -71,7 +88,9 @@ def test_parameters_and_optimizer_state_keep_their_precision(token_dir, tmp_path
 
 
 def test_unknown_precision_lists_the_choices(token_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"train.precision must be one of auto, fp32, bf16-mixed, fp16-mixed, bf16, got 'fp8'"):
+    with pytest.raises(
+        ConfigError, match=r"train.precision must be one of auto, fp32, bf16-mixed, fp16-mixed, bf16, got 'fp8'"
+    ):
         tiny_config(token_dir, tmp_path / "run", precision="fp8")
 
 
@@ -88,7 +107,9 @@ def test_fp16_mixed_without_cpu_fp16_autocast_names_bf16_mixed(monkeypatch):
     assert precision_module._autocast_runs(torch.device("cpu"), torch.bfloat16)
     assert not precision_module._autocast_runs(torch.device("cpu"), torch.float64)  # autocast disables itself
     monkeypatch.setattr(precision_module, "_autocast_runs", lambda device, dtype: dtype != torch.float16)
-    with pytest.raises(ConfigError, match=r"cannot autocast to torch.float16 on cpu; use train.precision=bf16-mixed or fp32"):
+    with pytest.raises(
+        ConfigError, match=r"cannot autocast to torch.float16 on cpu; use train.precision=bf16-mixed or fp32"
+    ):
         resolve_precision("fp16-mixed", torch.device("cpu"))
     assert resolve_precision("bf16-mixed", torch.device("cpu")).name == "bf16-mixed"
 
@@ -132,7 +153,9 @@ def test_fp16_on_a_cpu_gets_a_note_on_speed(monkeypatch):
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: True)
     monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: False)
     note = precision_note(MODES["fp16-mixed"], cpu)
-    assert note.startswith("note: this CPU has no fp16 matrix instructions (AVX512-FP16, AMX-FP16): fp16-mixed runs its matrix products as fp32 GEMMs")
+    assert note.startswith(
+        "note: this CPU has no fp16 matrix instructions (AVX512-FP16, AMX-FP16): fp16-mixed runs its matrix products as fp32 GEMMs"
+    )
     assert note.endswith("bf16-mixed is the fast mode on this CPU")
     assert precision_note(MODES["bf16-mixed"], cpu) is None
     assert precision_note(MODES["fp32"], cpu) is None
@@ -144,14 +167,18 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note_on_speed(monkeypatc
     monkeypatch.setattr(ops_precision, "cpu_has_native_fp16", lambda: False)
     for name in ("bf16-mixed", "bf16", "fp16-mixed"):
         note = precision_note(MODES[name], cpu)
-        assert f": {name} runs its matrix products as fp32 GEMMs" in note and note.endswith("fp32 is the fast mode on this CPU")
+        assert f": {name} runs its matrix products as fp32 GEMMs" in note and note.endswith(
+            "fp32 is the fast mode on this CPU"
+        )
     assert "no bf16 matrix instructions" in precision_note(MODES["bf16-mixed"], cpu)
     assert precision_note(MODES["fp32"], cpu) is None
     assert precision_note(MODES["bf16-mixed"], torch.device("cuda", 0)) is None
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_low_precision_training_widens_the_products_the_cpu_lacks(native, token_dir, tmp_path, monkeypatch, widened_ops):
+def test_low_precision_training_widens_the_products_the_cpu_lacks(
+    native, token_dir, tmp_path, monkeypatch, widened_ops
+):
     monkeypatch.setattr(ops_precision, "cpu_has_native_bf16", lambda: native)
     widened = widened_ops
     trainer = Trainer(tiny_config(token_dir, tmp_path / "run", precision="bf16-mixed"))

@@ -88,7 +88,9 @@ def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path, 
     assert weights.keys() == expected.keys()
     for name, tensor in expected.items():
         assert tensor.dtype == torch.float32 and torch.equal(weights[name], tensor), name  # fp32 master weights
-    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    records = [
+        json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
     assert [r["step"] for r in records] == list(range(1, 7))
     if precision == "fp16-mixed":
         assert 0 < records[-1]["skipped_steps"] < 6 and any(r["grad_norm"] is None for r in records)
@@ -253,7 +255,9 @@ def test_a_config_with_a_base_changes_only_what_it_names(tmp_path):
     )
     (tmp_path / "sub").mkdir()
     child = tmp_path / "sub" / "child.yaml"
-    child.write_text("base: ../base.yaml\nmodel: {gumbel: false}\ndata: {curriculum: [[0, 32]]}\ntrain: {out_dir: runs/b}\n")
+    child.write_text(
+        "base: ../base.yaml\nmodel: {gumbel: false}\ndata: {curriculum: [[0, 32]]}\ntrain: {out_dir: runs/b}\n"
+    )
     grandchild = tmp_path / "sub" / "grandchild.yaml"
     grandchild.write_text("base: child.yaml\noptim: {warmup_steps: 3}\n")
     config = load_train_config(grandchild, ["train.steps=9"])
@@ -298,7 +302,9 @@ def test_sigterm_from_outside_saves_and_exits(token_dir, tmp_path):
 
 
 def _ddp_worker(rank, world, port, token_dir, out_dir, result_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     trainer = Trainer(tiny_config(token_dir, out_dir, steps=2))
     trainer.fit()
@@ -324,7 +330,9 @@ def test_ddp_two_processes_keep_identical_parameters(token_dir, tmp_path):
 
 
 def _fsdp_worker(rank, port, token_dir, out_dir, steps, result_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     trainer = Trainer(tiny_config(token_dir, out_dir, steps=steps, distributed="fsdp"))
     result = trainer.fit()
@@ -343,7 +351,9 @@ def test_fsdp_checkpoints_gather_full_weights_and_resume(token_dir, tmp_path):
             return s.getsockname()[1]
 
     for out, steps in (("straight", 4), ("resumed", 2), ("resumed", 4)):
-        mp.spawn(_fsdp_worker, args=(port(), str(token_dir), str(tmp_path / out), steps, str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(
+            _fsdp_worker, args=(port(), str(token_dir), str(tmp_path / out), steps, str(tmp_path)), nprocs=2, join=True
+        )
     model = load_model(tmp_path / "resumed")
     assert model.lm_head.weight is model.embed.weight
     straight = torch.load(tmp_path / "straight-4-0.pt")
@@ -368,10 +378,14 @@ def test_answer_counts_score_only_the_up_weighted_tokens():
 def test_needle_training_logs_answer_accuracy_and_lm_training_does_not(token_dir, tmp_path):
     raw = tiny_config(token_dir, tmp_path / "lm", steps=2, eval_interval=2).to_dict()
     train(TrainConfig.from_dict(raw))
-    lm_val = [r for r in map(json.loads, (tmp_path / "lm" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    lm_val = [
+        r for r in map(json.loads, (tmp_path / "lm" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r
+    ]
     assert lm_val and "val_answer_exact" not in lm_val[-1]
     raw["data"] = {"kind": "needle", "filler": "repeat", "seq_len": 128, "batch_tokens": 256}
     raw["train"]["out_dir"] = str(tmp_path / "needle")
     train(TrainConfig.from_dict(raw))
-    val = [r for r in map(json.loads, (tmp_path / "needle" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
+    val = [
+        r for r in map(json.loads, (tmp_path / "needle" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r
+    ][-1]
     assert 0 <= val["val_answer_exact"] <= val["val_answer_token_acc"] <= 1

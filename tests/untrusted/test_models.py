@@ -22,7 +22,14 @@ from farsight.cli import main
 from farsight.config import ConfigError
 from farsight.data.tokenizers import ByteTokenizer
 from farsight.errors import ModelFileError, StateError
-from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM, build_model, load_model
+from farsight.models import (
+    DRTConfig,
+    DRTForCausalLM,
+    TransformerConfig,
+    TransformerForCausalLM,
+    build_model,
+    load_model,
+)
 from farsight.models.chunk_memory import DiskMemoryError, FileStore, _TempFiles
 
 TOK = ByteTokenizer()
@@ -110,7 +117,12 @@ def nothing_exported(ctx: Ctx) -> None:
 
 def export_writes_a_record(ctx: Ctx) -> None:
     files_untouched(ctx)
-    assert sorted(os.listdir(ctx["tmp"] / "out")) == ["checksums.json", "config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(os.listdir(ctx["tmp"] / "out")) == [
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     load_model(ctx["tmp"] / "out")
 
 
@@ -152,7 +164,9 @@ def failing_pwrite(session: Any, after_chunks: int) -> dict[str, Any]:
     return fault
 
 
-def stream(memory: str, inject: Callable[[Any, int], dict[str, Any]] = failing_append, feed: bool = False) -> Callable[[Path], Ctx]:
+def stream(
+    memory: str, inject: Callable[[Any, int], dict[str, Any]] = failing_append, feed: bool = False
+) -> Callable[[Path], Ctx]:
     """A DRT session (record_retrieval, 1 chunk per span) fed 17 tokens; the next 40 tokens
     (8 chunks, 8 spans) fail at their 4th chunk."""
 
@@ -172,7 +186,16 @@ def stream(memory: str, inject: Callable[[Any, int], dict[str, Any]] = failing_a
             fault.get("cleanup", lambda: None)()
             session.close()
 
-        return {"session": session, "x": x, "want": want, "want_next": want_next, "records": records, "feed": feed, "fault": fault, "cleanup": cleanup}
+        return {
+            "session": session,
+            "x": x,
+            "want": want,
+            "want_next": want_next,
+            "records": records,
+            "feed": feed,
+            "fault": fault,
+            "cleanup": cleanup,
+        }
 
     return setup
 
@@ -188,7 +211,9 @@ def retry_equals_uninterrupted(ctx: Ctx) -> None:
     fault["on"] = False
     torch.testing.assert_close(feed_block(ctx), ctx["want"], rtol=0, atol=0)
     torch.testing.assert_close(session.step(ctx["x"][:, 0]), ctx["want_next"], rtol=0, atol=0)
-    for got, want in zip((session.retrievals.indices, session.retrievals.weights), (ctx["records"].indices, ctx["records"].weights)):
+    for got, want in zip(
+        (session.retrievals.indices, session.retrievals.weights), (ctx["records"].indices, ctx["records"].weights)
+    ):
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))  # nothing recorded twice
 
 
@@ -305,36 +330,186 @@ class Case:
 
 
 CASES = [
-    Case("flipped tensor bytes", damaged(flip_tensor_byte), load, (ModelFileError, r"model\.safetensors does not match its SHA-256"), files_untouched),
-    Case("NaN weight", lambda tmp: saved(tmp, "nan"), load, (ModelFileError, r"tensor 'embed\.weight' holds NaN or inf"), files_untouched),
-    Case("inf weight", lambda tmp: saved(tmp, "inf"), load, (ModelFileError, r"tensor 'embed\.weight' holds NaN or inf"), files_untouched),
-    Case("edited config.json", damaged(edit_config), load, (ModelFileError, r"config\.json does not match its SHA-256"), files_untouched),
-    Case("missing weights", damaged(lambda p: (p / "model.safetensors").unlink()), load, (ModelFileError, r"model\.safetensors is missing"), files_untouched),
-    Case("missing tokenizer.json", damaged(lambda p: (p / "tokenizer.json").unlink()), load, (ModelFileError, r"tokenizer\.json is missing"), files_untouched),
-    Case("truncated weights", damaged(truncate_weights), load, (ModelFileError, r"truncated or corrupted"), files_untouched),
-    Case("garbled checksums.json", damaged(lambda p: (p / "checksums.json").write_text("{")), load, (ModelFileError, r"checksums\.json is corrupted"), files_untouched),
+    Case(
+        "flipped tensor bytes",
+        damaged(flip_tensor_byte),
+        load,
+        (ModelFileError, r"model\.safetensors does not match its SHA-256"),
+        files_untouched,
+    ),
+    Case(
+        "NaN weight",
+        lambda tmp: saved(tmp, "nan"),
+        load,
+        (ModelFileError, r"tensor 'embed\.weight' holds NaN or inf"),
+        files_untouched,
+    ),
+    Case(
+        "inf weight",
+        lambda tmp: saved(tmp, "inf"),
+        load,
+        (ModelFileError, r"tensor 'embed\.weight' holds NaN or inf"),
+        files_untouched,
+    ),
+    Case(
+        "edited config.json",
+        damaged(edit_config),
+        load,
+        (ModelFileError, r"config\.json does not match its SHA-256"),
+        files_untouched,
+    ),
+    Case(
+        "missing weights",
+        damaged(lambda p: (p / "model.safetensors").unlink()),
+        load,
+        (ModelFileError, r"model\.safetensors is missing"),
+        files_untouched,
+    ),
+    Case(
+        "missing tokenizer.json",
+        damaged(lambda p: (p / "tokenizer.json").unlink()),
+        load,
+        (ModelFileError, r"tokenizer\.json is missing"),
+        files_untouched,
+    ),
+    Case(
+        "truncated weights",
+        damaged(truncate_weights),
+        load,
+        (ModelFileError, r"truncated or corrupted"),
+        files_untouched,
+    ),
+    Case(
+        "garbled checksums.json",
+        damaged(lambda p: (p / "checksums.json").write_text("{")),
+        load,
+        (ModelFileError, r"checksums\.json is corrupted"),
+        files_untouched,
+    ),
     Case("no record (older farsight) loads, warns", damaged(drop_record), without_record(load), None, files_untouched),
-    Case("generate from flipped bytes", damaged(flip_tensor_byte), cli("generate", "--model", "{path}", "--max-new-tokens", "2"), (ModelFileError, r"does not match its SHA-256"), files_untouched),
-    Case("export of flipped bytes", damaged(flip_tensor_byte), cli("export", "{path}", "{out}"), (ModelFileError, r"does not match its SHA-256"), nothing_exported),
-    Case("export of a NaN weight", lambda tmp: saved(tmp, "nan"), cli("export", "{path}", "{out}"), (ModelFileError, r"holds NaN or inf"), nothing_exported),
-    Case("export of a good model keeps the record", saved, cli("export", "{path}", "{out}"), None, export_keeps_the_record),
-    Case("export of an older model (no record) adds one", damaged(drop_record), without_record(cli("export", "{path}", "{out}")), None, export_writes_a_record),
-    Case("device: append fails midway, retry", stream("device"), feed_block, (DiskMemoryError, r"injected"), retry_equals_uninterrupted),
-    Case("host: append fails midway, retry", stream("host"), feed_block, (DiskMemoryError, r"injected"), retry_equals_uninterrupted),
-    Case("disk: append fails midway, retry", stream("disk"), feed_block, (DiskMemoryError, r"injected"), retry_equals_uninterrupted),
-    Case("disk: ENOSPC in pwrite, retry feed", stream("disk", failing_pwrite, feed=True), feed_block, (DiskMemoryError, r"Free disk space"), retry_equals_uninterrupted),
-    Case("transformer failed midway: refuses", transformer_failing_midway, lambda ctx: ctx["session"].step(torch.tensor([1])), (StateError, r"failed midway \(MemoryError"), None),
-    Case("disk path exists", existing_file, open_disk(), (DiskMemoryError, r"already exists; .*overwrite=True"), target_kept),
+    Case(
+        "generate from flipped bytes",
+        damaged(flip_tensor_byte),
+        cli("generate", "--model", "{path}", "--max-new-tokens", "2"),
+        (ModelFileError, r"does not match its SHA-256"),
+        files_untouched,
+    ),
+    Case(
+        "export of flipped bytes",
+        damaged(flip_tensor_byte),
+        cli("export", "{path}", "{out}"),
+        (ModelFileError, r"does not match its SHA-256"),
+        nothing_exported,
+    ),
+    Case(
+        "export of a NaN weight",
+        lambda tmp: saved(tmp, "nan"),
+        cli("export", "{path}", "{out}"),
+        (ModelFileError, r"holds NaN or inf"),
+        nothing_exported,
+    ),
+    Case(
+        "export of a good model keeps the record",
+        saved,
+        cli("export", "{path}", "{out}"),
+        None,
+        export_keeps_the_record,
+    ),
+    Case(
+        "export of an older model (no record) adds one",
+        damaged(drop_record),
+        without_record(cli("export", "{path}", "{out}")),
+        None,
+        export_writes_a_record,
+    ),
+    Case(
+        "device: append fails midway, retry",
+        stream("device"),
+        feed_block,
+        (DiskMemoryError, r"injected"),
+        retry_equals_uninterrupted,
+    ),
+    Case(
+        "host: append fails midway, retry",
+        stream("host"),
+        feed_block,
+        (DiskMemoryError, r"injected"),
+        retry_equals_uninterrupted,
+    ),
+    Case(
+        "disk: append fails midway, retry",
+        stream("disk"),
+        feed_block,
+        (DiskMemoryError, r"injected"),
+        retry_equals_uninterrupted,
+    ),
+    Case(
+        "disk: ENOSPC in pwrite, retry feed",
+        stream("disk", failing_pwrite, feed=True),
+        feed_block,
+        (DiskMemoryError, r"Free disk space"),
+        retry_equals_uninterrupted,
+    ),
+    Case(
+        "transformer failed midway: refuses",
+        transformer_failing_midway,
+        lambda ctx: ctx["session"].step(torch.tensor([1])),
+        (StateError, r"failed midway \(MemoryError"),
+        None,
+    ),
+    Case(
+        "disk path exists",
+        existing_file,
+        open_disk(),
+        (DiskMemoryError, r"already exists; .*overwrite=True"),
+        target_kept,
+    ),
     Case("disk path is a symlink", symlink_to_file, open_disk(), (DiskMemoryError, r"is a symlink"), target_kept),
-    Case("disk path is a symlink, overwrite=True", symlink_to_file, open_disk(overwrite=True), (DiskMemoryError, r"is a symlink"), target_kept),
+    Case(
+        "disk path is a symlink, overwrite=True",
+        symlink_to_file,
+        open_disk(overwrite=True),
+        (DiskMemoryError, r"is a symlink"),
+        target_kept,
+    ),
     Case("disk path exists, overwrite=True", existing_file, open_disk(overwrite=True), None),
     Case("default disk file removed on close", nothing, default_file_removed_on_close, None),
     Case("default disk file removed on SIGTERM", nothing, killed_child(signal.SIGTERM), None, sigterm_removed_file),
-    Case("SIGTERM runs the handler before", nothing, killed_child(signal.SIGTERM, "handler"), None, sigterm_chained_handler),
-    Case("SIGKILLed file removed at next start", nothing, killed_child(signal.SIGKILL), None, orphan_removed_at_next_start),
-    Case("landmark id = eos", nothing, build_with_landmark("eos"), (ConfigError, r"landmark_id=258 is the tokenizer's eos id"), None),
-    Case("landmark id = bos", nothing, build_with_landmark("bos"), (ConfigError, r"landmark_id=257 is the tokenizer's bos id"), None),
-    Case("landmark id = pad", nothing, build_with_landmark("pad"), (ConfigError, r"landmark_id=256 is the tokenizer's pad id"), None),
+    Case(
+        "SIGTERM runs the handler before",
+        nothing,
+        killed_child(signal.SIGTERM, "handler"),
+        None,
+        sigterm_chained_handler,
+    ),
+    Case(
+        "SIGKILLed file removed at next start",
+        nothing,
+        killed_child(signal.SIGKILL),
+        None,
+        orphan_removed_at_next_start,
+    ),
+    Case(
+        "landmark id = eos",
+        nothing,
+        build_with_landmark("eos"),
+        (ConfigError, r"landmark_id=258 is the tokenizer's eos id"),
+        None,
+    ),
+    Case(
+        "landmark id = bos",
+        nothing,
+        build_with_landmark("bos"),
+        (ConfigError, r"landmark_id=257 is the tokenizer's bos id"),
+        None,
+    ),
+    Case(
+        "landmark id = pad",
+        nothing,
+        build_with_landmark("pad"),
+        (ConfigError, r"landmark_id=256 is the tokenizer's pad id"),
+        None,
+    ),
 ]
 
 

@@ -24,11 +24,11 @@ import torch
 import yaml
 
 from farsight.cli import main
-from farsight.models import load_model
 from farsight.files import sha256_file
+from farsight.models import load_model
 from farsight.train.checkpoint import MANIFEST_FILE, list_checkpoints, load_trainer_state
 from farsight.train.trainer import lr_at
-from tests.train.conftest import tiny_config, token_dir  # noqa: F401 (token_dir: a fixture)
+from tests.train.conftest import tiny_config
 from tests.train.test_checkpoint_kill import run_killed
 
 
@@ -66,7 +66,11 @@ def _plant(name: str, *, remove: tuple[str, ...] = ()) -> Callable[[Env], None]:
         for other in remove:
             (path / other).unlink()
         (path / name).write_bytes(pickle.dumps(Payload(env.marker)))
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in path.iterdir() if p.name != MANIFEST_FILE}
+        files = {
+            p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in path.iterdir()
+            if p.name != MANIFEST_FILE
+        }
         (path / MANIFEST_FILE).write_text(json.dumps({"step": 2, "files": files}))
 
     return setup
@@ -107,7 +111,9 @@ def _killed_after_logging(env: Env) -> None:
 
 def _killed_mid_checkpoint(env: Env) -> None:
     """SIGKILL while the step-4 checkpoint is being written (after step 3's)."""
-    code, output = run_killed(env.config, "farsight.train.checkpoint", "_write_state", 2, "--set", "train.checkpoint_interval=1")
+    code, output = run_killed(
+        env.config, "farsight.train.checkpoint", "_write_state", 2, "--set", "train.checkpoint_interval=1"
+    )
     assert code == -9, output
     _newest_loads(env, 3)
 
@@ -138,7 +144,9 @@ def _newest_loads(env: Env, step: int) -> None:
 
 def _no_leftovers(env: Env) -> None:
     """No temporary directory of an interrupted or failed checkpoint write is left behind."""
-    assert sorted(p.name for p in (env.run / "checkpoints").iterdir()) == [path.name for _, path in list_checkpoints(env.run / "checkpoints")]
+    assert sorted(p.name for p in (env.run / "checkpoints").iterdir()) == [
+        path.name for _, path in list_checkpoints(env.run / "checkpoints")
+    ]
 
 
 def _newest_is(step: int) -> Callable[[Env], None]:
@@ -204,26 +212,102 @@ LEGACY = _plant("trainer_state.pt", remove=("trainer_state.json", "trainer_state
 EVERY_STEP = ("--set", "train.checkpoint_interval=1")
 
 CASES = [
-    Case("set-invalid-yaml", _nothing, ("--set", "train.steps=[1"), r"--set train\.steps=\[1 is not valid YAML .*fix the syntax", _no_run_dir),
+    Case(
+        "set-invalid-yaml",
+        _nothing,
+        ("--set", "train.steps=[1"),
+        r"--set train\.steps=\[1 is not valid YAML .*fix the syntax",
+        _no_run_dir,
+    ),
     Case("set-lr-1e-3-is-a-number", _nothing, ("--set", "optim.lr=1e-3"), None, _saved("optim", "lr", 0.001)),
-    Case("device-cuda-without-cuda", _no_cuda, ("--set", "train.device=cuda"), r"train\.device=cuda but this machine has no usable CUDA device; set train\.device to auto or cpu", _no_run_dir),
-    Case("out-dir-is-a-file", _file_at_run, (), r"train\.out_dir=.* is a file, not a directory; set train\.out_dir", _file_kept),
-    Case("pickle-as-legacy-trainer-state", _chain(TRAINED, LEGACY), STEPS_4, r"holds its trainer state as a pickle \(trainer_state\.pt.*--set train\.init_from=.*--restart"),
-    Case("pickle-as-trainer-state-tensors", _chain(TRAINED, _plant("trainer_state.safetensors")), STEPS_4, r"cannot read the trainer state in .*step_00000002.*delete"),
-    Case("pickle-as-trainer-state-json", _chain(TRAINED, _plant("trainer_state.json")), STEPS_4, r"cannot read the trainer state in .*step_00000002.*delete"),
-    Case("pickle-as-model-weights", _chain(TRAINED, _plant("model.safetensors")), STEPS_4, r"cannot read .*model\.safetensors .*delete"),
-    Case("disk-full-writing-checkpoint", _chain(TRAINED, _full_disk_for_tensors), STEPS_4, r"disk full at .*step_00000004\.tmp .*free some space", _chain(_newest_is(2), _no_leftovers)),
-    Case("disk-full-writing-config-yaml", _chain(TRAINED, _disk_full("config.yaml")), STEPS_4, r"disk full at .*config\.yaml .*free some space", _saved("train", "steps", 2)),
-    Case("resume-with-changed-lr-is-refused", TRAINED, (*STEPS_4, "--set", "optim.lr=1e-3"), r"differs from the one .*step_00000002 was trained with: optim\.lr 0\.003 -> 0\.001; .*--allow-config-change", _saved("optim", "lr", 0.003)),
-    Case("resume-with-changed-lr-allowed", TRAINED, (*STEPS_4, "--set", "optim.lr=1e-3", "--allow-config-change"), None, _lr_applied),
-    Case("resume-after-kill-drops-redone-steps", _chain(TRAINED, _killed_after_logging), STEPS_4, None, _steps_are([1, 2, 3, 4])),
-    Case("resume-after-sigkill-mid-checkpoint", _chain(_train(*EVERY_STEP, "--set", "train.steps=2"), _killed_mid_checkpoint), EVERY_STEP, None, _chain(_newest_is(6), _no_leftovers)),
+    Case(
+        "device-cuda-without-cuda",
+        _no_cuda,
+        ("--set", "train.device=cuda"),
+        r"train\.device=cuda but this machine has no usable CUDA device; set train\.device to auto or cpu",
+        _no_run_dir,
+    ),
+    Case(
+        "out-dir-is-a-file",
+        _file_at_run,
+        (),
+        r"train\.out_dir=.* is a file, not a directory; set train\.out_dir",
+        _file_kept,
+    ),
+    Case(
+        "pickle-as-legacy-trainer-state",
+        _chain(TRAINED, LEGACY),
+        STEPS_4,
+        r"holds its trainer state as a pickle \(trainer_state\.pt.*--set train\.init_from=.*--restart",
+    ),
+    Case(
+        "pickle-as-trainer-state-tensors",
+        _chain(TRAINED, _plant("trainer_state.safetensors")),
+        STEPS_4,
+        r"cannot read the trainer state in .*step_00000002.*delete",
+    ),
+    Case(
+        "pickle-as-trainer-state-json",
+        _chain(TRAINED, _plant("trainer_state.json")),
+        STEPS_4,
+        r"cannot read the trainer state in .*step_00000002.*delete",
+    ),
+    Case(
+        "pickle-as-model-weights",
+        _chain(TRAINED, _plant("model.safetensors")),
+        STEPS_4,
+        r"cannot read .*model\.safetensors .*delete",
+    ),
+    Case(
+        "disk-full-writing-checkpoint",
+        _chain(TRAINED, _full_disk_for_tensors),
+        STEPS_4,
+        r"disk full at .*step_00000004\.tmp .*free some space",
+        _chain(_newest_is(2), _no_leftovers),
+    ),
+    Case(
+        "disk-full-writing-config-yaml",
+        _chain(TRAINED, _disk_full("config.yaml")),
+        STEPS_4,
+        r"disk full at .*config\.yaml .*free some space",
+        _saved("train", "steps", 2),
+    ),
+    Case(
+        "resume-with-changed-lr-is-refused",
+        TRAINED,
+        (*STEPS_4, "--set", "optim.lr=1e-3"),
+        r"differs from the one .*step_00000002 was trained with: optim\.lr 0\.003 -> 0\.001; .*--allow-config-change",
+        _saved("optim", "lr", 0.003),
+    ),
+    Case(
+        "resume-with-changed-lr-allowed",
+        TRAINED,
+        (*STEPS_4, "--set", "optim.lr=1e-3", "--allow-config-change"),
+        None,
+        _lr_applied,
+    ),
+    Case(
+        "resume-after-kill-drops-redone-steps",
+        _chain(TRAINED, _killed_after_logging),
+        STEPS_4,
+        None,
+        _steps_are([1, 2, 3, 4]),
+    ),
+    Case(
+        "resume-after-sigkill-mid-checkpoint",
+        _chain(_train(*EVERY_STEP, "--set", "train.steps=2"), _killed_mid_checkpoint),
+        EVERY_STEP,
+        None,
+        _chain(_newest_is(6), _no_leftovers),
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_train(case, token_dir, tmp_path, monkeypatch, capsys):
-    env = Env(run=tmp_path / "run", config=tmp_path / "train.yaml", marker=tmp_path / "payload-ran", monkeypatch=monkeypatch)
+    env = Env(
+        run=tmp_path / "run", config=tmp_path / "train.yaml", marker=tmp_path / "payload-ran", monkeypatch=monkeypatch
+    )
     env.config.write_text(yaml.safe_dump(tiny_config(token_dir, env.run).to_dict()))
     case.setup(env)
     capsys.readouterr()

@@ -71,7 +71,9 @@ def make_filler(kind: str, tokenizer: Any, corpus: str | None = None, split: str
 
         data = load_token_dataset(corpus, split)
         if data.tokenizer.to_spec() != tokenizer.to_spec():
-            raise InputError(f"{corpus} was prepared with another tokenizer than the model's; prepare it with the model's tokenizer")
+            raise InputError(
+                f"{corpus} was prepared with another tokenizer than the model's; prepare it with the model's tokenizer"
+            )
         specials = tuple(getattr(tokenizer, name) for name in ("eos_id", "bos_id", "pad_id", "lmk_id"))
         return CorpusFiller(data.tokens, drop_ids=specials)
     raise InputError(f"unknown filler {kind!r}; choose 'corpus' or 'repeat'")

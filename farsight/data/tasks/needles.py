@@ -167,9 +167,21 @@ class NeedleTask:
         evidence = [(placed[i] + offset, n) for i, offset, n in draw.evidence]
         # first-token accuracy starts at the first token with a letter or digit: 2-hop answers open
         # with ": ", which any model gets right and would make the metric say nothing
-        lead = next((i for i, t in enumerate(answer.tolist()) if any(ch.isalnum() for ch in self.tokenizer.decode([t]))), 0)
+        lead = next(
+            (i for i, t in enumerate(answer.tolist()) if any(ch.isalnum() for ch in self.tokenizer.decode([t]))), 0
+        )
         return NeedleSample(
-            ids, prefix + len(is_), len(answer), placed, [len(n) for n in needles], depth, evidence, draw.info, lead, prefix, haystack
+            ids,
+            prefix + len(is_),
+            len(answer),
+            placed,
+            [len(n) for n in needles],
+            depth,
+            evidence,
+            draw.info,
+            lead,
+            prefix,
+            haystack,
         )
 
 
@@ -181,7 +193,9 @@ def round_up(n: int, multiple: int) -> int:
 def too_short(task: str, length: int, shortest: int, shift: int, fix: str = "raise --lengths") -> InputError:
     """The error for a sample length below `shortest`, the exact minimum for this draw and shift."""
     moved = f" with the question {shift} tokens earlier" if shift else ""
-    return InputError(f"length {length} is too short for the {task} task: it needs at least {shortest} tokens{moved}; {fix}")
+    return InputError(
+        f"length {length} is too short for the {task} task: it needs at least {shortest} tokens{moved}; {fix}"
+    )
 
 
 def whole_option(task: str, option: str, value: Any, minimum: int) -> int:
@@ -226,7 +240,9 @@ class MultiKeyTask(NeedleTask):
         self.keys = whole_option(self.name, "keys", keys, 1)
         self.digits = whole_option(self.name, "digits", digits, 1)
         if self.keys > 26**4:
-            raise InputError(f"the {self.name} task's option keys={keys} exceeds the {26**4} distinct 4-letter key names")
+            raise InputError(
+                f"the {self.name} task's option keys={keys} exceeds the {26**4} distinct 4-letter key names"
+            )
 
     def draw(self, rng: np.random.Generator):
         names = set()
@@ -239,7 +255,9 @@ class MultiKeyTask(NeedleTask):
         # the asked needle goes first so that `depth` places it
         order = [asked] + [int(i) for i in order if i != asked]
         needles = [
-            np.concatenate([self.encode(f" The pass key of {names[i]} is:"), self.encode(" " + values[i]), self.encode(". ")])
+            np.concatenate(
+                [self.encode(f" The pass key of {names[i]} is:"), self.encode(" " + values[i]), self.encode(". ")]
+            )
             for i in order
         ]
         head = self.encode(f" What is the pass key of {names[asked]}? The pass key of {names[asked]}")
@@ -258,7 +276,9 @@ class TwoHopTask(NeedleTask):
         self.distractors = whole_option(self.name, "distractors", distractors, 0)
         self.symbol = whole_option(self.name, "symbol", symbol, 1)
         if 26**symbol < 3 * (distractors + 1):
-            raise InputError(f"the {self.name} task needs {3 * (distractors + 1)} distinct symbols but symbol={symbol} letters give {26**symbol}; raise symbol")
+            raise InputError(
+                f"the {self.name} task needs {3 * (distractors + 1)} distinct symbols but symbol={symbol} letters give {26**symbol}; raise symbol"
+            )
 
     def draw(self, rng: np.random.Generator):
         n_symbols = 3 * (self.distractors + 1)
@@ -293,5 +313,7 @@ def make_task(name: str, tokenizer: Any, filler: Filler, align: int = 1, **optio
     valid = list(inspect.signature(TASKS[name]).parameters)[3:]
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise InputError(f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}")
+        raise InputError(
+            f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}"
+        )
     return TASKS[name](tokenizer, filler, align, **options)

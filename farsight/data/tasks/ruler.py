@@ -78,6 +78,7 @@ sunflower sword teapot temple tiger tomato tower tractor trumpet tulip turtle um
 valley vase violin wagon walnut whale whistle window wizard wolf yarn zebra
 """.split()
 
+
 @dataclass
 class RulerDraw:
     """One random instance before it is laid out: the instruction, the needles (the asked one
@@ -132,7 +133,9 @@ class RulerTask(NeedleTask):
         if budget < shortest:
             # the question must end on a multiple of `align` at or after context + intro + question
             needed = round_up(shortest + len(draw.intro) + len(draw.question), self.align) + tail + shift
-            raise too_short(self.name, length, needed, shift, "raise --lengths or lower the task's counts (--task-option)")
+            raise too_short(
+                self.name, length, needed, shift, "raise --lengths or lower the task's counts (--task-option)"
+            )
         context, placed = self.context(draw, budget, depth, rng)
         assert len(context) == budget
         start = len(draw.intro)
@@ -147,7 +150,16 @@ class RulerTask(NeedleTask):
         lead = next((i for i, t in enumerate(draw.answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
         info = {**draw.info, "references": draw.references, "prompt_tokens": prefix + len(draw.link)}
         return NeedleSample(
-            ids, prefix + len(draw.link), len(draw.answer), positions, [len(n) for n in draw.needles], depth, evidence, info, lead, prefix,
+            ids,
+            prefix + len(draw.link),
+            len(draw.answer),
+            positions,
+            [len(n) for n in draw.needles],
+            depth,
+            evidence,
+            info,
+            lead,
+            prefix,
             prefix - len(draw.question),
         )
 
@@ -155,7 +167,9 @@ class RulerTask(NeedleTask):
         """The fewest context tokens that hold this draw."""
         return sum(len(n) for n in draw.needles)
 
-    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    def context(
+        self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator
+    ) -> tuple[np.ndarray, list[int]]:
         """`budget` tokens of haystack with the needles inserted, and where each needle starts."""
         haystack = self.haystack(budget - self.shortest_context(draw), draw, rng)
         positions = [self._snap(haystack, p) for p in self.positions(len(draw.needles), len(haystack), depth, rng)]
@@ -188,7 +202,9 @@ class RulerTask(NeedleTask):
         n = len(haystack)
 
         def sentence(q: int) -> bool:
-            return q in (0, n) or (text(haystack[q - 1]).endswith((".", "!", "?")) and text(haystack[q]).startswith(" "))
+            return q in (0, n) or (
+                text(haystack[q - 1]).endswith((".", "!", "?")) and text(haystack[q]).startswith(" ")
+            )
 
         def word(q: int) -> bool:
             return q in (0, n) or (not text(haystack[q - 1])[-1:].isspace() and text(haystack[q]).startswith(" "))
@@ -212,7 +228,9 @@ class RulerTask(NeedleTask):
 # -- random names and values ------------------------------------------------------------------
 
 
-def _distinct(rng: np.random.Generator, n: int, make: Callable[[np.random.Generator], str], taken: set[str], space: int, what: str) -> list[str]:
+def _distinct(
+    rng: np.random.Generator, n: int, make: Callable[[np.random.Generator], str], taken: set[str], space: int, what: str
+) -> list[str]:
     """n new distinct strings from `make`, none in `taken` (which grows); `space` is how many
     different strings `make` can give, so an impossible request is an error, not an endless loop."""
     if len(taken) + n > space // 2:
@@ -292,7 +310,9 @@ class NIAHTask(RulerTask):
         self.values = whole_option(self.name, "values", values, 1)
         self.queries = whole_option(self.name, "queries", queries, 1)
         if queries > keys:
-            raise InputError(f"the {self.name} task asks queries={queries} keys but has only keys={keys}; lower queries or raise keys")
+            raise InputError(
+                f"the {self.name} task asks queries={queries} keys but has only keys={keys}; lower queries or raise keys"
+            )
         self.key_kind = _choice(self.name, "key_kind", key_kind, VALUE_KINDS)
         self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
         self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
@@ -306,7 +326,10 @@ class NIAHTask(RulerTask):
     def draw(self, rng: np.random.Generator) -> RulerDraw:
         make_key, key_space = MAKERS[self.key_kind]
         make_value, value_space = MAKERS[self.value_kind]
-        used: dict[str, set[str]] = {self.key_kind: set(), self.value_kind: set()}  # keys and values of a kind all differ
+        used: dict[str, set[str]] = {
+            self.key_kind: set(),
+            self.value_kind: set(),
+        }  # keys and values of a kind all differ
         keys = _distinct(rng, self.keys, make_key, used[self.key_kind], key_space, "keys")
         values = [_distinct(rng, self.values, make_value, used[self.value_kind], value_space, "values") for _ in keys]
         asked = list(range(self.queries))  # keys are random, so the first ones are a random choice
@@ -322,7 +345,9 @@ class NIAHTask(RulerTask):
         kind = NOUN[self.value_kind]
         plural = kind + "s" if self.values > 1 or self.queries > 1 else kind
         asked_keys = _listing([keys[k] for k in asked])
-        intro = self.encode(f"Special magic {kind}s are hidden in the text below. Memorize them: you will be asked about them.\n")
+        intro = self.encode(
+            f"Special magic {kind}s are hidden in the text below. Memorize them: you will be asked about them.\n"
+        )
         if plural == kind:
             question = f"\nQuestion: What is the special magic {kind} for {asked_keys} in the text? Answer: The special magic {kind} for {asked_keys}"
         else:
@@ -362,13 +387,17 @@ class VariableTrackingTask(RulerTask):
 
     name = "vt"
 
-    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, chains: int = 1, hops: int = 4, digits: int = 5) -> None:
+    def __init__(
+        self, tokenizer: Any, filler: Filler, align: int = 1, chains: int = 1, hops: int = 4, digits: int = 5
+    ) -> None:
         super().__init__(tokenizer, filler, align)
         self.chains = whole_option(self.name, "chains", chains, 1)
         self.hops = whole_option(self.name, "hops", hops, 0)
         self.digits = whole_option(self.name, "digits", digits, 1)
         if 10 ** (digits - 1) * 9 < 2 * chains:
-            raise InputError(f"the {self.name} task needs {chains} distinct values but digits={digits} gives too few; raise digits")
+            raise InputError(
+                f"the {self.name} task needs {chains} distinct values but digits={digits} gives too few; raise digits"
+            )
 
     def draw(self, rng: np.random.Generator) -> RulerDraw:
         letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -394,7 +423,16 @@ class VariableTrackingTask(RulerTask):
             f"\nQuestion: Which variables are assigned the value {value} in the text above? Answer: The variables assigned the value {value}"
         )
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
-        return RulerDraw(intro, needles, question, self.encode(" are"), answer, references, evidence, {"value": value, "variables": references})
+        return RulerDraw(
+            intro,
+            needles,
+            question,
+            self.encode(" are"),
+            answer,
+            references,
+            evidence,
+            {"value": value, "variables": references},
+        )
 
     def positions(self, count: int, n: int, depth: float, rng: np.random.Generator) -> list[int]:
         per_chain = self.hops + 1
@@ -437,7 +475,15 @@ class CommonWordsTask(RulerTask):
     name = "cwe"
     uses_depth = False
 
-    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, common: int = 10, common_freq: int = 30, rare_freq: int = 3) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        filler: Filler,
+        align: int = 1,
+        common: int = 10,
+        common_freq: int = 30,
+        rare_freq: int = 3,
+    ) -> None:
         super().__init__(tokenizer, filler, align)
         self.common = whole_option(self.name, "common", common, 1)
         self.rare_freq = whole_option(self.name, "rare_freq", rare_freq, 1)
@@ -455,7 +501,9 @@ class CommonWordsTask(RulerTask):
     def shortest_context(self, draw: RulerDraw) -> int:
         return (self.rare_freq + 2) * sum(len(self._ids(" " + w)) for w in draw.references)
 
-    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    def context(
+        self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator
+    ) -> tuple[np.ndarray, list[int]]:
         pieces = [self._ids(" " + w) for w in draw.references]
         per_round = sum(len(p) for p in pieces)
         freq = max(self.rare_freq + 2, min(self.common_freq, budget // 2 // per_round))
@@ -485,7 +533,9 @@ class FrequentWordsTask(RulerTask):
     name = "fwe"
     uses_depth = False
 
-    def __init__(self, tokenizer: Any, filler: Filler, align: int = 1, top: int = 3, alpha: float = 2.0, letters: int = 5) -> None:
+    def __init__(
+        self, tokenizer: Any, filler: Filler, align: int = 1, top: int = 3, alpha: float = 2.0, letters: int = 5
+    ) -> None:
         super().__init__(tokenizer, filler, align)
         self.top = whole_option(self.name, "top", top, 1)
         self.letters = whole_option(self.name, "letters", letters, 3)
@@ -525,10 +575,14 @@ class FrequentWordsTask(RulerTask):
             scale += 1
         return sum(c * len(self._ids(" " + w)) for c, w in zip(self._counts(scale), draw.references))
 
-    def context(self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator) -> tuple[np.ndarray, list[int]]:
+    def context(
+        self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator
+    ) -> tuple[np.ndarray, list[int]]:
         taken = set(draw.references)
         ranks = int(budget ** (1 / self.alpha)) + 1  # no scale that fits counts more ranks than this
-        words = draw.references + _distinct(rng, max(0, min(ranks, budget) - self.top), self._coded, taken, self._space, "coded words")
+        words = draw.references + _distinct(
+            rng, max(0, min(ranks, budget) - self.top), self._coded, taken, self._space, "coded words"
+        )
         costs = [len(ids) for ids in self.tokenizer.encode_batch([" " + w for w in words])]
 
         def total(scale: int) -> int:
@@ -540,7 +594,9 @@ class FrequentWordsTask(RulerTask):
             low, high = (mid, high) if total(mid) <= budget else (low, mid - 1)
         counts = self._counts(low)
         if not self._valid(counts) or total(low) > budget:
-            raise InputError(f"the {budget}-token context of the {self.name} task is too short for its word counts; raise --lengths")
+            raise InputError(
+                f"the {budget}-token context of the {self.name} task is too short for its word counts; raise --lengths"
+            )
         pieces = [self._ids(" " + w) for w in words[: len(counts)]]
         items = [k for k, c in enumerate(counts) for _ in range(c)]
         left = budget - total(low)
@@ -573,17 +629,26 @@ class RulerSpec:
 RULER_TASKS: dict[str, RulerSpec] = {
     "niah_single_1": RulerSpec(NIAHTask, "noise", {}, "one needle (word key, number value) in noise sentences"),
     "niah_single_2": RulerSpec(NIAHTask, "corpus", {}, "one needle (word key, number value) in real text"),
-    "niah_single_3": RulerSpec(NIAHTask, "corpus", {"value_kind": "uuids"}, "one needle (word key, uuid value) in real text"),
+    "niah_single_3": RulerSpec(
+        NIAHTask, "corpus", {"value_kind": "uuids"}, "one needle (word key, uuid value) in real text"
+    ),
     "niah_multikey_1": RulerSpec(NIAHTask, "corpus", {"keys": 4}, "four needles with different keys, one asked"),
-    "niah_multikey_2": RulerSpec(NIAHTask, "noise", {"haystack": "needles"}, "one key asked; the whole context is distractor needles"),
+    "niah_multikey_2": RulerSpec(
+        NIAHTask, "noise", {"haystack": "needles"}, "one key asked; the whole context is distractor needles"
+    ),
     "niah_multikey_3": RulerSpec(
-        NIAHTask, "noise", {"haystack": "needles", "key_kind": "uuids", "value_kind": "uuids"}, "as niah_multikey_2 with uuid keys and values"
+        NIAHTask,
+        "noise",
+        {"haystack": "needles", "key_kind": "uuids", "value_kind": "uuids"},
+        "as niah_multikey_2 with uuid keys and values",
     ),
     "niah_multivalue": RulerSpec(NIAHTask, "corpus", {"values": 4}, "one key with four values, all asked"),
     "niah_multiquery": RulerSpec(NIAHTask, "corpus", {"keys": 4, "queries": 4}, "four keys, all asked"),
     "vt": RulerSpec(VariableTrackingTask, "noise", {}, "variable tracking: a chain of 4 hops, all its variables asked"),
     "cwe": RulerSpec(CommonWordsTask, "noise", {}, "common words extraction: the 10 words that repeat most in a list"),
-    "fwe": RulerSpec(FrequentWordsTask, "noise", {}, "frequent words extraction: the 3 most frequent coded words (Zipf counts)"),
+    "fwe": RulerSpec(
+        FrequentWordsTask, "noise", {}, "frequent words extraction: the 3 most frequent coded words (Zipf counts)"
+    ),
 }
 
 
@@ -629,11 +694,15 @@ def make_ruler_tasks(
                 f"{name} reads a real-text haystack (RULER's essays): pass --corpus DIR (a dataset from `farsight data prepare`), or --haystack noise"
             )
         if text not in fillers:
-            fillers[text] = RepeatedFiller(tokenizer) if text == "noise" else make_filler("corpus", tokenizer, corpus, split)
+            fillers[text] = (
+                RepeatedFiller(tokenizer) if text == "noise" else make_filler("corpus", tokenizer, corpus, split)
+            )
         valid = list(inspect.signature(spec.family).parameters)[3:]  # after (tokenizer, filler, align)
         unknown = sorted(set(options or {}) - set(valid))
         if unknown:
-            raise InputError(f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}")
+            raise InputError(
+                f"option(s) {', '.join(unknown)} not valid for the {name} task; valid options: {', '.join(valid)}"
+            )
         task = spec.family(tokenizer, fillers[text], align, **{**spec.options, **(options or {})})
         task.name = name
         task.haystack_text = text

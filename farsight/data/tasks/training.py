@@ -43,7 +43,10 @@ class NeedleBatchConfig(ConfigBase):
         if self.mix:
             require(all(w > 0 for w in self.mix.values()), "data.mix weights must be > 0")
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
-        require(self.filler == "repeat" or bool(self.corpus), "data.corpus (a prepared dataset) is required for filler: corpus")
+        require(
+            self.filler == "repeat" or bool(self.corpus),
+            "data.corpus (a prepared dataset) is required for filler: corpus",
+        )
         require(self.seq_len >= 16, f"data.seq_len must be >= 16, got {self.seq_len}")
         require(self.batch_tokens >= self.seq_len, "data.batch_tokens must be >= data.seq_len")
         require(self.answer_weight > 0, f"data.answer_weight must be > 0, got {self.answer_weight}")
@@ -58,25 +61,41 @@ class NeedleBatchConfig(ConfigBase):
             )
             steps = [s for s, _ in self.curriculum]
             require(steps == sorted(steps) and steps[0] == 0, f"{shape} and increasing steps; got {self.curriculum!r}")
-            require(all(16 <= n <= self.seq_len for _, n in self.curriculum), "data.curriculum lengths must be in [16, seq_len]")
+            require(
+                all(16 <= n <= self.seq_len for _, n in self.curriculum),
+                "data.curriculum lengths must be in [16, seq_len]",
+            )
         require(
             isinstance(self.task_options, dict) and all(isinstance(o, dict) for o in self.task_options.values()),
             f"data.task_options must map a task name to its options, e.g. {{passkey: {{digits: 7}}}}; got {self.task_options!r}",
         )
         stray = sorted(set(self.task_options) - set(names))
-        require(not stray, f"data.task_options names {', '.join(map(repr, stray))}, which this run does not train; it trains {', '.join(names)}")
+        require(
+            not stray,
+            f"data.task_options names {', '.join(map(repr, stray))}, which this run does not train; it trains {', '.join(names)}",
+        )
 
     def describe(self, steps: int | None = None) -> str:
         """One line for a model card: tasks, haystacks and the lengths reached in `steps` steps."""
         tasks = ", ".join(f"{name} {weight:g}" for name, weight in self.mix.items()) if self.mix else self.task
-        options = "; ".join(f"{name} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for name, opts in self.task_options.items())
+        options = "; ".join(
+            f"{name} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for name, opts in self.task_options.items()
+        )
         haystack = f"text of `{self.corpus}`" if self.filler == "corpus" else "repeated filler text"
-        reached = [int(n) for start, n in self.curriculum if steps is None or int(start) < steps] if self.curriculum else [self.seq_len]
+        reached = (
+            [int(n) for start, n in self.curriculum if steps is None or int(start) < steps]
+            if self.curriculum
+            else [self.seq_len]
+        )
         text = f"needle tasks ({tasks}{'; ' + options if options else ''}) in haystacks of {haystack}, "
-        text += f"lengths {' → '.join(f'{n:,}' for n in reached)} tokens, answer tokens weighted {self.answer_weight:g}x"
+        text += (
+            f"lengths {' → '.join(f'{n:,}' for n in reached)} tokens, answer tokens weighted {self.answer_weight:g}x"
+        )
         text += f", needles and questions weighted {self.needle_weight:g}x" if self.needle_weight != 1 else ""
         text += f", {self.lm_fraction:.0%} plain-text rows" if self.lm_fraction else ""
-        where = {None: "at chunk boundaries", 1: "at any offset"}.get(self.align, f"at multiples of {self.align} tokens")
+        where = {None: "at chunk boundaries", 1: "at any offset"}.get(
+            self.align, f"at multiples of {self.align} tokens"
+        )
         return text + f", question {where}"
 
     def length_at(self, step: int) -> int:
@@ -119,7 +138,9 @@ class NeedleBatches:
         self.tasks = {}
         for split in ("train", "val"):
             filler = make_filler(config.filler, self.tokenizer, config.corpus, split)
-            self.tasks[split] = [make_task(n, self.tokenizer, filler, align, **config.task_options.get(n, {})) for n in names]
+            self.tasks[split] = [
+                make_task(n, self.tokenizer, filler, align, **config.task_options.get(n, {})) for n in names
+            ]
 
     def _batch(self, split: str, length: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         n = max(1, self.config.batch_tokens // length)
@@ -143,4 +164,3 @@ class NeedleBatches:
 
     def eval_batch(self, index: int) -> dict[str, torch.Tensor]:
         return self._batch("val", self.config.seq_len, batch_rng(self.seed, 1, index))
-

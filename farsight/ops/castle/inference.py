@@ -102,8 +102,15 @@ class CastleCache:
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         no_rows = torch.zeros(batch, heads, 0, head_dim, dtype=compute_dtype(dtype), device=device)
         return cls(
-            no_rows, no_rows, no_rows, no_rows,
-            window=window, scale=scale, input_dtype=dtype, layer=layer, capacity=capacity,
+            no_rows,
+            no_rows,
+            no_rows,
+            no_rows,
+            window=window,
+            scale=scale,
+            input_dtype=dtype,
+            layer=layer,
+            capacity=capacity,
         )
 
     @property

@@ -61,8 +61,7 @@ def check_gca_inputs(
     check_shape("weight", weight, tuple(index.shape), "same shape as index")
     if lq < 1 or k.shape[2] < 1 or dim < 1:
         raise ValueError(
-            f"q rows per chunk (Lq={lq}), k rows per chunk (S={k.shape[2]}) and head dim (d={dim}) "
-            "must all be >= 1"
+            f"q rows per chunk (Lq={lq}), k rows per chunk (S={k.shape[2]}) and head dim (d={dim}) must all be >= 1"
         )
     if index.shape[2] < 1:
         raise ValueError("index must hold K >= 1 slots per query chunk; use -1 for slots with no chunk")
@@ -72,7 +71,12 @@ def check_gca_inputs(
             raise TypeError(f"key_mask must be a bool tensor (True marks real keys), got {key_mask.dtype}")
         if key_mask.device != q.device:
             raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}; move them to one device")
-        check_shape("key_mask", key_mask, (*index.shape, k.shape[2]), "[B, n, K, S]: per retrieval slot, which of the chunk's S keys are real")
+        check_shape(
+            "key_mask",
+            key_mask,
+            (*index.shape, k.shape[2]),
+            "[B, n, K, S]: per retrieval slot, which of the chunk's S keys are real",
+        )
     m = k.shape[1]
     if index.numel() and bool(((index < -1) | (index >= m)).any()):
         lo, hi = int(index.min()), int(index.max())

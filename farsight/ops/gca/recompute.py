@@ -51,7 +51,9 @@ def _scaled_heads_first(q: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.mul(_heads_first(q), scale, out=q.new_empty(batch, n, heads, lq, dim))
 
 
-def _probs(qs: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None):
+def _probs(
+    qs: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor | None, softmax_one: bool, mask: torch.Tensor | None
+):
     """qs [B, n, H, Lq, d] (pre-scaled), keys [B, n, H, S, d] (one dtype), mask [B, n, S] (True
     = real key) or None -> probabilities [B, n, H, Lq, S] and logsumexp [B, n, H, Lq], both in the
     compute dtype. fp16/bf16 products accumulate in fp32 inside the matmul and come out rounded

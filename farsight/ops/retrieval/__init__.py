@@ -88,9 +88,13 @@ def retrieval_topk(
     if keys.shape[0] != query.shape[0] or keys.shape[2] != query.shape[2]:
         raise ValueError(f"keys {tuple(keys.shape)} must be [B, n, D] for query {tuple(query.shape)}; match B and D")
     if tuple(start.shape) != (query.shape[0],) or tuple(stop.shape) != (query.shape[1],):
-        raise ValueError(f"start must be [B] and stop [m] for query {tuple(query.shape)}, got {tuple(start.shape)} and {tuple(stop.shape)}")
+        raise ValueError(
+            f"start must be [B] and stop [m] for query {tuple(query.shape)}, got {tuple(start.shape)} and {tuple(stop.shape)}"
+        )
     if keys_low is not None and (keys_low.shape != keys.shape or keys_low.dtype != torch.bfloat16):
-        raise ValueError(f"keys_low must be keys {tuple(keys.shape)} in bfloat16, got {tuple(keys_low.shape)} {keys_low.dtype}")
+        raise ValueError(
+            f"keys_low must be keys {tuple(keys.shape)} in bfloat16, got {tuple(keys_low.shape)} {keys_low.dtype}"
+        )
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":

@@ -26,7 +26,9 @@ RESCORE_LIMIT = 8  # past 1/RESCORE_LIMIT of the keys, gathering and rescoring t
 BLOCK_SCORES = 1 << 19  # scores per screening GEMM (1-2 MB, stays in cache): 8192 keys x 64 queries
 
 
-def group_maxima(q_screen: torch.Tensor, keys_screen: torch.Tensor, start: int, stop: torch.Tensor, group: int) -> torch.Tensor:
+def group_maxima(
+    q_screen: torch.Tensor, keys_screen: torch.Tensor, start: int, stop: torch.Tensor, group: int
+) -> torch.Tensor:
     """q_screen [m, r], keys_screen [n, r] (the screen's cheap operands, one dtype) -> the
     largest screened score of each group of `group` keys [m, n_groups] (in that dtype's score
     dtype), -inf where no key of the group is a candidate (j < start or j >= stop[i]). Scores
@@ -82,7 +84,9 @@ def topk_from_groups(
     # past 1/RESCORE_LIMIT of the keys the screen rules out too little (a small memory, scores
     # too close together, an untrained model); with fewer ids than k the reference pads with -inf
     if len(ids) * RESCORE_LIMIT > n or len(ids) < min(k, n):
-        index, scores = retrieval_topk_reference(q[None], keys[None], k, torch.tensor([start], device=q.device), stop, 1.0)
+        index, scores = retrieval_topk_reference(
+            q[None], keys[None], k, torch.tensor([start], device=q.device), stop, 1.0
+        )
         return index[0], scores[0]
     exact = q @ keys.index_select(0, ids).to(q.dtype).t()  # [m, U group]
     exact.masked_fill_((ids < start) | (ids >= stop[:, None]), float("-inf"))

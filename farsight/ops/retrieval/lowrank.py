@@ -74,7 +74,11 @@ class LowRankKeys:
         self.max_norm: torch.Tensor | None = None  # >= every key's norm (stays a bound after truncate)
         self.n_keys = 0  # keys seen (those of the memory)
         self.fitted_at = 0  # keys in the memory at the last fit (0: none yet)
-        self._since_fit: tuple[int, torch.Tensor | float, torch.Tensor | float] = (0, 0.0, 0.0)  # keys, energy, residual energy
+        self._since_fit: tuple[int, torch.Tensor | float, torch.Tensor | float] = (
+            0,
+            0.0,
+            0.0,
+        )  # keys, energy, residual energy
 
     def update(self, keys: torch.Tensor) -> None:
         """Catch up with `keys` [B, n, D], the memory's keys after an append (the first n_keys
@@ -119,7 +123,9 @@ class LowRankKeys:
         the keys since the last fit have drifted out of the basis."""
         if self.n_keys < self.min_keys:
             return False
-        if self.fitted_at == 0 or (self.n_keys >= 2 * self.fitted_at and (self.basis is None or self.n_keys <= REFIT_LIMIT)):
+        if self.fitted_at == 0 or (
+            self.n_keys >= 2 * self.fitted_at and (self.basis is None or self.n_keys <= REFIT_LIMIT)
+        ):
             return True
         count, energy, residual = self._since_fit
         return self.basis is not None and count >= DRIFT_MIN_KEYS and bool(residual > DRIFT * RESIDUAL_ENERGY * energy)
@@ -181,11 +187,15 @@ def retrieval_topk_lowrank(
             low_rank = LowRankKeys()
             low_rank.update(keys)
         elif low_rank.n_keys != keys.shape[1]:
-            raise ValueError(f"low_rank covers {low_rank.n_keys} keys, keys has {keys.shape[1]}; update it with the memory's keys")
+            raise ValueError(
+                f"low_rank covers {low_rank.n_keys} keys, keys has {keys.shape[1]}; update it with the memory's keys"
+            )
         q = query.to(dtype) * scale
         if low_rank.basis is None or not bool(torch.isfinite(low_rank.max_norm)) or not bool(torch.isfinite(q).all()):
             return retrieval_topk_reference(query, keys, k, start, stop, scale)
-        basis, coords, residuals = (x.to(dtype) for x in (low_rank.basis, low_rank.coords.view(), low_rank.residuals.view()))
+        basis, coords, residuals = (
+            x.to(dtype) for x in (low_rank.basis, low_rank.coords.view(), low_rank.residuals.view())
+        )
         max_norm = low_rank.max_norm.to(dtype)
         results = [
             _topk_one_row(q[b], keys[b], basis[b], coords[b], residuals[b], max_norm, k, int(start[b]), stop)

@@ -11,7 +11,9 @@ def score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def retrieval_scores(query: torch.Tensor, keys: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, scale: float) -> torch.Tensor:
+def retrieval_scores(
+    query: torch.Tensor, keys: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, scale: float
+) -> torch.Tensor:
     """query [B, m, D], keys [B, n, D] -> scores [B, m, n] = scale * q_i . k_j in score_dtype,
     -inf where key j is no candidate of query i in row b (j < start[b] or j >= stop[i])."""
     dtype = score_dtype(query.dtype)

@@ -36,7 +36,13 @@ def screen_error(d: int) -> float:
 
 
 def _topk_one_row(
-    q: torch.Tensor, keys: torch.Tensor, keys_low: torch.Tensor, max_norm: torch.Tensor, k: int, start: int, stop: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    keys_low: torch.Tensor,
+    max_norm: torch.Tensor,
+    k: int,
+    start: int,
+    stop: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One batch row: q [m, D] scaled queries in the score dtype, keys [n, D], keys_low [n, D]
     bf16, max_norm >= every |k_j| -> (index [m, min(k, n)], exact scores)."""

@@ -10,7 +10,9 @@ import torch
 from farsight.ops.checks import compute_dtype
 
 
-def window_mask_and_distance(tq: int, tk: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def window_mask_and_distance(
+    tq: int, tk: int, window: int | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Allowed-key mask and query-key distance for queries at the last `tq` of `tk` positions.
 
     Query i sits at absolute position tk - tq + i. Key j is allowed when

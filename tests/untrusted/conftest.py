@@ -1,0 +1,1 @@
+from tests.train.conftest import token_dir  # noqa: F401 (a fixture these tests share with tests/train)
