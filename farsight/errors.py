@@ -15,6 +15,10 @@ class InputError(FarsightError, ValueError):
     """An argument or input (token ids, lengths, options) is invalid."""
 
 
+class InputTypeError(FarsightError, TypeError):
+    """An argument has the wrong type or dtype (e.g. an int64 tensor where floats belong)."""
+
+
 class ConfigError(FarsightError, ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
@@ -33,6 +37,11 @@ class MissingDependencyError(FarsightError, ImportError):
 
 class StateError(FarsightError, RuntimeError):
     """An object is used in a state that does not allow it (e.g. a closed session)."""
+
+
+class BackendUnavailableError(FarsightError, RuntimeError):
+    """The kernel backend asked for cannot run here (e.g. Triton without a GPU); the message names
+    the backend that can."""
 
 
 class UnsupportedModelError(FarsightError, TypeError):

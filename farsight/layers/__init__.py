@@ -1,8 +1,10 @@
-"""nn.Modules built on farsight.ops: norms, MLP, positions, attention kinds, blocks."""
+"""nn.Modules built on farsight.ops: norms, MLP, positions, attention kinds (window, causal,
+CASTLE), grouped cross-attention, blocks."""
 
 from farsight.layers.attention import BidirectionalAttention, CausalSelfAttention, SlidingWindowAttention, padding_mask
 from farsight.layers.block import TransformerBlock
 from farsight.layers.castle import CastleAttention, CastleSWLAttention, castle_heads_for_parity
+from farsight.layers.gca import GroupedCrossAttention
 from farsight.layers.kinds import ATTENTION_KINDS, build_attention, register_attention
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.mlp import SwiGLU, swiglu_hidden_size, swiglu_reference
@@ -15,6 +17,7 @@ __all__ = [
     "CastleAttention",
     "CastleSWLAttention",
     "CausalSelfAttention",
+    "GroupedCrossAttention",
     "KVCache",
     "RMSNorm",
     "RotaryEmbedding",

@@ -1,9 +1,9 @@
-"""Multi-head CASTLE attention (causal attention with lookahead keys; Song et al., 2025, SPEC 3).
+"""Multi-head CASTLE attention (causal attention with lookahead keys; Song et al., 2025; docs/design.md §3).
 
 Six projections per head (lookahead q/k/v and causal q/k/v, fused into one matmul) and W^O,
 so a layer has 7 H d d_model parameters against 4 H d d_model for standard attention:
 `castle_heads_for_parity` gives the head count of a CASTLE layer as large as a standard one.
-RoPE rotates (Q^C, K^C) and (Q^U, K^U), never the values (SPEC 3.5).
+RoPE rotates (Q^C, K^C) and (Q^U, K^U), never the values (docs/design.md §3.5).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from farsight.errors import InputError
 from farsight.layers.position import RotaryEmbedding
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_prefill
 
@@ -21,7 +22,7 @@ def castle_heads_for_parity(standard_heads: int) -> int:
     """Heads of a CASTLE layer with about the parameters of `standard_heads` standard heads
     (same head dim): round(4/7 H_std), at least 1. E.g. 14 -> 8, 16 -> 9 (the paper's choices)."""
     if standard_heads < 1:
-        raise ValueError(f"standard_heads must be >= 1, got {standard_heads}")
+        raise InputError(f"standard_heads must be >= 1, got {standard_heads}")
     return max(1, round(4 * standard_heads / 7))
 
 

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from farsight.errors import InputError
+
 
 def rotary_reference(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i + d/2}) by angle pos * theta^(-2i/d), written as a complex product.
@@ -28,7 +30,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
         if head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head dimension, got {head_dim}")
+            raise InputError(f"rotary embeddings need an even head dimension, got {head_dim}")
         self.head_dim = head_dim
         self.theta = theta
         # no buffers: model.to(bf16) would round the frequencies (and the angles with them)
@@ -75,7 +77,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
         return [start ** (i + 1) for i in range(n)]
 
     if n_heads < 1:
-        raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        raise InputError(f"n_heads must be >= 1, got {n_heads}")
     closest = 2 ** math.floor(math.log2(n_heads))
     slopes = power_of_two(closest)
     if closest < n_heads:

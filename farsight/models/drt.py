@@ -1,4 +1,4 @@
-"""DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (SPEC section 2).
+"""DRT: the Differentiable Retrieval-based Transformer with Grouped Cross-Attention (docs/design.md §2).
 
 Stream layout: every chunk of S real tokens is followed by a landmark slot (LMK), so slot s
 belongs to chunk s // (S+1) and is the landmark when s % (S+1) == S. The model inserts the
@@ -28,14 +28,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from farsight.config import ConfigBase, ConfigError, require
-from farsight.layers import BidirectionalAttention, RMSNorm, TransformerBlock, padding_mask, swiglu_hidden_size
+from farsight.layers import (
+    BidirectionalAttention,
+    GroupedCrossAttention,
+    RMSNorm,
+    TransformerBlock,
+    padding_mask,
+    swiglu_hidden_size,
+)
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
 from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss
 from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
-from farsight.ops.gca import gca
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
 
 RETRIEVERS = ("learned", "random", "none")
@@ -191,33 +197,13 @@ class Retrieval:
     made_weight: torch.Tensor | None
 
 
-class GroupedCrossAttention(nn.Module):
-    """Per-layer query and output projections of GCA; keys/values are the shared chunk projections."""
-
-    def __init__(self, config: DRTConfig) -> None:
-        super().__init__()
-        self.n_heads, self.head_dim = config.n_heads, config.head_dim
-        self.softmax_one = config.softmax_one
-        self.q = nn.Linear(config.d_model, config.n_heads * config.head_dim, bias=False)
-        self.out = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
-
-    def forward(self, x: torch.Tensor, span: Span, chunks: FetchedChunks) -> torch.Tensor:
-        b, length, _ = x.shape
-        q = span.to_grid(self.q(x).view(b, length, self.n_heads, self.head_dim))
-        # weight stays fp32 (the op fuses the K per-chunk results in fp32); k, v come in the
-        # memory's storage dtype and compute in q's
-        k, v = chunks.k.to(q.dtype), chunks.v.to(q.dtype)
-        o = gca(q, k, v, chunks.index, chunks.weight, softmax_one=self.softmax_one, key_mask=chunks.key_mask)
-        return self.out(span.from_grid(o).reshape(b, length, -1))
-
-
 class RetrievalBlock(TransformerBlock):
     """Upper-layer block: x += SWA(norm x); x += GCA(norm x); x += MLP(norm x)."""
 
     def __init__(self, config: DRTConfig) -> None:
         super().__init__(config.block_config())
         self.cross_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.cross = GroupedCrossAttention(config)
+        self.cross = GroupedCrossAttention(config.d_model, config.n_heads, config.head_dim, config.softmax_one)
 
     def forward(
         self,
@@ -229,7 +215,9 @@ class RetrievalBlock(TransformerBlock):
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache, pad)
         if chunks is not None:
-            x = x + self.cross(self.cross_norm(x), span, chunks)
+            grid = span.to_grid(self.cross_norm(x))
+            attended = self.cross(grid, chunks.k, chunks.v, chunks.index, chunks.weight, chunks.key_mask)
+            x = x + span.from_grid(attended)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -299,7 +287,7 @@ class DRTForCausalLM(PretrainedLM):
         rows = h.view(b, n, self.slots_per_chunk, *h.shape[2:])[:, :, : self.config.chunk_size]
         return rows.reshape(b, n * self.config.chunk_size, *h.shape[2:])[:, :length]
 
-    # ---- left padding (SPEC 2.1: inference prompts end on a chunk boundary) ---------------------
+    # ---- left padding (docs/design.md §2.1: inference prompts end on a chunk boundary) ----------
     def pad_slots(self, lead: torch.Tensor) -> torch.Tensor | None:
         """lead [B] left-padding tokens per row -> the slots they fill (a whole chunk of padding
         takes its landmark slot too), or None when no row is padded: DRTState.pad."""

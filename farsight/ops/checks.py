@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from farsight.errors import InputError, InputTypeError
+
 
 def check_tensor(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise InputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+        raise InputError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     return x
 
 
 def check_float(name: str, x: torch.Tensor) -> None:
     if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        raise InputTypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
 def check_same_dtype_device(named: dict[str, torch.Tensor]) -> None:
@@ -24,9 +26,11 @@ def check_same_dtype_device(named: dict[str, torch.Tensor]) -> None:
     first_name, first = items[0]
     for name, x in items[1:]:
         if x.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; cast them to one dtype")
+            raise InputTypeError(
+                f"{name} has dtype {x.dtype} but {first_name} has {first.dtype}; cast them to one dtype"
+            )
         if x.device != first.device:
-            raise ValueError(f"{name} is on {x.device} but {first_name} is on {first.device}; move them to one device")
+            raise InputError(f"{name} is on {x.device} but {first_name} is on {first.device}; move them to one device")
 
 
 def check_side_input(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
@@ -36,9 +40,9 @@ def check_side_input(name: str, x: torch.Tensor, q: torch.Tensor) -> None:
     check_float(name, x)
     allowed = sorted({str(q.dtype), str(torch.float32)})
     if str(x.dtype) not in allowed:
-        raise TypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; cast {name} to {' or '.join(allowed)}")
+        raise InputTypeError(f"{name} has dtype {x.dtype} but q has {q.dtype}; cast {name} to {' or '.join(allowed)}")
     if x.device != q.device:
-        raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
+        raise InputError(f"{name} is on {x.device} but q is on {q.device}; move them to one device")
 
 
 def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -46,14 +50,14 @@ def check_shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str
     ok = x.dim() == len(expected) and all(e == -1 or e == s for e, s in zip(expected, x.shape))
     if not ok:
         want = "[" + ", ".join("*" if e == -1 else str(e) for e in expected) + "]"
-        raise ValueError(f"{name} must have shape {want} ({what}), got {list(x.shape)}")
+        raise InputError(f"{name} must have shape {want} ({what}), got {list(x.shape)}")
 
 
 def check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        raise InputError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""Mixed precision shared by the ops (SPEC 6, precision).
+"""Mixed precision shared by the ops (docs/design.md §6).
 
 `autocast_inputs` is what the entry points (`gca`, `castle_attention`, `castle_prefill`,
 `castle_decode`, the CASTLE reference wrappers, `sliding_window_attention`) do under

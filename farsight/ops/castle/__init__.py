@@ -14,7 +14,7 @@ and, for `castle_attention` only, "reference" (`castle_parallel_reference`, O(T^
 picks Triton for CUDA tensors when triton is installed, else "torch" (`farsight.ops.backend`).
 Triton is imported only when its backend is used.
 
-Precision (SPEC 6): the six inputs share one dtype (fp32, fp16, bf16 or fp64). Under autocast
+Precision (docs/design.md §6): the six inputs share one dtype (fp32, fp16, bf16 or fp64). Under autocast
 every entry point here casts them to the autocast dtype and runs with autocast off
 (`farsight.ops.precision`), so outputs come back in the autocast dtype and gradients in each
 input's own dtype. Inside, the torch paths compute in fp32 (fp64 for fp64) and the Triton
@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from farsight.errors import InputError, InputTypeError
 from farsight.ops.backend import resolve_backend
 from farsight.ops.castle import blockwise, inference, reference
 from farsight.ops.castle.blockwise import DEFAULT_BLOCK_SIZE
@@ -65,12 +66,12 @@ def check_castle_inputs(tensors: dict[str, torch.Tensor], window: object, scale:
     for name, x in tensors.items():
         check_shape(name, x, tuple(first.shape), f"[B, T, H, d], the same as {first_name}; nothing is broadcast")
     if first.shape[-1] < 1:
-        raise ValueError(f"head dimension d must be >= 1, got {first_name} with shape {list(first.shape)}")
+        raise InputError(f"head dimension d must be >= 1, got {first_name} with shape {list(first.shape)}")
     check_positive_int("window", window, allow_none=True)
     if scale is None:
         return 1.0 / math.sqrt(first.shape[-1])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float or None (for 1/sqrt(d)), got {scale!r}")
+        raise InputError(f"scale must be a finite float or None (for 1/sqrt(d)), got {scale!r}")
     return float(scale)
 
 
@@ -92,49 +93,49 @@ def _check_decode(
 ) -> None:
     """Validate one decoding step's inputs against the cache and the optional expectations."""
     if not isinstance(cache, CastleCache):
-        raise TypeError(
+        raise InputTypeError(
             f"cache must be a CastleCache (from castle_prefill or CastleCache.empty), got {type(cache).__name__}"
         )
     if layer is not None and cache.layer != layer:
-        raise ValueError(
+        raise InputError(
             f"cache belongs to layer {cache.layer!r} but castle_decode was called for layer {layer!r}; "
             "pass this layer's own cache"
         )
     resolved = check_castle_inputs(named, cache.window, None if isinstance(scale, _Unset) else scale)
     qu = named["qu"]
     if qu.shape[1] != 1:
-        raise ValueError(
+        raise InputError(
             f"castle_decode takes exactly one new token per call (inputs [B, 1, H, d]), got qu with "
             f"{qu.shape[1]} time steps; use castle_prefill for a prompt"
         )
     if not isinstance(window, _Unset):
         check_positive_int("window", window, allow_none=True)
         if window != cache.window:
-            raise ValueError(
+            raise InputError(
                 f"cache was built with window={cache.window!r} but window={window!r} was requested; "
                 "build the cache with the same window (castle_prefill(..., window=...))"
             )
     if not isinstance(scale, _Unset) and resolved != cache.scale:
-        raise ValueError(
+        raise InputError(
             f"cache was built with scale={cache.scale!r} but scale={resolved!r} was requested; "
             "use the same scale for prefill and decode"
         )
     expected = (cache.batch, 1, cache.heads, cache.head_dim)
     for name, x in named.items():
         if tuple(x.shape) != expected:
-            raise ValueError(
+            raise InputError(
                 f"{name} must have shape {list(expected)} (one token with the cache's batch, heads and head dim), "
                 f"got {list(x.shape)}"
             )
     if qu.dtype != cache.input_dtype:
-        raise TypeError(
+        raise InputTypeError(
             f"inputs have dtype {qu.dtype} but the cache was built for {cache.input_dtype}; decode in the dtype "
             "(or under the autocast setting) the cache was built with"
         )
     if qu.device != cache.device:
-        raise ValueError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
+        raise InputError(f"inputs are on {qu.device} but the cache is on {cache.device}; move them to one device")
     if position is not None and position != cache.length:
-        raise ValueError(
+        raise InputError(
             f"cache holds {cache.length} tokens, so the new token is at position {cache.length}, but "
             f"position={position} was passed; the cache is out of sync with the sequence"
         )

@@ -1,5 +1,5 @@
 """CASTLE inference path: the UQ-KV cache (`CastleCache`), the prefill that builds it from a
-prompt (Algorithm 4) and the decode step that adds one token (Algorithm 5; SPEC 3.4).
+prompt (Algorithm 4) and the decode step that adds one token (Algorithm 5; docs/design.md §3.4).
 
 `prefill` and `decode` assume valid inputs: `farsight.ops.castle.castle_prefill` and
 `castle_decode` check them (and the cache's configuration) before calling them. Neither builds
@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from farsight.errors import InputTypeError
 from farsight.ops.buffers import GrowingBuffer
 from farsight.ops.castle.blockwise import forward_with_lookahead_keys
 from farsight.ops.checks import check_positive_int, compute_dtype
@@ -98,7 +99,7 @@ class CastleCache:
             check_positive_int(name, value)
         check_positive_int("window", window, allow_none=True)
         if not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+            raise InputTypeError(f"dtype must be a floating-point dtype, got {dtype}")
         scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
         no_rows = torch.zeros(batch, heads, 0, head_dim, dtype=compute_dtype(dtype), device=device)
         return cls(

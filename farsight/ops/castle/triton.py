@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from farsight.errors import BackendUnavailableError, InputTypeError
 from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile
 from farsight.ops.precision import amp_function
 
@@ -502,12 +503,12 @@ def _forward(inputs: list[torch.Tensor], window: int | None, scale: float, block
 def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list[torch.Tensor], int, int]:
     qu = tensors[0]
     if qu.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
+        raise BackendUnavailableError(
             f"the Triton CASTLE kernels need CUDA tensors, got {qu.device}; use backend='torch', or set "
             "TRITON_INTERPRET=1 before farsight.ops.castle.triton is first imported to run them on CPU"
         )
     if qu.dtype == torch.float64:
-        raise TypeError("the Triton CASTLE kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
+        raise InputTypeError("the Triton CASTLE kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
     _check_block("block", block)
     dim = qu.shape[-1]
     block_d = _tile(dim, 1 << 30)

@@ -1,12 +1,12 @@
 """Grouped cross-attention (GCA): each query chunk attends to each of its K retrieved memory
-chunks separately and fuses the K results with the retrieval weights (SPEC 2.4).
+chunks separately and fuses the K results with the retrieval weights (docs/design.md §2.4).
 
 Backends: `gca_reference` (gather + einsum, the readable definition), `gca_recompute` (PyTorch,
 any device, backward without gathered copies) and `gca_triton` (fused kernels that read the
 chunks through the index; CUDA, or CPU under TRITON_INTERPRET=1). `gca` checks the inputs and
 picks one. Triton is imported only when its backend is used.
 
-Precision (SPEC 6): q, k, v share one dtype (fp32, fp16, bf16 or fp64); under autocast `gca`
+Precision (docs/design.md §6): q, k, v share one dtype (fp32, fp16, bf16 or fp64); under autocast `gca`
 casts them to the autocast dtype (`farsight.ops.precision`). `weight` keeps its own precision
 (q's dtype or fp32): the K per-chunk results are fused with fp32 weights (fp64 for fp64 q).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from farsight.errors import InputError, InputTypeError
 from farsight.ops.backend import resolve_backend
 from farsight.ops.checks import check_float, check_same_dtype_device, check_shape, check_side_input, check_tensor
 from farsight.ops.gca.recompute import gca_recompute
@@ -51,26 +52,26 @@ def check_gca_inputs(
     check_same_dtype_device({"q": q, "k": k, "v": v})
     check_side_input("weight", weight, q)
     if index.device != q.device:
-        raise ValueError(f"index is on {index.device} but q is on {q.device}; move them to one device")
+        raise InputError(f"index is on {index.device} but q is on {q.device}; move them to one device")
     if index.dtype != torch.long:
-        raise TypeError(f"index must be a torch.long tensor of chunk ids, got {index.dtype}; use index.long()")
+        raise InputTypeError(f"index must be a torch.long tensor of chunk ids, got {index.dtype}; use index.long()")
     batch, n, lq, heads, dim = q.shape
     check_shape("k", k, (batch, -1, -1, heads, dim), "[B, m, S, H, d] with B, H, d of q")
     check_shape("v", v, tuple(k.shape), "same shape as k")
     check_shape("index", index, (batch, n, -1), "[B, n, K] with B, n of q")
     check_shape("weight", weight, tuple(index.shape), "same shape as index")
     if lq < 1 or k.shape[2] < 1 or dim < 1:
-        raise ValueError(
+        raise InputError(
             f"q rows per chunk (Lq={lq}), k rows per chunk (S={k.shape[2]}) and head dim (d={dim}) must all be >= 1"
         )
     if index.shape[2] < 1:
-        raise ValueError("index must hold K >= 1 slots per query chunk; use -1 for slots with no chunk")
+        raise InputError("index must hold K >= 1 slots per query chunk; use -1 for slots with no chunk")
     if key_mask is not None:
         check_tensor("key_mask", key_mask, ndim=4)
         if key_mask.dtype != torch.bool:
-            raise TypeError(f"key_mask must be a bool tensor (True marks real keys), got {key_mask.dtype}")
+            raise InputTypeError(f"key_mask must be a bool tensor (True marks real keys), got {key_mask.dtype}")
         if key_mask.device != q.device:
-            raise ValueError(f"key_mask is on {key_mask.device} but q is on {q.device}; move them to one device")
+            raise InputError(f"key_mask is on {key_mask.device} but q is on {q.device}; move them to one device")
         check_shape(
             "key_mask",
             key_mask,
@@ -80,7 +81,7 @@ def check_gca_inputs(
     m = k.shape[1]
     if index.numel() and bool(((index < -1) | (index >= m)).any()):
         lo, hi = int(index.min()), int(index.max())
-        raise ValueError(
+        raise InputError(
             f"index values must lie in [-1, {m}) (-1 = empty slot, k holds m={m} chunks), "
             f"got values in [{lo}, {hi}]; replace missing chunks by -1"
         )
@@ -129,7 +130,7 @@ def gca(
     with autocast_inputs(q, k, v) as (q, k, v):
         check_gca_inputs(q, k, v, index, weight, key_mask)
         if scale is not None and not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
+            raise InputTypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
         if key_mask is not None and backend == "auto":
             backend = "torch"
         backend = resolve_backend(backend, q, BACKENDS)
@@ -138,5 +139,5 @@ def gca(
         if backend == "reference":
             return gca_reference(q, k, v, index, weight, softmax_one, scale, key_mask)
         if key_mask is not None:
-            raise ValueError('the triton GCA backend takes no key_mask; use backend="torch" (or "auto")')
+            raise InputError('the triton GCA backend takes no key_mask; use backend="torch" (or "auto")')
         return gca_triton(q, k, v, index, weight, softmax_one, scale)

@@ -175,7 +175,7 @@ def _gca_no_grad(
     tile only passes through the two matmuls, the optional mask and the softmax. The matmuls
     take q's dtype (fp16/bf16 accumulate in fp32 inside and round the scores to that dtype once),
     the weights multiply in fp32 (v * w is rounded once) and the softmax keeps its max and sum
-    in fp32 (SPEC 6). Without a backward nothing is saved, so the gathered [B, n, H, K, S', d]
+    in fp32 (docs/design.md §6). Without a backward nothing is saved, so the gathered [B, n, H, K, S', d]
     keys and values cost only their (segment-sized) temporaries.
     """
     batch, n, lq, heads, dim = q.shape

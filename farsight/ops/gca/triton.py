@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from farsight.errors import BackendUnavailableError, InputError, InputTypeError
 from farsight.ops.checks import check_positive_int
 from farsight.ops.precision import amp_function
 
@@ -212,7 +213,7 @@ def _tile(size: int, cap: int) -> int:
 def _check_block(name: str, value: int | None) -> None:
     check_positive_int(name, value, allow_none=True)
     if value is not None and (value < 16 or value & (value - 1)):
-        raise ValueError(f"{name} must be a power of two >= 16 (a tl.dot tile), got {value}")
+        raise InputError(f"{name} must be a power of two >= 16 (a tl.dot tile), got {value}")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -345,12 +346,12 @@ def gca_triton(
     of two of Lq / S, at most 64).
     """
     if q.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError(
+        raise BackendUnavailableError(
             f"the Triton GCA kernels need CUDA tensors, got {q.device}; use backend='torch', or set "
             "TRITON_INTERPRET=1 before farsight.ops.gca.triton is first imported to run them on CPU"
         )
     if q.dtype == torch.float64:
-        raise TypeError("the Triton GCA kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
+        raise InputTypeError("the Triton GCA kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
     _check_block("block_q", block_q)
     _check_block("block_s", block_s)
     lq, s, dim = q.shape[2], k.shape[2], q.shape[4]

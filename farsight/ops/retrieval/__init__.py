@@ -1,4 +1,4 @@
-"""Retrieval scoring for DRT (SPEC 2.3): each query (a chunk's landmark state, projected) scores
+"""Retrieval scoring for DRT (docs/design.md §2.3): each query (a chunk's landmark state, projected) scores
 the landmark keys of the chunks it may read and keeps the top k.
 
 `retrieval_scores` gives every score (the training path: Gumbel noise and the random retriever
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from farsight.errors import InputError
 from farsight.ops.checks import check_float, check_positive_int, check_tensor
 from farsight.ops.precision import native_bf16_matmul
 from farsight.ops.retrieval.lowrank import LowRankKeys, retrieval_topk_lowrank
@@ -86,17 +87,17 @@ def retrieval_topk(
     check_float("keys", keys)
     check_positive_int("k", k)
     if keys.shape[0] != query.shape[0] or keys.shape[2] != query.shape[2]:
-        raise ValueError(f"keys {tuple(keys.shape)} must be [B, n, D] for query {tuple(query.shape)}; match B and D")
+        raise InputError(f"keys {tuple(keys.shape)} must be [B, n, D] for query {tuple(query.shape)}; match B and D")
     if tuple(start.shape) != (query.shape[0],) or tuple(stop.shape) != (query.shape[1],):
-        raise ValueError(
+        raise InputError(
             f"start must be [B] and stop [m] for query {tuple(query.shape)}, got {tuple(start.shape)} and {tuple(stop.shape)}"
         )
     if keys_low is not None and (keys_low.shape != keys.shape or keys_low.dtype != torch.bfloat16):
-        raise ValueError(
+        raise InputError(
             f"keys_low must be keys {tuple(keys.shape)} in bfloat16, got {tuple(keys_low.shape)} {keys_low.dtype}"
         )
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {list(BACKENDS)}")
+        raise InputError(f"backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "auto":
         fitted = low_rank is not None and low_rank.basis is not None
         native = screen_pays_off(keys.device)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from farsight.errors import InputError
 from farsight.ops.buffers import GrowingBuffer
 from farsight.ops.retrieval.groups import group_maxima, topk_from_groups
 from farsight.ops.retrieval.reference import retrieval_topk_reference, score_dtype
@@ -187,7 +188,7 @@ def retrieval_topk_lowrank(
             low_rank = LowRankKeys()
             low_rank.update(keys)
         elif low_rank.n_keys != keys.shape[1]:
-            raise ValueError(
+            raise InputError(
                 f"low_rank covers {low_rank.n_keys} keys, keys has {keys.shape[1]}; update it with the memory's keys"
             )
         q = query.to(dtype) * scale

@@ -1,7 +1,7 @@
 """Causal sliding-window attention: dense reference, the blockwise O(T * W) path (any device)
 and, on GPU, PyTorch's FlexAttention (or SDPA with a dense mask).
 
-Precision (SPEC 6): q, k, v share one dtype; under autocast `sliding_window_attention` casts
+Precision (docs/design.md §6): q, k, v share one dtype; under autocast `sliding_window_attention` casts
 them to the autocast dtype (`farsight.ops.precision`). ALiBi slopes keep their own precision
 (q's dtype or fp32) and are added to fp32 scores (fp64 for fp64 q) on every backend.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from farsight.ops import backend as ops_backend
+import farsight.ops.backend as ops_backend
+from farsight.errors import BackendUnavailableError, InputError, InputTypeError
 from farsight.ops.checks import (
     check_float,
     check_positive_int,
@@ -69,7 +70,7 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
                 f'{torch.__version__}; use backend="blockwise"'
             )
         if not q.is_cuda:
-            raise RuntimeError(
+            raise BackendUnavailableError(
                 f'backend="flex" needs CUDA tensors (FlexAttention has no backward on CPU), got {q.device}; '
                 'use backend="blockwise" or "auto"'
             )
@@ -125,7 +126,7 @@ def _sliding_window_attention(
     check_shape("k", k, (batch, -1, heads, dim), "batch, keys, heads and head dim of q")
     check_shape("v", v, tuple(k.shape), "same shape as k")
     if k.shape[1] < tq:
-        raise ValueError(f"k has {k.shape[1]} positions but q has {tq}; queries must be the last positions of the keys")
+        raise InputError(f"k has {k.shape[1]} positions but q has {tq}; queries must be the last positions of the keys")
     check_positive_int("window", window)
     check_positive_int("block_size", block_size, allow_none=True)
     if alibi_slopes is not None:
@@ -135,7 +136,7 @@ def _sliding_window_attention(
     if key_padding_mask is not None:
         check_shape("key_padding_mask", key_padding_mask, (batch, k.shape[1]), "batch x keys")
         if key_padding_mask.dtype != torch.bool:
-            raise TypeError("key_padding_mask must be a bool tensor (True marks real tokens)")
+            raise InputTypeError("key_padding_mask must be a bool tensor (True marks real tokens)")
     backend = resolve_backend(backend, q)
     if tq == 0:
         return q.new_empty(q.shape)
