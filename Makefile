@@ -36,19 +36,21 @@ demo: $(STAMP)
 $(CORPUS)/meta.json: | $(STAMP)
 	$(BIN)/farsight data prepare --source stdlib --tokenizer byte --out $(CORPUS)
 
-# Retrain the shipped checkpoint from scratch with the committed configs, and time it: DRT x2
-# pre-trained as a language model (52M tokens at 4K) then fine-tuned on passkeys with the needle
-# sentences out of the loss (issue 18, R1).
+# Retrain the shipped checkpoint from scratch with the committed configs, and time it: drt-x2
+# pre-trained as a language model (52M tokens at 4K, configs/lm/pretrain/drt-x2.yaml) then
+# fine-tuned on passkeys with the needle sentences out of the loss (configs/lm/passkey/drt-x2-nw0.yaml;
+# the language-model protocol of docs/results.md, R1).
 demo-train: $(STAMP)
 	@start=$$(date +%s); \
 	bash experiments/lm-data.sh && \
-	$(BIN)/farsight train configs/lm-drt-g2.yaml --restart --set train.out_dir=runs/demo-drt-lm && \
-	$(BIN)/farsight train configs/lm-drt-g2-passkey-nw0.yaml --restart --set train.init_from=runs/demo-drt-lm --set train.out_dir=runs/demo-drt && \
+	$(BIN)/farsight train configs/lm/pretrain/drt-x2.yaml --restart --set train.out_dir=runs/demo-drt-lm && \
+	$(BIN)/farsight train configs/lm/passkey/drt-x2-nw0.yaml --restart --set train.init_from=runs/demo-drt-lm --set train.out_dir=runs/demo-drt && \
 	$(BIN)/farsight export runs/demo-drt models/demo-drt --dtype bf16 --card && \
 	echo "demo-train: retrained models/demo-drt in $$(( $$(date +%s) - start )) s"
 
 # The reproductions of docs/results.md (R1-R6): each trains what it needs, evaluates, and writes
 # results/rN/ and docs/figures/. Hours on a 2-core CPU; r2 builds on r1's runs, r4 on r3's.
+# configs/README.md lists the configs each one trains.
 r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
 	bash experiments/$@.sh
 

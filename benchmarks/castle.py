@@ -7,7 +7,7 @@ farsight's malloc settings as the command line has them), which
 reports wall times (median of a few runs; one run from T=8192 on) and the peak-memory growth
 of one call. Training cases use B=1, H=1, d=64 so that the memory columns show the scaling in
 T; "fwd" runs under no_grad, "f+b" is one forward and one backward. The speed-target cases use
-issue 16's shape (B=1, H=4, d=64, T=2048 and 4096, fp32 and bf16) and also count the matrix-
+one fixed shape (B=1, H=4, d=64, T=2048 and 4096, fp32 and bf16) and also count the matrix-
 product FLOPs of one CASTLE f+b (torch's FlopCounterMode) against causal SDPA's 7 products
 (forward QK^T, PV; backward QK^T again, dV, dP, dQ, dK) over the T(T+1)/2 causal pairs: the
 ratio of work that no unfused implementation can go below. The decoding cases time one token against
@@ -216,7 +216,7 @@ def run_training(step_list: list[int], windows: list[int | None], reference_limi
 
 
 def run_speed_targets(step_list: list[int]) -> list[dict]:
-    """Issue 16's shape: f+b time and matrix-product FLOPs of CASTLE / CASTLE-SWL vs causal SDPA."""
+    """The speed targets' shape: f+b time and matrix-product FLOPs of CASTLE / CASTLE-SWL vs causal SDPA."""
     rows = []
     for dtype in TARGET_DTYPES:
         for steps in step_list:

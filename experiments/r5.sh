@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# R5 CASTLE vs CASTLE-SWL vs standard causal attention at parameter parity (7 standard heads,
-# 4 CASTLE heads), same data, 8.19M tokens and three seeds each: held-out loss mean and spread,
-# and the loss curves (docs/results.md). Seeds outermost, so a partial run compares like with like.
+# R5 castle vs castle-swl vs causal (standard causal attention) at parameter parity (7 standard
+# heads, 4 CASTLE heads; configs/castle/), same data, 8.19M tokens and three seeds each: held-out
+# loss mean and spread, and the loss curves (docs/results.md). Seeds outermost, so a partial run
+# compares like with like. Seed N of configs/castle/<kind>.yaml is runs/castle/<kind>-sN.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/r5
@@ -9,22 +10,23 @@ mkdir -p "$OUT"
 MODELS=()
 for seed in 0 1 2; do
     for kind in causal castle castle-swl; do
-        $F train "configs/r5-$kind.yaml" --no-progress --set train.seed=$seed --set "train.out_dir=runs/r5-$kind-s$seed"
-        MODELS+=(--model "runs/r5-$kind-s$seed")
+        $F train "configs/castle/$kind.yaml" --no-progress --set train.seed=$seed --set "train.out_dir=runs/castle/$kind-s$seed"
+        MODELS+=(--model "runs/castle/$kind-s$seed")
     done
 done
 # every model scores the same 1024 held-out windows of its training length
 $F eval ppl "${MODELS[@]}" --corpus data/stdlib-byte --split val --lengths 256 --windows 1024 --batch-size 16 --out "$OUT/loss.json"
-RUNS=(runs/r5-causal-s{0,1,2} runs/r5-castle-s{0,1,2} runs/r5-castle-swl-s{0,1,2})
+# the table and loss curves read each run's newest checkpoint: the runs trained above
+RUNS=(runs/castle/causal-s{0,1,2} runs/castle/castle-s{0,1,2} runs/castle/castle-swl-s{0,1,2})
 $F eval runs "${RUNS[@]}" --out "$OUT/runs.json" --plot docs/figures/r5-loss-curves.png \
-    --labels causal,causal,causal,CASTLE,CASTLE,CASTLE,CASTLE-SWL,CASTLE-SWL,CASTLE-SWL \
+    --labels causal,causal,causal,castle,castle,castle,castle-swl,castle-swl,castle-swl \
     --title "R5: 0.38M parameters, 8.19M tokens, 3 seeds" --relative-to causal
 .venv/bin/python - "$OUT/loss.json" <<'PY'
 import json, statistics, sys
 results = json.load(open(sys.argv[1]))["results"]
 groups = {}
 for path, out in results.items():
-    kind = path.split("r5-", 1)[1].rsplit("-s", 1)[0]
+    kind = path.rsplit("/", 1)[-1].rsplit("-s", 1)[0]
     groups.setdefault(kind, []).append(out["by_length"]["256"]["nll"])
 print("attention    seeds  held-out loss (nats/token)  spread (std)  min     max     minus causal, same seed (mean ± std)")
 for kind, losses in groups.items():

@@ -82,7 +82,7 @@ def tune_malloc() -> bool:
     time in the kernel than in user code. With mmap off for allocations (M_MMAP_MAX 0) and a
     2 GiB trim threshold the training steps there ran 1.7-2.6x faster (that one 3.8 s against
     9.6 s), their peak memory 7-21% higher, and a bf16 streaming prefill of the demo DRT about as
-    fast as with the mmap threshold at 32 MiB, at the same peak RSS (docs/results.md, stop 37). The
+    fast as with the mmap threshold at 32 MiB, at the same peak RSS (docs/results.md, R6). The
     heap still shrinks on `release_freed_memory()`, which the trainer calls every log interval.
 
     Limits: freed memory inside the heap is kept (and its top up to 2 GiB) until

@@ -62,7 +62,7 @@ def split_score(doc_id: str, seed: int = 0) -> float:
 
 
 def _prepare_command(out_dir: Path | str) -> str:
-    return f"run `farsight data prepare --source SPEC --tokenizer byte|gpt2|PATH --out {out_dir}` first"
+    return f"run `farsight data prepare --source SOURCE --tokenizer byte|gpt2|PATH --out {out_dir}` first"
 
 
 def _farsight_version() -> str:

@@ -1,4 +1,4 @@
-"""Streaming inference for DRT over contexts of any length (SPEC 2.6).
+"""Streaming inference for DRT over contexts of any length (docs/design.md §2.6).
 
 A session owns the state the model's span forward carries: one rolling KV cache of W slots per
 decoder layer, the lower-layer rows of the incomplete chunk, the current retrieval per group and
@@ -37,7 +37,7 @@ class DRTSession(Session):
     chunk memory and the records as they were before it, so the same tokens can be fed again.
 
     The prompt (the first prefill) is left-padded with `prompt_offset` pad slots so that it ends
-    on a chunk boundary (SPEC 2.1): its last landmark sees the whole prompt and the first answer
+    on a chunk boundary (docs/design.md §2.1): its last landmark sees the whole prompt and the first answer
     token starts a chunk that reads that landmark's retrieval, wherever the question falls. Pads
     (and the rows' own left padding given by an attention_mask) are masked out of the sliding
     window, the chunk encoder and GCA, and chunks of nothing but padding are never retrieved.

@@ -15,7 +15,7 @@ chunk memory) and is fed tokens in order:
 
 A model implements `_run(ids, every_position)`; batch size, id checks, closing and the
 inference-mode switch live here once. The first prefill of a session is the prompt: a model may
-lay it out first (`_begin`; DRT left-pads it so that it ends on a chunk boundary, SPEC 2.1), and
+lay it out first (`_begin`; DRT left-pads it so that it ends on a chunk boundary, docs/design.md §2.1), and
 a left-padded batch (HF's attention_mask: zeros, then ones) is accepted by models that mask
 padding (DRT).
 

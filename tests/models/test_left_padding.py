@@ -1,4 +1,4 @@
-"""DRT prompts at any offset (SPEC 2.1): the session left-pads a prompt to a chunk boundary and
+"""DRT prompts at any offset (docs/design.md §2.1): the session left-pads a prompt to a chunk boundary and
 masks the padding out of the sliding window, the chunk encoder, retrieval and GCA, so the logits
 of real tokens do not depend on the amount or the content of the padding."""
 

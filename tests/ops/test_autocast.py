@@ -1,4 +1,4 @@
-"""Mixed precision of the ops (SPEC 6): under bf16/fp16 autocast, with bf16 inputs next to fp32
+"""Mixed precision of the ops (docs/design.md §6): under bf16/fp16 autocast, with bf16 inputs next to fp32
 side inputs (GCA weights, ALiBi slopes) and in pure bf16, every backend's output and every input
 gradient agree with the fp32 op within the tolerance of the low dtype (relative RMS error),
 outputs have the autocast dtype, gradients their input's dtype, everything finite.

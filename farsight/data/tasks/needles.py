@@ -1,4 +1,4 @@
-"""Needle-in-a-haystack tasks (SPEC section 5; DRT paper Appendix D, Table 5).
+"""Needle-in-a-haystack tasks (docs/design.md §5; Hu et al., ICML 2025, Appendix D, Table 5).
 
 Every sample is built from token pieces (numpy arrays), never from one huge string, so a 16M-token
 haystack costs only its token array. Layout of a sample of exactly `length` tokens:
