@@ -5,7 +5,8 @@ and decode latency vs context length.
 
 (a) training: one AdamW step of DRT and of BaseLM (sliding window + ALiBi) with the same layers,
     d_model and window (d_model 256, 8 layers, 4 heads, W 512; DRT: S 64, K 8, G 1, 2 encoder
-    layers), 16K tokens per step, at T = 1K, 4K, 16K, in each of --train-precisions (the
+    layers), 16K tokens per step (--train-tokens), at T = 1K, 4K, 16K (--train-lengths), on --train-device (default
+    the CPU), in each of --train-precisions (the
     trainer's precisions, default fp32; e.g. fp32,bf16-mixed): time and peak-memory growth,
     DRT/BaseLM, and the ratio of the matrix-product FLOPs the two steps execute (torch's
     FlopCounterMode).
@@ -80,13 +81,14 @@ def _train_case(case: dict) -> dict:
     torch.manual_seed(0)
     config = DRTConfig(**TRAIN_CONFIG)
     model = DRTForCausalLM(config) if case["model"] == "drt" else TransformerForCausalLM(config.block_config())
-    ids = torch.randint(0, 256, (max(1, TRAIN_TOKENS // case["length"]), case["length"]))
-    step = training_step(model, ids, case["precision"])
+    device = torch.device(case["device"])
+    ids = torch.randint(0, 256, (max(1, case["tokens"] // case["length"]), case["length"]), device=device)
+    step = training_step(model.to(device), ids, case["precision"])
 
     with FlopCounterMode(display=False) as flops:  # the step's matrix-product FLOPs
         step()
-    peak = measure_peak_memory(step)
-    seconds = time_fn(step, warmup=0, repeat=case["repeat"])
+    peak = measure_peak_memory(step, device)
+    seconds = time_fn(step, device, warmup=1 if device.type == "cuda" else 0, repeat=case["repeat"])
     return {"step_s": seconds, "peak_mb": peak / 2**20, "gflop": flops.get_total_flops() / 1e9}
 
 
@@ -263,6 +265,11 @@ def main() -> None:
         action="store_true",
         help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)",
     )
+    parser.add_argument("--train-device", default="cpu", help="device of part (a), e.g. cuda (default cpu)")
+    parser.add_argument("--train-lengths", help="sequence lengths of part (a) (default 1k,4k,16k; 1k,4k with --quick)")
+    parser.add_argument(
+        "--train-tokens", type=int, default=TRAIN_TOKENS, help=f"tokens per training step (default {TRAIN_TOKENS})"
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if not parts or not parts <= {"train", "prefill", "decode", "split"}:
@@ -275,7 +282,8 @@ def main() -> None:
         )
     default_split = "64k,256k" if args.quick else "1m,4m"
     split_lengths = [parse_length(text) for text in (args.split_lengths or default_split).split(",")]
-    train_lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
+    default_train = "1k,4k" if args.quick else "1k,4k,16k"
+    train_lengths = [parse_length(text) for text in (args.train_lengths or default_train).split(",")]
     prefill_lengths = [16384, 65536] if args.quick else [16384, 65536, 262144, 1 << 20]
     default_decode = "4k,64k" if args.quick else "4k,64k,1m"
     decode_contexts = [parse_length(text) for text in (args.decode_lengths or default_decode).split(",")]
@@ -290,7 +298,14 @@ def main() -> None:
         for length in train_lengths:
             row: dict = {"precision": precision, "T": format_length(length)}
             for name in ("baselm", "drt"):
-                case = {"model": name, "length": length, "precision": precision, "repeat": 1 if args.quick else 3}
+                case = {
+                    "model": name,
+                    "length": length,
+                    "precision": precision,
+                    "repeat": 1 if args.quick else 3,
+                    "device": args.train_device,
+                    "tokens": args.train_tokens,
+                }
                 r = run_isolated(_train_case, case)
                 row[f"{name} step s"] = r.get("step_s")
                 row[f"{name} peak MB"] = r.get("peak_mb")

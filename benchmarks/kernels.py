@@ -1,280 +1,310 @@
-"""GPU kernel benchmark: Triton kernels against the PyTorch paths and FlashAttention-2 / SDPA.
+"""GPU kernel benchmark: the Triton kernels against causal SDPA (FlashAttention) at training shapes.
 
-    python benchmarks/kernels.py [--quick] [--json PATH]
+    python benchmarks/kernels.py [--quick] [--json PATH] [--parts castle,gca,window] [--peer PATH]
 
-Needs a CUDA GPU; on a machine without one it says so and exits 0 (nothing is measured).
-For every case it reports forward ("fwd", under no_grad) and forward+backward ("f+b") wall time
-(median of several runs) and the CUDA allocator's peak growth of one call, in bf16:
+Needs a CUDA GPU; without one it says so and exits 0. bf16, B x T >= 32K tokens per call.
+Every case reports forward ("fwd", under no_grad), backward alone ("bwd", the gradient of a
+kept graph) and forward+backward ("f+b") wall time (median of several runs), the achieved
+TFLOP/s of matrix products, and the CUDA allocator's peak growth of one f+b:
 
-* GCA (paper shapes S=64, K=8, H=12, d=64; T tokens = T/S query chunks of S rows, each
-  retrieving K earlier chunks): `gca(backend="triton")` vs `gca(backend="torch")`.
-* CASTLE / CASTLE-SWL (H=8, d=64 and 128, T up to 16K): `castle_attention(backend="triton")`
-  vs the blockwise torch path vs SDPA causal attention (FlashAttention-2 where the GPU has it)
-  with the same H and d.
-* Sliding-window attention (H=12, d=64): `sliding_window_attention` with backend "auto"
-  (FlexAttention on CUDA) and "blockwise" vs full causal SDPA.
+* CASTLE and CASTLE-SWL-512 (H=8, d=64 and 128, B=8 x 4K and B=2 x 16K): `castle_attention`'s
+  Triton kernels with the grouped forward and with the diagonal one (Algorithm 1, one launch per
+  block diagonal), causal SDPA with the same shapes, and, with --peer, the Triton kernel of the
+  `lookahead-keys-attention` package (PATH: its lookahead_keys_attention_triton.py). CASTLE's
+  FLOPs are those of the blockwise PyTorch path, counted by torch's FlopCounterMode on meta
+  tensors; SDPA's are its 2 forward and 5 backward products over the T(T+1)/2 causal pairs.
+  "time/sdpa" over "flop/sdpa" is the fraction of SDPA's rate CASTLE reaches, inverted.
+* GCA (the DRT paper's S=64, K=8, H=12, d=64): `gca(backend="triton")` and the PyTorch path;
+  FLOPs of the attended pairs ((S+1) x K x S per query chunk, 2 + 5 products), against causal
+  SDPA's rate at the same B, T, H, d.
+* Sliding-window attention (W=512, H=12, d=64): the CUDA dispatch (FlexAttention) against causal
+  SDPA; "per pair" compares the time per attended (query, key) pair.
 
-Cases that run out of memory show "-" and the error below the table.
+The last lines print the tables; --json keeps every figure. Cases that fail show "-" and the error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
+import farsight.ops.castle.triton as castle_triton
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, time_fn, write_json
 from farsight.ops.castle import castle_attention
 from farsight.ops.gca import gca
 from farsight.ops.window import sliding_window_attention
 
 DTYPE = torch.bfloat16
-GCA_SHAPE = dict(chunk=64, slots=8, heads=12, dim=64)
 CASTLE_HEADS = 8
-WINDOW_HEADS, WINDOW_DIM = 12, 64
+GCA_SHAPE = dict(chunk=64, slots=8, heads=12, dim=64)
+WINDOW_HEADS, WINDOW_DIM, WINDOW = 12, 64, 512
+SDPA_FORWARD_PRODUCTS, SDPA_BACKWARD_PRODUCTS = 2, 5
 FULL = dict(
-    gca_steps=[4096, 8192, 16384, 32768],
+    castle=[(8, 4096), (2, 16384)],
     castle_dims=[64, 128],
-    castle_steps=[1024, 2048, 4096, 8192, 16384],
     castle_windows=[None, 512],
-    window_steps=[4096, 8192, 16384, 32768],
-    window_sizes=[512, 2048],
+    gca=[(8, 4096), (2, 16384), (1, 32768)],
+    window=[(8, 4096), (2, 16384)],
 )
-QUICK = dict(
-    gca_steps=[4096, 8192],
-    castle_dims=[64],
-    castle_steps=[1024, 4096],
-    castle_windows=[None, 512],
-    window_steps=[4096],
-    window_sizes=[512],
-)
+QUICK = dict(castle=[(8, 4096)], castle_dims=[64], castle_windows=[None, 512], gca=[(8, 4096)], window=[(8, 4096)])
+# --smoke: tiny shapes that run anywhere (on a CPU the Triton kernels run under TRITON_INTERPRET=1),
+# so that the script itself is tested where no GPU is.
+SMOKE = dict(castle=[(1, 80)], castle_dims=[16], castle_windows=[None, 20], gca=[(1, 192)], window=[(1, 96)])
+DEVICE = torch.device("cuda")
+PARTS = ("castle", "gca", "window")
 
 
-def measure(op: Callable[[], torch.Tensor], quick: bool) -> dict:
-    """fwd / f+b median seconds and peak allocator growth in bytes of `op` (a closure over leaves)."""
-    device = torch.device("cuda")
-    holder: dict[str, torch.Tensor] = {}
-
-    def forward() -> None:
-        with torch.no_grad():
-            op()
-
-    def forward_backward() -> None:
-        out = op()
-        if "grad" not in holder:
-            holder["grad"] = torch.randn_like(out)
-        out.backward(holder["grad"])
-
+def measure(op: Callable[[], torch.Tensor], inputs: list[torch.Tensor], quick: bool) -> dict:
+    """fwd / bwd / f+b median seconds and the f+b peak allocator growth of `op` over `inputs`."""
+    device = DEVICE
     repeat = 3 if quick else 5
     result: dict = {}
     try:
-        result["fwd_s"] = time_fn(forward, device, warmup=2, repeat=repeat)
-        result["fwd_bytes"] = measure_peak_memory(forward, device)
-        result["fb_s"] = time_fn(forward_backward, device, warmup=2, repeat=repeat)
+        with torch.no_grad():
+            result["fwd_s"] = time_fn(op, device, warmup=2, repeat=repeat)
+        kept = {"out": op()}  # one graph, differentiated again and again
+        grad = torch.randn_like(kept["out"])
+
+        def backward() -> None:
+            torch.autograd.grad(kept["out"], inputs, grad, retain_graph=True)
+
+        result["bwd_s"] = time_fn(backward, device, warmup=2, repeat=repeat)
+        kept.clear()
+
+        def forward_backward() -> None:
+            torch.autograd.grad(op(), inputs, grad)
+
+        result["fb_s"] = time_fn(forward_backward, device, warmup=1, repeat=repeat)
         result["fb_bytes"] = measure_peak_memory(forward_backward, device)
-    except (torch.cuda.OutOfMemoryError, RuntimeError) as exc:  # OOM, or a kernel that failed
+    except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as exc:  # OOM, or a kernel that failed
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     finally:
-        holder.clear()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return result
 
 
 def leaves(shape: tuple[int, ...], count: int) -> list[torch.Tensor]:
-    return [torch.randn(shape, device="cuda", dtype=DTYPE).requires_grad_(True) for _ in range(count)]
+    return [torch.randn(shape, device=DEVICE, dtype=DTYPE).requires_grad_(True) for _ in range(count)]
 
 
-def _ms(r: dict, key: str) -> float | None:
-    return r[key] * 1e3 if key in r else None
+def rates(result: dict, fwd_flop: float, fb_flop: float) -> dict:
+    """ms and TFLOP/s of the fwd, bwd and f+b times in `result`."""
+    row: dict = {}
+    for part, flop in (("fwd", fwd_flop), ("bwd", fb_flop - fwd_flop), ("f+b", fb_flop)):
+        seconds = result.get(part.replace("+", "") + "_s")
+        row[f"{part} ms"] = None if seconds is None else seconds * 1e3
+        row[f"{part} TF/s"] = None if seconds is None else flop / seconds / 1e12
+    row["f+b MB"] = result["fb_bytes"] / 2**20 if "fb_bytes" in result else None
+    row["error"] = result.get("error")
+    return row
 
 
-def _mb(r: dict, key: str) -> float | None:
-    return r[key] / 2**20 if key in r else None
+def sdpa_flop(batch: int, heads: int, steps: int, dim: int) -> tuple[float, float]:
+    """(forward, forward+backward) matrix-product FLOPs of causal attention."""
+    pairs = batch * heads * steps * (steps + 1) / 2
+    return 2 * dim * pairs * SDPA_FORWARD_PRODUCTS, 2 * dim * pairs * (SDPA_FORWARD_PRODUCTS + SDPA_BACKWARD_PRODUCTS)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
+def castle_flop(batch: int, steps: int, dim: int, window: int | None) -> tuple[float, float]:
+    """(forward, forward+backward) matrix-product FLOPs of the blockwise CASTLE path, counted on meta tensors."""
+    xs = [torch.randn(batch, steps, CASTLE_HEADS, dim, device="meta", requires_grad=True) for _ in range(6)]
+    with FlopCounterMode(display=False) as forward:
+        castle_attention(*xs, window=window, backend="torch")
+    with FlopCounterMode(display=False) as both:
+        castle_attention(*xs, window=window, backend="torch").sum().backward()
+    return forward.get_total_flops(), both.get_total_flops()
 
 
-def _errors(results: dict[str, dict]) -> str | None:
-    return "; ".join(f"{name}: {r['error']}" for name, r in results.items() if "error" in r) or None
+def load_peer(path: str | None) -> Callable | None:
+    """The peer package's CASTLE autograd function ([B, H, T, d] q, k, v, qu, ku, vu), or None."""
+    if not path:
+        return None
+    spec = importlib.util.spec_from_file_location("peer_castle", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CastleAttentionFunction.apply
 
 
-def _report(label: str, results: dict[str, dict]) -> None:
-    parts = []
-    for name, r in results.items():
-        parts.append(f"{name} " + (r["error"] if "error" in r else f"{r['fwd_s'] * 1e3:.2f}/{r['fb_s'] * 1e3:.2f} ms"))
-    print(f"  {label}: " + "; ".join(parts), flush=True)
+def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
+    rows = []
+    for dim in plan["castle_dims"]:
+        for batch, steps in plan["castle"]:
+            xs = leaves((batch, steps, CASTLE_HEADS, dim), 6)
+            heads_first = leaves((batch, CASTLE_HEADS, steps, dim), 3)
+            sdpa_f, sdpa_fb = sdpa_flop(batch, CASTLE_HEADS, steps, dim)
+            sdpa = rates(
+                measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
+                sdpa_f,
+                sdpa_fb,
+            )
+            rows.append({"case": f"sdpa d={dim} B={batch} T={steps}", **sdpa})
+            print(f"  sdpa d={dim} B={batch} T={steps}: {sdpa['f+b ms']} ms", flush=True)
+            for window in plan["castle_windows"]:
+                variant = "castle" if window is None else f"swl-{window}"
+                fwd_f, fb_f = castle_flop(batch, steps, dim, window)
+                impls = {}
+                for schedule in ("grouped", "diagonal"):
+                    castle_triton.FORWARD_SCHEDULE = schedule
+                    op = partial(castle_attention, *xs, window=window, backend="triton")
+                    impls[f"triton-{schedule}"] = measure(op, xs, quick)
+                castle_triton.FORWARD_SCHEDULE = "grouped"
+                if peer is not None and window is None:
+                    scale = dim**-0.5
+                    peer_inputs = leaves((batch, CASTLE_HEADS, steps, dim), 6)  # q, k, v, qu, ku, vu
+                    impls["peer"] = measure(lambda: peer(*peer_inputs, scale, False), peer_inputs, quick)  # noqa: B023
+                for name, result in impls.items():
+                    row = {"case": f"{variant} d={dim} B={batch} T={steps}", "impl": name, **rates(result, fwd_f, fb_f)}
+                    row["flop/sdpa"] = fb_f / sdpa_fb
+                    row["time/sdpa"] = _ratio(row["f+b ms"], sdpa["f+b ms"])
+                    row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
+                    rows.append(row)
+                    print(
+                        f"  {row['case']} {name}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
+                    )
+            del xs, heads_first
+    return rows
 
 
 def gca_inputs(batch: int, steps: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """T tokens as T/S query chunks of S+1 rows, each retrieving K earlier chunks (empty slots for
+    the first chunks), weights softmaxed."""
     s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
     n = steps // s
-    q, k, v = leaves((batch, n, s, heads, dim), 3)
-    # Query chunk t retrieves K distinct earlier chunks (-1 while fewer than K exist).
-    scores = torch.rand(n, n, device="cuda").masked_fill(torch.ones(n, n, device="cuda").triu().bool(), -1.0)
+    q = torch.randn(batch, n, s + 1, heads, dim, device=DEVICE, dtype=DTYPE).requires_grad_(True)
+    k, v = (torch.randn(batch, n, s, heads, dim, device=DEVICE, dtype=DTYPE).requires_grad_(True) for _ in range(2))
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    scores = torch.rand(batch, n, n, device=DEVICE, generator=gen).masked_fill(
+        torch.ones(n, n, dtype=torch.bool, device=DEVICE).triu(), -1.0
+    )
     top = scores.topk(min(n_slots, n), dim=-1)
     index = torch.where(top.values >= 0, top.indices, -1)
     if index.shape[-1] < n_slots:
         index = F.pad(index, (0, n_slots - index.shape[-1]), value=-1)
-    weight = torch.rand(batch, n, n_slots, device="cuda", dtype=DTYPE).softmax(-1).requires_grad_(True)
-    return [q, k, v, weight], index.expand(batch, n, n_slots).contiguous()
+    weight = torch.rand(batch, n, n_slots, device=DEVICE).softmax(-1).requires_grad_(True)
+    return [q, k, v, weight], index.contiguous()
 
 
-def run_gca(batch: int, steps_list: list[int], quick: bool) -> list[dict]:
+def run_gca(plan: dict, quick: bool) -> list[dict]:
+    s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
     rows = []
-    for steps in steps_list:
+    for batch, steps in plan["gca"]:
         (q, k, v, weight), index = gca_inputs(batch, steps)
-        results = {}
-        for backend in ("triton", "torch"):
-            results[backend] = measure(partial(gca, q, k, v, index, weight, backend=backend), quick)
-        _report(f"gca T={steps}", results)
-        tri, tor = results["triton"], results["torch"]
-        rows.append(
-            {
-                "T": steps,
-                "triton fwd ms": _ms(tri, "fwd_s"),
-                "torch fwd ms": _ms(tor, "fwd_s"),
-                "triton f+b ms": _ms(tri, "fb_s"),
-                "torch f+b ms": _ms(tor, "fb_s"),
-                "triton f+b MB": _mb(tri, "fb_bytes"),
-                "torch f+b MB": _mb(tor, "fb_bytes"),
-                "torch/triton f+b": _ratio(_ms(tor, "fb_s"), _ms(tri, "fb_s")),
-                "errors": _errors(results),
-            }
+        pairs = float((index >= 0).sum()) * (s + 1) * s * heads
+        fwd_f, fb_f = (
+            2 * dim * pairs * SDPA_FORWARD_PRODUCTS,
+            2 * dim * pairs * (SDPA_FORWARD_PRODUCTS + SDPA_BACKWARD_PRODUCTS),
         )
-        del q, k, v, weight, index
-    return rows
-
-
-def run_castle(
-    batch: int, dims: list[int], steps_list: list[int], windows: list[int | None], quick: bool
-) -> list[dict]:
-    rows = []
-    for dim in dims:
-        for steps in steps_list:
-            xs = leaves((batch, steps, CASTLE_HEADS, dim), 6)
-            qkv = leaves((batch, CASTLE_HEADS, steps, dim), 3)
-            sdpa = measure(partial(F.scaled_dot_product_attention, *qkv, is_causal=True), quick)
-            for window in windows:
-                results = {}
-                for backend in ("triton", "torch"):
-                    results[backend] = measure(partial(castle_attention, *xs, window=window, backend=backend), quick)
-                results["sdpa"] = sdpa
-                variant = "castle" if window is None else f"swl-{window}"
-                _report(f"{variant} d={dim} T={steps}", results)
-                tri, tor = results["triton"], results["torch"]
-                rows.append(
-                    {
-                        "variant": variant,
-                        "d": dim,
-                        "T": steps,
-                        "triton fwd ms": _ms(tri, "fwd_s"),
-                        "triton f+b ms": _ms(tri, "fb_s"),
-                        "torch fwd ms": _ms(tor, "fwd_s"),
-                        "torch f+b ms": _ms(tor, "fb_s"),
-                        "sdpa fwd ms": _ms(sdpa, "fwd_s"),
-                        "sdpa f+b ms": _ms(sdpa, "fb_s"),
-                        "triton f+b MB": _mb(tri, "fb_bytes"),
-                        "torch f+b MB": _mb(tor, "fb_bytes"),
-                        "sdpa f+b MB": _mb(sdpa, "fb_bytes"),
-                        "triton/sdpa fwd": _ratio(_ms(tri, "fwd_s"), _ms(sdpa, "fwd_s")),
-                        "triton/sdpa f+b": _ratio(_ms(tri, "fb_s"), _ms(sdpa, "fb_s")),
-                        "torch/triton f+b": _ratio(_ms(tor, "fb_s"), _ms(tri, "fb_s")),
-                        "errors": _errors(results),
-                    }
-                )
-            del xs, qkv
-    return rows
-
-
-def run_window(batch: int, steps_list: list[int], sizes: list[int], quick: bool) -> list[dict]:
-    rows = []
-    for steps in steps_list:
-        q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
-        heads_first = [x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v)]
-        sdpa = measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), quick)
-        for window in sizes:
-            results = {}
-            for backend in ("auto", "blockwise"):
-                results[backend] = measure(partial(sliding_window_attention, q, k, v, window, backend=backend), quick)
-            results["sdpa causal"] = sdpa
-            _report(f"window={window} T={steps}", results)
-            auto, blockwise = results["auto"], results["blockwise"]
-            rows.append(
-                {
-                    "W": window,
-                    "T": steps,
-                    "auto fwd ms": _ms(auto, "fwd_s"),
-                    "auto f+b ms": _ms(auto, "fb_s"),
-                    "blockwise f+b ms": _ms(blockwise, "fb_s"),
-                    "sdpa causal f+b ms": _ms(sdpa, "fb_s"),
-                    "auto f+b MB": _mb(auto, "fb_bytes"),
-                    "blockwise f+b MB": _mb(blockwise, "fb_bytes"),
-                    "auto/sdpa f+b": _ratio(_ms(auto, "fb_s"), _ms(sdpa, "fb_s")),
-                    "blockwise/auto f+b": _ratio(_ms(blockwise, "fb_s"), _ms(auto, "fb_s")),
-                    "errors": _errors(results),
-                }
+        heads_first = leaves((batch, heads, steps, dim), 3)
+        sdpa = rates(
+            measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
+            *sdpa_flop(batch, heads, steps, dim),
+        )
+        for backend in ("triton", "torch"):
+            result = measure(partial(gca, q, k, v, index, weight, backend=backend), [q, k, v, weight], quick)
+            row = {"case": f"B={batch} T={steps}", "impl": backend, **rates(result, fwd_f, fb_f)}
+            row["sdpa f+b TF/s"] = sdpa["f+b TF/s"]
+            row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
+            rows.append(row)
+            print(
+                f"  gca {row['case']} {backend}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
             )
+        del q, k, v, weight, index, heads_first
+    return rows
+
+
+def run_window(plan: dict, quick: bool) -> list[dict]:
+    rows = []
+    for batch, steps in plan["window"]:
+        q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
+        heads_first = leaves((batch, WINDOW_HEADS, steps, WINDOW_DIM), 3)
+        sdpa_f, sdpa_fb = sdpa_flop(batch, WINDOW_HEADS, steps, WINDOW_DIM)
+        sdpa = rates(
+            measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
+            sdpa_f,
+            sdpa_fb,
+        )
+        # attended pairs: query t sees min(t + 1, W + 1) keys (itself and W before it)
+        pairs = sum(min(t + 1, WINDOW + 1) for t in range(steps)) / (steps * (steps + 1) / 2)
+        result = measure(partial(sliding_window_attention, q, k, v, WINDOW), [q, k, v], quick)
+        row = {"case": f"W={WINDOW} B={batch} T={steps}", **rates(result, sdpa_f * pairs, sdpa_fb * pairs)}
+        row["sdpa f+b ms"] = sdpa["f+b ms"]
+        row["pairs/sdpa"] = pairs
+        row["per pair vs sdpa"] = _ratio(row["f+b ms"], None if sdpa["f+b ms"] is None else sdpa["f+b ms"] * pairs)
+        rows.append(row)
+        print(f"  window {row['case']}: {row['f+b ms']} ms, per pair {row['per pair vs sdpa']}x SDPA", flush=True)
         del q, k, v, heads_first
     return rows
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     print(f"\n{title}")
-    if not rows:
-        return
-    print(format_table(rows, [c for c in rows[0] if c != "errors"]))
-    for row in rows:
-        if row["errors"]:
-            print(f"  T={row['T']}: {row['errors']}")
+    if rows:
+        columns = list(dict.fromkeys(c for row in rows for c in row if c != "error"))
+        print(format_table(rows, columns))
+        for row in rows:
+            if row.get("error"):
+                print(f"  {row['case']} {row.get('impl', '')}: {row['error']}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer and shorter cases")
+    parser.add_argument("--quick", action="store_true", help="one shape per op, fewer repeats")
     parser.add_argument("--json", metavar="PATH", help="also write all figures to this JSON file")
-    parser.add_argument("--batch", type=int, default=1, help="batch size B of every case (default 1)")
-    args = parser.parse_args()
-    machine = machine_description()
-    print(f"machine: {machine}")
-    if not torch.cuda.is_available():
-        reason = "no CUDA GPU: the kernel benchmark needs one (the Triton kernels are only interpreter-tested on CPU)"
-        print(f"skipped: {reason}")
-        write_json(args.json, {"machine": machine, "quick": args.quick, "skipped": reason})
-        return 0
-    plan = QUICK if args.quick else FULL
-    start = time.perf_counter()
-    print(f"dtype {DTYPE}; each entry: fwd/f+b ms", flush=True)
-    print("GCA:", flush=True)
-    gca_rows = run_gca(args.batch, plan["gca_steps"], args.quick)
-    print("CASTLE:", flush=True)
-    castle_rows = run_castle(args.batch, plan["castle_dims"], plan["castle_steps"], plan["castle_windows"], args.quick)
-    print("sliding window:", flush=True)
-    window_rows = run_window(args.batch, plan["window_steps"], plan["window_sizes"], args.quick)
-
-    s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
-    b = args.batch
-    print_table(f"GCA: B={b}, S={s}, K={n_slots}, H={heads}, d={dim}, T/S query chunks of S rows", gca_rows)
-    print_table(f"CASTLE: B={b}, H={CASTLE_HEADS}; sdpa = causal SDPA with the same H and d", castle_rows)
-    print_table(f"sliding window: B={b}, H={WINDOW_HEADS}, d={WINDOW_DIM}; auto = the CUDA dispatch", window_rows)
-    print(f"\ntotal {time.perf_counter() - start:.0f} s")
-    write_json(
-        args.json,
-        {
-            "machine": machine,
-            "quick": args.quick,
-            "batch": args.batch,
-            "dtype": str(DTYPE),
-            "gca": gca_rows,
-            "castle": castle_rows,
-            "window": window_rows,
-        },
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    parser.add_argument("--peer", metavar="PATH", help="lookahead_keys_attention_triton.py of the peer package")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on any device (checks the script, times nothing useful)"
     )
+    args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    machine = machine_description()
+    global DEVICE
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            reason = (
+                "no CUDA GPU: the kernel benchmark needs one (the Triton kernels are only interpreter-tested on CPU)"
+            )
+            print(f"skipped: {reason}")
+            write_json(args.json, {"machine": machine, "skipped": reason})
+            return 0
+        DEVICE = torch.device("cpu")
+    import triton
+
+    machine.update(triton=triton.__version__, cuda=torch.version.cuda)
+    print(f"machine: {machine}", flush=True)
+    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    start = time.perf_counter()
+    results: dict = {"machine": machine, "quick": args.quick, "dtype": str(DTYPE)}
+    if "castle" in parts:
+        print("CASTLE:", flush=True)
+        results["castle"] = run_castle(plan, args.quick, load_peer(args.peer))
+    if "gca" in parts:
+        print("GCA:", flush=True)
+        results["gca"] = run_gca(plan, args.quick)
+    if "window" in parts:
+        print("sliding window:", flush=True)
+        results["window"] = run_window(plan, args.quick)
+    write_json(args.json, results)
+    s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
+    print_table(f"CASTLE (H={CASTLE_HEADS}, bf16); TF/s counts matrix-product FLOPs", results.get("castle", []))
+    print_table(f"GCA (S={s}, K={n_slots}, H={heads}, d={dim}, bf16)", results.get("gca", []))
+    print_table(f"sliding window (H={WINDOW_HEADS}, d={WINDOW_DIM}, bf16)", results.get("window", []))
+    print(f"\ntotal {time.perf_counter() - start:.0f} s")
     return 0
 
 

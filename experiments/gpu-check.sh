@@ -2,8 +2,8 @@
 # The checks that need an NVIDIA GPU (CI has none), run natively on a GPU machine from the
 # repository root, with a Python that has torch (CUDA), triton and farsight's core dependencies:
 #
-#   bash experiments/gpu-check.sh [OUT_DIR]            # all three parts
-#   PARTS="3 1" bash experiments/gpu-check.sh [OUT_DIR] # some of them, in that order
+#   bash experiments/gpu-check.sh [OUT_DIR]            # all parts
+#   PARTS="3 4" bash experiments/gpu-check.sh [OUT_DIR] # some of them, in that order
 #
 # Each part writes its log into OUT_DIR as it goes (a machine lent for minutes may be taken
 # back before the end):
@@ -15,7 +15,12 @@
 #    the logged steps after the first ten in OUT_DIR/train-summary.txt (OUT_DIR/train-*.log hold
 #    the trainer's output).
 # 3. The Triton kernel tests with their slow CUDA cases (TRITON_TESTS_TIMEOUT seconds, default
-#    600; they ran past 170 s on an H200). OUT_DIR/tests-triton.log.
+#    600). OUT_DIR/tests-triton.log.
+# 4. benchmarks/kernels.py: CASTLE, GCA and the window op against causal SDPA at training shapes
+#    (KERNELS_TIMEOUT seconds, default 600; KERNELS_ARGS adds arguments, e.g. "--peer PATH").
+#    OUT_DIR/kernels.log and kernels.json.
+# 5. benchmarks/drt.py's training step on the GPU in bf16-mixed, DRT against BaseLM at 4K and 16K
+#    with 64K tokens per step. OUT_DIR/drt-train.log and drt-train.json.
 # The exit status is 1 when any part failed.
 set -uo pipefail
 out=${1:-gpu-check}
@@ -64,13 +69,27 @@ triton_tests() {
         tests/ops/test_gca_triton.py tests/ops/test_castle_triton.py 2>&1 | tee "$out/tests-triton.log"
 }
 
+kernel_benchmark() {
+    # shellcheck disable=SC2086 # KERNELS_ARGS is a list of arguments
+    timeout "${KERNELS_TIMEOUT:-600}" $python benchmarks/kernels.py --json "$out/kernels.json" ${KERNELS_ARGS:-} 2>&1 |
+        tee "$out/kernels.log"
+}
+
+drt_train_benchmark() {
+    $python benchmarks/drt.py --parts train --train-device cuda --train-precisions bf16-mixed --train-tokens 65536 \
+        --train-lengths 4k,16k --json "$out/drt-train.json" 2>&1 | tee "$out/drt-train.log"
+}
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" # the benchmarks import farsight from this checkout
 status=0
-for part in ${PARTS:-1 2 3}; do
+for part in ${PARTS:-1 2 3 4 5}; do
     case $part in
         1) quick_tests || status=1 ;;
         2) train_runs || status=1 ;;
         3) triton_tests || status=1 ;;
-        *) echo "unknown part $part (1, 2 or 3)" >&2 && exit 2 ;;
+        4) kernel_benchmark || status=1 ;;
+        5) drt_train_benchmark || status=1 ;;
+        *) echo "unknown part $part (1 to 5)" >&2 && exit 2 ;;
     esac
 done
 exit $status

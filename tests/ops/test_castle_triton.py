@@ -18,6 +18,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 import farsight.ops.castle as castle_ops  # noqa: E402
+import farsight.ops.castle.triton as castle_triton  # noqa: E402
 from farsight.ops.castle import (  # noqa: E402
     castle_attention,
     castle_decode,
@@ -91,6 +92,28 @@ def test_fp16_matches_reference(steps, window) -> None:
 def test_bf16_inputs() -> None:
     # Under the interpreter bf16 runs in fp32 (its bf16 tl.dot is wrong); natively it is bf16.
     assert_matches_reference(make_inputs(1, 17, 1, 8, torch.bfloat16), 3, block=16)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_grouped_forward_any_group_size(group, window) -> None:
+    # T = 70 in 16-row blocks: 5 query blocks, so groups of 2 and 3 leave a partial last group;
+    # window 5 makes most key blocks far (final sums from dsum), 20 spans group boundaries.
+    assert_matches_reference(make_inputs(1, 70, 2, 8), window, block=16, group=group)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_diagonal_forward_schedule(monkeypatch, window) -> None:
+    monkeypatch.setattr(castle_triton, "FORWARD_SCHEDULE", "diagonal")
+    assert_matches_reference(make_inputs(1, 40, 2, 8), window, block=16)
+
+
+def test_prefill_lookahead_keys_do_not_depend_on_the_group() -> None:
+    inputs = make_inputs(1, 70, 2, 8)
+    outs = [castle_prefill_triton(*inputs, window=20, block=16, group=g) for g in (1, 2, 5)]
+    for out, keys in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(keys, outs[0][1], atol=1e-6, rtol=1e-6)
 
 
 def test_default_tile_and_odd_head_dim() -> None:

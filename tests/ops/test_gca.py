@@ -309,8 +309,6 @@ def test_key_mask_bad_inputs() -> None:
         gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_mask must be a bool tensor"):
         gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5))
-    with pytest.raises(ValueError, match='triton GCA backend takes no key_mask; use backend="torch"'):
-        gca(q, k, v, index, weight, key_mask=torch.ones(2, 3, 2, 5, dtype=torch.bool), backend="triton")
 
 
 def test_key_mask_under_autocast_bf16():

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from farsight.errors import BackendUnavailableError, InputTypeError
-from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile
+from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile, autotuned
 from farsight.ops.precision import amp_function
 
 __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
@@ -207,6 +207,146 @@ def _castle_fwd_far_kernel(
         tl.store(M + stat, m_i, mask=row_ok)
         tl.store(L + stat, l_i, mask=row_ok)
         tl.store(Acc + r_off, acc, mask=r_mask)
+
+
+@triton.jit
+def _castle_fwd_lookahead_kernel(
+    QU,
+    KU,
+    VU,
+    Dsum,
+    Snap,
+    T,
+    H,
+    D,
+    window,
+    scale,
+    g0,
+    g1,
+    j_lo,
+    snap_rows,
+    snap_stride,
+    near,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Lookahead sums for the query blocks [g0, g1) of one group: key block J = j_lo + pid0 of
+    batch-head pid1 holds D_J in registers, stores D_J^(I) into Snap[I - g0] for every query
+    block I of the group that J's lookahead still reaches (I - J < near), adds P[J, I] @ VU_I
+    after each, and writes D_J^(g1) back to Dsum.
+
+    Inputs [B, T, H, D]; Dsum [B, T, H, D] fp32; Snap [G, B, snap_rows, H, D] in the input
+    dtype, key rows counted from block j_lo.
+    """
+    j = j_lo + tl.program_id(0)
+    bh = tl.program_id(1)
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    cols = tl.arange(0, BLOCK_D)
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+    snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D
+    s_off = snap_base + (keys - j_lo * BLOCK)[:, None].to(tl.int64) * row_stride + cols[None, :]
+    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
+    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+    dt = qu_j.dtype
+    for i in range(tl.maximum(g0, j), tl.minimum(g1, j + near)):
+        tl.store(Snap + (i - g0) * snap_stride + s_off, d_j.to(Snap.dtype.element_ty), mask=k_mask)
+        rows = i * BLOCK + tl.arange(0, BLOCK)
+        r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
+        ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
+        vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+        d_j += tl.dot(p.to(dt), vu_i, input_precision=PREC)
+    tl.store(Dsum + k_off, d_j, mask=k_mask)
+
+
+@triton.jit
+def _merge_tile(score, vc_j, m_i, l_i, acc, PREC: tl.constexpr):
+    """Online softmax: fold one tile of scores (and its values) into a row block's running max,
+    sum and unnormalised output."""
+    m_new = tl.maximum(m_i, tl.max(score, 1))
+    alpha = tl.exp(m_i - m_new)
+    e = tl.exp(score - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(e.to(vc_j.dtype), vc_j, input_precision=PREC)
+    return m_new, l_i * alpha + tl.sum(e, 1), acc
+
+
+@triton.jit
+def _castle_fwd_attend_kernel(
+    QU,
+    KU,
+    VU,
+    QC,
+    KC,
+    VC,
+    Dsum,
+    Snap,
+    Out,
+    Lse,
+    T,
+    H,
+    D,
+    window,
+    scale,
+    g0,
+    j_lo,
+    snap_rows,
+    snap_stride,
+    near,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Query block I = g0 + pid0 of batch-head pid1, flash-attention style: its row max, sum
+    and output stay in registers while it walks key blocks J = 0 .. I. Far blocks (I - J >=
+    near, windowed only) read their final lookahead sums U_J from Dsum; near ones read D_J^(I)
+    from Snap (written by the group's lookahead launch) and add the in-block term G_I P[J, I]^T.
+
+    Out [B, T, H, D] fp32 (normalised); Lse [B, H, T] fp32.
+    """
+    i = g0 + tl.program_id(0)
+    bh = tl.program_id(1)
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D + (i - g0) * snap_stride
+    cols = tl.arange(0, BLOCK_D)
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
+    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
+    ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
+    vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+    g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    first_near = tl.maximum(i - near + 1, 0)
+    for j in range(0, first_near):
+        keys = j * BLOCK + tl.arange(0, BLOCK)
+        k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+        kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
+        vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
+        u_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+        score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
+        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
+    for j in range(first_near, i + 1):
+        keys = j * BLOCK + tl.arange(0, BLOCK)
+        k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
+        s_off = snap_base + (keys - j_lo * BLOCK)[:, None].to(tl.int64) * row_stride + cols[None, :]
+        qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
+        kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
+        vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
+        d_j = tl.load(Snap + s_off, mask=k_mask, other=0.0)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+        score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
+        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
+    # Every real row has its own key (b = a), so l > 0 there; padding rows are not stored.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(Out + r_off, acc / l_safe[:, None], mask=r_mask)
+    tl.store(Lse + bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
 
 
 @triton.jit
@@ -434,14 +574,79 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
     return min(n_blocks, -(-window // block) + 1)
 
 
-# Measured on an H100 (bf16, B=4, H=8, T=4096; blocks 32/64 x 4/8 warps x 1/2 stages): 4 warps
-# and one pipeline stage were fastest or within 10% for d=64 and d=128, with and without a
-# window; deeper pipelines overflowed shared memory (fp32 d=64, and bf16 d=128 at 64-row blocks).
-_LAUNCH = dict(num_warps=4, num_stages=1)
+# The diagonal schedule's launch settings, measured on an H100 (bf16, B=4, H=8, T=4096; blocks
+# 32/64 x 4/8 warps x 1/2 stages): 4 warps and one pipeline stage were fastest or within 10% for
+# d=64 and d=128, with and without a window. The other kernels: see `autotuned`.
+_DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
+_TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW"]
+_castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(4, 2), restore_value=["Dsum"])
+_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2))
+_castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(4, 1), reset_to_zero=["dQC", "dVU", "dKU"])
 
 
-def _forward(inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int):
+# The forward's schedule: "grouped" (a lookahead launch and an attention launch per group of
+# query blocks) or "diagonal" (one launch per block diagonal, Algorithm 1 as written).
+FORWARD_SCHEDULE = "grouped"
+# Memory the grouped forward may spend on its snapshots of the lookahead sums.
+SNAPSHOT_BYTES = 1 << 30
+
+
+def _forward(
+    inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int, group: int | None = None
+):
     """Kernel-dtype contiguous inputs -> (out fp32 [B, T, H, d], lse [B, H, T], U [B, T, H, d] fp32)."""
+    if FORWARD_SCHEDULE == "diagonal":
+        return _forward_diagonal(inputs, window, scale, block, block_d)
+    return _forward_grouped(inputs, window, scale, block, block_d, group)
+
+
+def group_size(batch: int, heads: int, n_blocks: int, snapshot_block_bytes: int, device: torch.device) -> int:
+    """Query blocks per group of the grouped forward: enough attention programs (group x B x H)
+    to fill the GPU twice over, within SNAPSHOT_BYTES of snapshots (snapshot_block_bytes each)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = -(-2 * sms // (batch * heads))
+    return max(1, min(n_blocks, wanted, SNAPSHOT_BYTES // max(1, snapshot_block_bytes)))
+
+
+def _forward_grouped(
+    inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int, group: int | None
+):
+    """Query blocks in groups of G. Per group, one launch computes every lookahead sum D_J^(I)
+    the group's tiles need (key-block programs carry D_J on chip and store snapshots), then one
+    launch attends (query-block programs keep their softmax state on chip). 2 T / (G BLOCK)
+    launches, no atomics; the snapshots take G x B x min(T, (G + near) BLOCK) x H x d elements."""
+    qu, ku, vu, qc, kc, vc = inputs
+    batch, steps, heads, dim = qu.shape
+    dsum = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
+    out = torch.empty_like(dsum)
+    lse = torch.empty((batch, heads, steps), dtype=torch.float32, device=qu.device)
+    n_blocks = triton.cdiv(steps, block)
+    near = _near_diagonals(n_blocks, block, window)
+    if group is None:
+        per_block = batch * min(n_blocks, near + 16) * block * heads * dim * qu.element_size()
+        group = group_size(batch, heads, n_blocks, per_block, qu.device)
+    group = min(group, n_blocks)
+    snap_rows = min(n_blocks, group + near - 1) * block
+    snap = torch.empty((group, batch, snap_rows, heads, dim), dtype=qu.dtype, device=qu.device)
+    snap_stride = snap[0].numel()
+    meta = dict(HAS_WINDOW=window is not None, PREC=_dot_precision(qu.dtype), BLOCK=block, BLOCK_D=block_d)
+    with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
+        for g0 in range(0, n_blocks, group):
+            g1 = min(n_blocks, g0 + group)
+            j_lo = max(0, g0 - near + 1)  # key blocks before it have their final sums in dsum
+            _castle_fwd_lookahead_kernel[(g1 - j_lo, batch * heads)](
+                qu, ku, vu, dsum, snap, steps, heads, dim, window or 0, scale,
+                g0, g1, j_lo, snap_rows, snap_stride, near, **meta,
+            )  # fmt: skip
+            _castle_fwd_attend_kernel[(g1 - g0, batch * heads)](
+                qu, ku, vu, qc, kc, vc, dsum, snap, out, lse, steps, heads, dim, window or 0, scale,
+                g0, j_lo, snap_rows, snap_stride, near, **meta,
+            )  # fmt: skip
+    return out, lse, dsum
+
+
+def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int):
+    """One launch per block diagonal (Algorithm 1); the running softmax state and D in global memory."""
     qu, ku, vu, qc, kc, vc = inputs
     batch, steps, heads, dim = qu.shape
     dsum = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
@@ -455,7 +660,7 @@ def _forward(inputs: list[torch.Tensor], window: int | None, scale: float, block
         PREC=_dot_precision(qu.dtype),
         BLOCK=block,
         BLOCK_D=block_d,
-        **_LAUNCH,
+        **_DIAGONAL_LAUNCH,
     )
     with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
         for diag in range(near):
@@ -520,13 +725,13 @@ def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list
 
 class _CastleTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block):  # type: ignore[override]
+    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block, group):  # type: ignore[override]
         inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
         if qu.numel() == 0:
             out = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
             lse = dsum = out
         else:
-            out, lse, dsum = _forward(inputs, window, scale, block, block_d)
+            out, lse, dsum = _forward(inputs, window, scale, block, block_d, group)
         out = out.to(inputs[0].dtype)
         ctx.save_for_backward(*inputs, out, lse, dsum)
         ctx.config = (window, scale, block, block_d)
@@ -570,13 +775,12 @@ class _CastleTriton(torch.autograd.Function):
                     PREC=_dot_precision(qu.dtype),
                     BLOCK=block,
                     BLOCK_D=block_d,
-                    **_LAUNCH,
                 )
         grads = [
             g.to(ctx.dtype) if needed else None
             for g, needed in zip((dqu, dku, dvu, dqc, dkc, dvc), ctx.needs_input_grad[:6])
         ]
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def castle_attention_triton(
@@ -590,16 +794,18 @@ def castle_attention_triton(
     scale: float | None = None,
     *,
     block: int | None = None,
+    group: int | None = None,
 ) -> torch.Tensor:
     """Six [B, T, H, d] inputs -> o [B, T, H, d]; same semantics as `castle_parallel_reference`.
 
     Inputs are assumed valid (`farsight.ops.castle.castle_attention` checks them). fp32, fp16
     and bf16; saved for the backward: the inputs, the output, a logsumexp [B, H, T] and the
     final lookahead sums U [B, T, H, d] (fp32). `block` (a power of two >= 16) is the query and
-    key tile (default: next power of two of T, at most 64, or 32 when d > 64).
+    key tile (default: next power of two of T, at most 64, or 32 when d > 64); `group` is the
+    number of query blocks per launch pair of the forward (default: `group_size`).
     """
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
-    return amp_function(_CastleTriton, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block)
+    return amp_function(_CastleTriton, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block, group)
 
 
 def castle_prefill_triton(
@@ -613,6 +819,7 @@ def castle_prefill_triton(
     scale: float | None = None,
     *,
     block: int | None = None,
+    group: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 4 without autograd: (o [B, T, H, d] in the input dtype, U [B, H, T, d] fp32).
 
@@ -624,5 +831,5 @@ def castle_prefill_triton(
     with torch.no_grad():
         if qu.numel() == 0:
             return qu.new_empty(qu.shape), torch.zeros(qu.transpose(1, 2).shape, dtype=torch.float32, device=qu.device)
-        out, _, dsum = _forward(inputs, window, scale, block, block_d)
+        out, _, dsum = _forward(inputs, window, scale, block, block_d, group)
     return out.to(qu.dtype), dsum.transpose(1, 2).contiguous()

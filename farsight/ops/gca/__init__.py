@@ -113,8 +113,8 @@ def gca(
 
     key_mask [B, n, K, S] bool (True = real key), optional: the keys of retrieval slot k that
     query chunk t may attend to (DRT's left padding makes the first chunk of a prompt part
-    padding). Masked keys leave every softmax; a slot with no real key adds zero. Served by the
-    "torch" and "reference" backends ("auto" picks "torch" when a mask is given).
+    padding). Masked keys leave every softmax; a slot with no real key adds zero. Every backend
+    takes it.
 
     q, k, v have one dtype; weight has q's dtype or fp32 and is used in fp32 (fp64 for fp64
     q). Under autocast for q's device type, q, k and v are cast to the autocast dtype first
@@ -131,13 +131,9 @@ def gca(
         check_gca_inputs(q, k, v, index, weight, key_mask)
         if scale is not None and not isinstance(scale, (int, float)):
             raise InputTypeError(f"scale must be a float or None (for 1/sqrt(d)), got {type(scale).__name__}")
-        if key_mask is not None and backend == "auto":
-            backend = "torch"
         backend = resolve_backend(backend, q, BACKENDS)
         if backend == "torch":
             return gca_recompute(q, k, v, index, weight, softmax_one, scale, key_mask)
         if backend == "reference":
             return gca_reference(q, k, v, index, weight, softmax_one, scale, key_mask)
-        if key_mask is not None:
-            raise InputError('the triton GCA backend takes no key_mask; use backend="torch" (or "auto")')
-        return gca_triton(q, k, v, index, weight, softmax_one, scale)
+        return gca_triton(q, k, v, index, weight, softmax_one, scale, key_mask)

@@ -1,18 +1,28 @@
 """Fused Triton kernels for grouped cross-attention (FlashGCA, paper Appendix B, generalised).
 
 Differences from the paper's kernel: any S, K, Lq and head dim (tiles are padded to powers of
-two and masked), softmax off by one is really applied (an implicit zero logit in every row), and
-the retrieved chunks are read in place through `index` (pointer arithmetic on k/v, no gathered
-copy). Nothing of size K x output is stored either: the forward keeps one logsumexp per (slot,
-head, query row), and the backward recomputes each slot's probabilities and output from it.
+two and masked), softmax off by one is really applied (an implicit zero logit in every row),
+a key mask is supported, and the retrieved chunks are read in place through `index` (pointer
+arithmetic on k/v, no gathered copy). Nothing of size K x output is stored either: the forward
+keeps one logsumexp per (slot, head, query row), and the backward recomputes each slot's
+probabilities from it.
 
 Layout: all tensors are contiguous; a row of q / k / v holds H * d values, so head h of row r
 of chunk c starts at (c * rows_per_chunk + r) * H * d + h * d.
 
 Programs: one per (batch, query chunk, head) and block of BLOCK_Q query rows. Each loops over
-its K slots, and over each retrieved chunk in tiles of BLOCK_S rows. dk/dv are accumulated with
-fp32 atomics because any number of query chunks (or one chunk, twice) may retrieve the same
-memory chunk; their summation order, and so their last bits, vary from run to run on GPU.
+its K slots and reads each retrieved chunk in tiles of BLOCK_S rows. Two layouts matter for speed:
+
+* A chunk that fits one tile (S <= BLOCK_S, DRT's S = 64) is read once per slot: the forward
+  takes a plain softmax of the tile, and the backward gets the row term rowsum(P * dP) from the
+  same tile it differentiates (with several tiles it needs a first pass over the chunk for it).
+* DRT's query chunks have S + 1 rows (the landmark slot), one more than a power of two. Rather
+  than a second BLOCK_Q-row block holding one real row, the last block carries a TAIL-row tile
+  for the rows past the last full block and reuses the block's key tiles for it.
+
+dk/dv are accumulated with fp32 atomics (one add per slot, the tail's share included) because
+any number of query chunks, or one chunk twice, may retrieve the same memory chunk; their
+summation order, and so their last bits, vary from run to run on GPU.
 
 This module needs triton; `farsight.ops.gca` imports it on first use only. For CPU tensors set
 TRITON_INTERPRET=1 before importing it (the kernels are created at import).
@@ -20,6 +30,7 @@ TRITON_INTERPRET=1 before importing it (the kernels are created at import).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -34,15 +45,39 @@ __all__ = ["gca_triton", "INTERPRETED"]
 
 
 @triton.jit
-def _gca_fwd_kernel(
+def _key_tile(
+    K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride,
+    HAS_KEY_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Rows [s0, s0 + BLOCK_S) of a retrieved chunk: k, v [BLOCK_S, BLOCK_D], their offsets and
+    load mask, and which key columns are real (inside the chunk and not masked out)."""
+    tile = s0 + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    s_ok = tile < S
+    kv_off = (chunk_row0 + tile[:, None]) * row_stride + h * D + cols[None, :]
+    kv_mask = s_ok[:, None] & (cols[None, :] < D)
+    k_t = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v_t = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+    if HAS_KEY_MASK:
+        s_ok = s_ok & (tl.load(KeyMask + slot * S + tile, mask=s_ok, other=0) != 0)
+    return k_t, v_t, kv_off, kv_mask, s_ok
+
+
+@triton.jit
+def _fwd_rows(
     Q,
     K,
     V,
+    KeyMask,
     Index,
     Weight,
     Out,
     Lse,
-    n_chunks,
+    bt,
+    b,
+    h,
+    row0,
+    n_rows,
     m_chunks,
     Lq,
     S,
@@ -51,62 +86,175 @@ def _gca_fwd_kernel(
     N_SLOTS,
     scale,
     SOFTMAX_ONE: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Q/Out [B, n, Lq, H, D], K/V [B, m, S, H, D], Index/Weight [B, n, N_SLOTS], Lse [B, n, N_SLOTS, H, Lq] fp32."""
-    bth = tl.program_id(0)
-    h = bth % H
-    bt = bth // H  # b * n + t: the query chunk (and its row of Index/Weight)
-    b = bt // n_chunks
-    rows = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    """Output rows [row0, row0 + min(ROWS, n_rows)) of query chunk bt, head h, over all slots."""
+    rows = row0 + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
-    tile = tl.arange(0, BLOCK_S)
-    row_ok = rows < Lq
-    col_ok = cols < D
+    row_ok = rows < row0 + n_rows
     row_stride = H * D
     # int64 offsets: a long-context memory (m * S * H * D) easily passes 2**31 elements.
     q_off = (bt.to(tl.int64) * Lq + rows[:, None]) * row_stride + h * D + cols[None, :]
-    q_mask = row_ok[:, None] & col_ok[None, :]
+    q_mask = row_ok[:, None] & (cols[None, :] < D)
     q = tl.load(Q + q_off, mask=q_mask, other=0.0)
 
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
-        c = tl.load(Index + bt * N_SLOTS + j)
+        slot = bt * N_SLOTS + j
+        c = tl.load(Index + slot)
         if c >= 0:  # empty slots (-1) add nothing: skip their loads and math entirely
-            w = tl.load(Weight + bt * N_SLOTS + j).to(tl.float32)
+            w = tl.load(Weight + slot).to(tl.float32)
             chunk_row0 = (b.to(tl.int64) * m_chunks + c) * S
             # Online softmax over the chunk's S rows. softmax_1 has an extra logit fixed at 0:
             # start as if it had been seen (running max 0, running sum exp(0 - 0) = 1), which
             # also keeps the running max >= 0 as numerical stability requires.
             if SOFTMAX_ONE:
-                m_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-                l_i = tl.full([BLOCK_Q], 1.0, dtype=tl.float32)
+                m_i = tl.zeros([ROWS], dtype=tl.float32)
+                l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
             else:
-                m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-                l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-            o_j = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+                m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([ROWS], dtype=tl.float32)
+            o_j = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for s0 in range(0, S, BLOCK_S):
-                s_ok = s0 + tile < S
-                kv_off = (chunk_row0 + s0 + tile[:, None]) * row_stride + h * D + cols[None, :]
-                kv_mask = s_ok[:, None] & col_ok[None, :]
-                k_t = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-                v_t = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+                k_t, v_t, _, _, s_ok = _key_tile(
+                    K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                )
                 scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
-                # Every tile holds at least one real row, so the running max stays finite.
                 scores = tl.where(s_ok[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(scores - m_new[:, None])
+                # A row with no real key so far (plain softmax, masked keys) keeps max -inf:
+                # shift by 0 there so that no exp sees -inf - -inf.
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - shift)
+                p = tl.exp(scores - shift[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 o_j = o_j * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=DOT_PRECISION)
                 m_i = m_new
-            acc += w * (o_j / l_i[:, None])
-            lse_off = ((bt * N_SLOTS + j) * H + h) * Lq + rows
-            tl.store(Lse + lse_off, m_i + tl.log(l_i), mask=row_ok)
+            # A slot whose keys are all masked (plain softmax) reads nothing: l = 0, o = 0.
+            has_keys = l_i > 0
+            acc += w * (o_j / tl.where(has_keys, l_i, 1.0)[:, None])
+            lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), 0.0)
+            tl.store(Lse + (slot * H + h) * Lq + rows, lse, mask=row_ok)
     tl.store(Out + q_off, acc.to(Out.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _gca_fwd_kernel(
+    Q,
+    K,
+    V,
+    KeyMask,
+    Index,
+    Weight,
+    Out,
+    Lse,
+    n_chunks,
+    m_chunks,
+    Lq,
+    main_rows,
+    S,
+    H,
+    D,
+    N_SLOTS,
+    scale,
+    SOFTMAX_ONE: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Q/Out [B, n, Lq, H, D], K/V [B, m, S, H, D], Index/Weight [B, n, N_SLOTS], KeyMask
+    [B, n, N_SLOTS, S] (bool as uint8) when HAS_KEY_MASK, Lse [B, n, N_SLOTS, H, Lq] fp32.
+    Rows [0, main_rows) go in blocks of BLOCK_Q; with TAIL > 0 the last block also does rows
+    [main_rows, Lq) as one TAIL-row tile."""
+    bth = tl.program_id(0)
+    h = bth % H
+    bt = bth // H  # b * n + t: the query chunk (and its row of Index/Weight)
+    b = bt // n_chunks
+    block = tl.program_id(1)
+    row0 = block * BLOCK_Q
+    _fwd_rows(
+        Q,
+        K,
+        V,
+        KeyMask,
+        Index,
+        Weight,
+        Out,
+        Lse,
+        bt,
+        b,
+        h,
+        row0,
+        tl.minimum(BLOCK_Q, main_rows - row0),
+        m_chunks,
+        Lq,
+        S,
+        H,
+        D,
+        N_SLOTS,
+        scale,
+        SOFTMAX_ONE,
+        HAS_KEY_MASK,
+        DOT_PRECISION,
+        BLOCK_Q,
+        BLOCK_S,
+        BLOCK_D,
+    )
+    if TAIL > 0:
+        if block == tl.num_programs(1) - 1:
+            _fwd_rows(
+                Q,
+                K,
+                V,
+                KeyMask,
+                Index,
+                Weight,
+                Out,
+                Lse,
+                bt,
+                b,
+                h,
+                main_rows,
+                Lq - main_rows,
+                m_chunks,
+                Lq,
+                S,
+                H,
+                D,
+                N_SLOTS,
+                scale,
+                SOFTMAX_ONE,
+                HAS_KEY_MASK,
+                DOT_PRECISION,
+                TAIL,
+                BLOCK_S,
+                BLOCK_D,
+            )
+
+
+@triton.jit
+def _row_tile(Q, dO, bt, h, rows, row_ok, Lq, H, D, BLOCK_D: tl.constexpr):
+    """q, dO [rows, BLOCK_D] of query chunk bt, head h, with their offsets and load mask."""
+    cols = tl.arange(0, BLOCK_D)
+    q_off = (bt.to(tl.int64) * Lq + rows[:, None]) * (H * D) + h * D + cols[None, :]
+    q_mask = row_ok[:, None] & (cols[None, :] < D)
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do = tl.load(dO + q_off, mask=q_mask, other=0.0)
+    return q, do, q_off, q_mask
+
+
+@triton.jit
+def _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION: tl.constexpr):
+    """P = exp(scale q k^T - lse), exactly 0 at padding rows and masked or padding keys."""
+    scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
+    return tl.exp(tl.where(row_ok[:, None] & s_ok[None, :], scores, float("-inf")) - lse[:, None])
 
 
 @triton.jit
@@ -114,6 +262,7 @@ def _gca_bwd_kernel(
     Q,
     K,
     V,
+    KeyMask,
     Index,
     Weight,
     Lse,
@@ -125,15 +274,19 @@ def _gca_bwd_kernel(
     n_chunks,
     m_chunks,
     Lq,
+    main_rows,
     S,
     H,
     D,
     N_SLOTS,
     scale,
+    HAS_KEY_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    TAIL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     """dQ like Q; dK/dV [B, m, S, H, D] fp32, zero-initialised, accumulated atomically;
     dWPart [B, n, N_SLOTS, H, n_query_blocks] fp32, zero-initialised: per-program parts of dweight.
@@ -141,6 +294,7 @@ def _gca_bwd_kernel(
     No softmax_one flag: the saved logsumexp already includes the zero logit, so
     P = exp(scores - lse) is the right probability either way, and softmax_1 has softmax's
     Jacobian (its 1 is a constant): dS = P * (dP - rowsum(P * dP)).
+    ONE_TILE: S <= BLOCK_S. TAIL > 0 (only with ONE_TILE) makes the last block also take rows [main_rows, Lq).
     """
     bth = tl.program_id(0)
     h = bth % H
@@ -148,61 +302,112 @@ def _gca_bwd_kernel(
     b = bt // n_chunks
     q_block = tl.program_id(1)
     rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    cols = tl.arange(0, BLOCK_D)
-    tile = tl.arange(0, BLOCK_S)
-    row_ok = rows < Lq
-    col_ok = cols < D
+    row_ok = rows < main_rows
+    q, do, q_off, q_mask = _row_tile(Q, dO, bt, h, rows, row_ok, Lq, H, D, BLOCK_D)
+    has_tail = False
+    if TAIL > 0:
+        has_tail = q_block == tl.num_programs(1) - 1
+        t_rows = main_rows + tl.arange(0, TAIL)
+        t_row_ok = t_rows < tl.where(has_tail, Lq, main_rows)  # no tail rows in the other blocks
+        tq, tdo, tq_off, tq_mask = _row_tile(Q, dO, bt, h, t_rows, t_row_ok, Lq, H, D, BLOCK_D)
+        tdq = tl.zeros([TAIL, BLOCK_D], dtype=tl.float32)
     row_stride = H * D
-    q_off = (bt.to(tl.int64) * Lq + rows[:, None]) * row_stride + h * D + cols[None, :]
-    q_mask = row_ok[:, None] & col_ok[None, :]
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-    do = tl.load(dO + q_off, mask=q_mask, other=0.0)
-
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
-        c = tl.load(Index + bt * N_SLOTS + j)
+        slot = bt * N_SLOTS + j
+        c = tl.load(Index + slot)
         if c >= 0:
-            w = tl.load(Weight + bt * N_SLOTS + j).to(tl.float32)
+            w = tl.load(Weight + slot).to(tl.float32)
             chunk_row0 = (b.to(tl.int64) * m_chunks + c) * S
-            lse = tl.load(Lse + ((bt * N_SLOTS + j) * H + h) * Lq + rows, mask=row_ok, other=0.0)
-            # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s). It is dweight's share of
-            # these rows and, times w, the rowsum(P * dP) that every dS tile needs, so it must be
-            # complete before pass 2 (o_j is recomputed rather than stored K times in the forward).
-            r = tl.zeros([BLOCK_Q], dtype=tl.float32)
-            for s0 in range(0, S, BLOCK_S):
-                s_ok = s0 + tile < S
-                kv_off = (chunk_row0 + s0 + tile[:, None]) * row_stride + h * D + cols[None, :]
-                kv_mask = s_ok[:, None] & col_ok[None, :]
-                k_t = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-                v_t = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-                scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
-                # Padding rows/columns would give exp(0 - lse) != 0 (even inf): mask them out first.
-                p = tl.exp(tl.where(row_ok[:, None] & s_ok[None, :], scores, float("-inf")) - lse[:, None])
-                r += tl.sum(p * tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION), 1)
-            tl.store(dWPart + ((bt * N_SLOTS + j) * H + h) * tl.num_programs(1) + q_block, tl.sum(r, 0))
-
-            # Pass 2: this slot's output gradient is w * dO.
-            for s0 in range(0, S, BLOCK_S):
-                s_ok = s0 + tile < S
-                kv_off = (chunk_row0 + s0 + tile[:, None]) * row_stride + h * D + cols[None, :]
-                kv_mask = s_ok[:, None] & col_ok[None, :]
-                k_t = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-                v_t = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-                scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
-                p = tl.exp(tl.where(row_ok[:, None] & s_ok[None, :], scores, float("-inf")) - lse[:, None])
+            lse_base = (slot * H + h) * Lq
+            lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
+            if ONE_TILE:
+                # One tile holds the chunk: read it once, take r = rowsum(P * dP) from it.
+                k_t, v_t, kv_off, kv_mask, s_ok = _key_tile(
+                    K, V, KeyMask, chunk_row0, slot, 0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                )
+                p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
                 dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
-                # Gradient of the unscaled q.k products (the score scale folded in).
-                ds = (w * scale) * p * (dp - r[:, None])
+                r = tl.sum(p * dp, 1)  # rowsum(dO * o_j): dweight's share of these rows
+                ds = (w * scale) * p * (dp - r[:, None])  # gradient of the unscaled q.k products
                 dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
                 dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                dw = tl.sum(r, 0)
+                if TAIL > 0:
+                    if has_tail:
+                        t_lse = tl.load(Lse + lse_base + t_rows, mask=t_row_ok, other=0.0)
+                        tp = _probabilities(tq, k_t, t_lse, t_row_ok, s_ok, scale, DOT_PRECISION)
+                        tdp = tl.dot(tdo, tl.trans(v_t), input_precision=DOT_PRECISION)
+                        tr = tl.sum(tp * tdp, 1)
+                        tds = (w * scale) * tp * (tdp - tr[:, None])
+                        tdq += tl.dot(tds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
+                        dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
+                        dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
+                        dw += tl.sum(tr, 0)
                 tl.atomic_add(dV + kv_off, dv_t, mask=kv_mask)
                 tl.atomic_add(dK + kv_off, dk_t, mask=kv_mask)
+            else:
+                # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
+                r = tl.zeros([BLOCK_Q], dtype=tl.float32)
+                for s0 in range(0, S, BLOCK_S):
+                    k_t, v_t, _, _, s_ok = _key_tile(
+                        K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                    )
+                    p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
+                    r += tl.sum(p * tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION), 1)
+                dw = tl.sum(r, 0)
+                # Pass 2: this slot's output gradient is w * dO.
+                for s0 in range(0, S, BLOCK_S):
+                    k_t, v_t, kv_off, kv_mask, s_ok = _key_tile(
+                        K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                    )
+                    p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
+                    dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
+                    ds = (w * scale) * p * (dp - r[:, None])
+                    dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
+                    dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+                    dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+                    tl.atomic_add(dV + kv_off, dv_t, mask=kv_mask)
+                    tl.atomic_add(dK + kv_off, dk_t, mask=kv_mask)
+            tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + q_block, dw)
     tl.store(dQ + q_off, dq.to(dQ.dtype.element_ty), mask=q_mask)
+    if TAIL > 0:
+        if has_tail:
+            tl.store(dQ + tq_off, tdq.to(dQ.dtype.element_ty), mask=tq_mask)
 
 
 # Whether the kernels were created for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
 INTERPRETED = not isinstance(_gca_fwd_kernel, triton.runtime.JITFunction)
+
+# Warps per program and software-pipelining depth. With FARSIGHT_TRITON_AUTOTUNE=1 each kernel
+# tries these on the GPU at its first call for each key (tile sizes) and input dtype and keeps
+# the fastest for the process (each try compiles the kernel once more: seconds per setting);
+# otherwise it launches with the kernel's own default below.
+AUTOTUNE = os.environ.get("FARSIGHT_TRITON_AUTOTUNE", "0") == "1"
+LAUNCH_CONFIGS = [(4, 1), (4, 2), (8, 2)]
+
+
+def autotuned(
+    kernel: Any,
+    key: list[str],
+    default: tuple[int, int],
+    reset_to_zero: list[str] | None = None,
+    restore_value: list[str] | None = None,
+) -> Any:
+    """`kernel` launched with (warps, stages) `default`, or autotuned over LAUNCH_CONFIGS on a GPU
+    with AUTOTUNE (outputs it accumulates into are zeroed, and buffers it updates restored,
+    between trials). The interpreter ignores launch settings."""
+    if INTERPRETED:
+        return kernel
+    configs = LAUNCH_CONFIGS if AUTOTUNE else [default]
+    configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in configs]
+    return triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero, restore_value=restore_value)(kernel)
+
+
+_TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
+_gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(4, 2))
+_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
 
 
 def _tile(size: int, cap: int) -> int:
@@ -229,6 +434,17 @@ def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if INTERPRETED and dtype == torch.bfloat16 else dtype
 
 
+def row_layout(lq: int, block_q: int | None) -> tuple[int, int, int]:
+    """(BLOCK_Q, TAIL, main_rows): query rows [0, main_rows) in blocks of BLOCK_Q, and the rest
+    (at most a quarter of a block, e.g. DRT's landmark row) as one TAIL-row tile of the last
+    block; TAIL = 0 when the rows fit the blocks well, or when a chunk takes several key tiles."""
+    block = block_q or _tile(lq, 64)
+    rest = lq % block
+    if block_q is None and lq > block and 0 < rest <= block // 4:
+        return block, _tile(rest, block), lq - rest
+    return block, 0, lq
+
+
 class _GCATriton(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -238,52 +454,43 @@ class _GCATriton(torch.autograd.Function):
         v: torch.Tensor,
         index: torch.Tensor,
         weight: torch.Tensor,
+        key_mask: torch.Tensor | None,
         softmax_one: bool,
         scale: float,
-        blocks: tuple[int, int, int],
+        blocks: tuple[int, int, int, int, int],
     ) -> torch.Tensor:
         batch, n, lq, heads, dim = q.shape
         m, s, n_slots = k.shape[1], k.shape[2], index.shape[2]
-        block_q, block_s, block_d = blocks
+        block_q, tail, main_rows, block_s, block_d = blocks
         dtype = _kernel_dtype(q.dtype)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, weight.dtype)
         qc, kc, vc = (x.to(dtype).contiguous() for x in (q, k, v))
         index, weight = index.contiguous(), weight.float().contiguous()
+        mask = index if key_mask is None else key_mask.to(torch.uint8).contiguous()  # unused without a mask
         out = torch.zeros(qc.shape, dtype=dtype, device=q.device)
         lse = torch.zeros(batch, n, n_slots, heads, lq, dtype=torch.float32, device=q.device)
-        grid = (batch * n * heads, triton.cdiv(lq, block_q))
+        grid = (batch * n * heads, triton.cdiv(main_rows, block_q))
+        meta = dict(
+            HAS_KEY_MASK=key_mask is not None,
+            DOT_PRECISION=_dot_precision(dtype),
+            BLOCK_Q=block_q,
+            TAIL=tail,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+        )
         if m > 0 and out.numel() > 0:  # with no memory every slot is empty: o = 0
             with torch.cuda.device_of(q):  # launch on q's GPU (no-op on CPU)
                 _gca_fwd_kernel[grid](
-                    qc,
-                    kc,
-                    vc,
-                    index,
-                    weight,
-                    out,
-                    lse,
-                    n,
-                    m,
-                    lq,
-                    s,
-                    heads,
-                    dim,
-                    n_slots,
-                    scale,
-                    SOFTMAX_ONE=softmax_one,
-                    DOT_PRECISION=_dot_precision(dtype),
-                    BLOCK_Q=block_q,
-                    BLOCK_S=block_s,
-                    BLOCK_D=block_d,
-                )
-        ctx.save_for_backward(qc, kc, vc, index, weight, lse)
-        ctx.scale, ctx.blocks, ctx.grid = scale, blocks, grid
+                    qc, kc, vc, mask, index, weight, out, lse, n, m, lq, main_rows, s, heads, dim, n_slots, scale,
+                    SOFTMAX_ONE=softmax_one, **meta,
+                )  # fmt: skip
+        ctx.save_for_backward(qc, kc, vc, index, weight, mask, lse)
+        ctx.scale, ctx.meta, ctx.grid, ctx.main_rows = scale, meta, grid, main_rows
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, index, weight, lse = ctx.saved_tensors
-        block_q, block_s, block_d = ctx.blocks
+        q, k, v, index, weight, mask, lse = ctx.saved_tensors
         batch, n, lq, heads, dim = q.shape
         m, s, n_slots = k.shape[1], k.shape[2], index.shape[2]
         do = grad_out.to(q.dtype).contiguous()
@@ -294,34 +501,14 @@ class _GCATriton(torch.autograd.Function):
         if m > 0 and q.numel() > 0:
             with torch.cuda.device_of(q):  # launch on q's GPU (no-op on CPU)
                 _gca_bwd_kernel[ctx.grid](
-                    q,
-                    k,
-                    v,
-                    index,
-                    weight,
-                    lse,
-                    do,
-                    dq,
-                    dk,
-                    dv,
-                    dw_part,
-                    n,
-                    m,
-                    lq,
-                    s,
-                    heads,
-                    dim,
-                    n_slots,
-                    ctx.scale,
-                    DOT_PRECISION=_dot_precision(q.dtype),
-                    BLOCK_Q=block_q,
-                    BLOCK_S=block_s,
-                    BLOCK_D=block_d,
-                )
+                    q, k, v, mask, index, weight, lse, do, dq, dk, dv, dw_part,
+                    n, m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale,
+                    ONE_TILE=s <= ctx.meta["BLOCK_S"], **ctx.meta,
+                )  # fmt: skip
         q_dtype, k_dtype, v_dtype, w_dtype = ctx.dtypes
         # Empty slots were never written, so their weight gradient is exactly zero.
         dw = dw_part.sum(dim=(3, 4))
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, dw.to(w_dtype), None, None, None
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, dw.to(w_dtype), None, None, None, None
 
 
 def gca_triton(
@@ -332,18 +519,20 @@ def gca_triton(
     weight: torch.Tensor,
     softmax_one: bool = True,
     scale: float | None = None,
+    key_mask: torch.Tensor | None = None,
     *,
     block_q: int | None = None,
     block_s: int | None = None,
 ) -> torch.Tensor:
     """q [B, n, Lq, H, d], k/v [B, m, S, H, d], index/weight [B, n, K] -> o [B, n, Lq, H, d].
 
-    Same semantics as `gca_reference`; inputs are assumed valid (`farsight.ops.gca.gca` checks
-    them). fp32, fp16 and bf16 inputs (weight in q's dtype or fp32, read as fp32); scores,
-    softmax and accumulation are fp32, and fp32 dots follow torch.get_float32_matmul_precision().
-    Saved for the backward: the inputs and a logsumexp [B, n, K, H, Lq]. block_q / block_s
-    (powers of two >= 16) override the query-row and key-row tile sizes (default: the next power
-    of two of Lq / S, at most 64).
+    Same semantics as `gca_reference`, key_mask [B, n, K, S] (True = real key) included;
+    inputs are assumed valid (`farsight.ops.gca.gca` checks them). fp32, fp16 and bf16 inputs
+    (weight in q's dtype or fp32, read as fp32); scores, softmax and accumulation are fp32, and
+    fp32 dots follow torch.get_float32_matmul_precision(). Saved for the backward: the inputs
+    and a logsumexp [B, n, K, H, Lq]. block_q / block_s (powers of two >= 16) override the
+    query-row and key-row tile sizes (default: the next power of two of Lq / S, at most 64, with
+    the rows past the last full query block, if few, as a small tile of that block).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise BackendUnavailableError(
@@ -355,6 +544,9 @@ def gca_triton(
     _check_block("block_q", block_q)
     _check_block("block_s", block_s)
     lq, s, dim = q.shape[2], k.shape[2], q.shape[4]
-    blocks = (block_q or _tile(lq, 64), block_s or _tile(s, 64), _tile(dim, 1 << 30))
+    block_s = block_s or _tile(s, 64)
+    block_q, tail, main_rows = row_layout(lq, block_q) if s <= block_s else (block_q or _tile(lq, 64), 0, lq)
+    blocks = (block_q, tail, main_rows, block_s, _tile(dim, 1 << 30))
     scale = dim**-0.5 if scale is None else float(scale)
-    return amp_function(_GCATriton, q.device.type).apply(q, k, v, index, weight, softmax_one, scale, blocks)
+    function = amp_function(_GCATriton, q.device.type)
+    return function.apply(q, k, v, index, weight, key_mask, softmax_one, scale, blocks)
