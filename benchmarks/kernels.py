@@ -290,16 +290,15 @@ def main() -> int:
     plan = SMOKE if args.smoke else QUICK if args.quick else FULL
     start = time.perf_counter()
     results: dict = {"machine": machine, "quick": args.quick, "dtype": str(DTYPE)}
-    if "castle" in parts:
-        print("CASTLE:", flush=True)
-        results["castle"] = run_castle(plan, args.quick, load_peer(args.peer))
-    if "gca" in parts:
-        print("GCA:", flush=True)
-        results["gca"] = run_gca(plan, args.quick)
-    if "window" in parts:
-        print("sliding window:", flush=True)
-        results["window"] = run_window(plan, args.quick)
-    write_json(args.json, results)
+    runners = {
+        "castle": lambda: run_castle(plan, args.quick, load_peer(args.peer)),
+        "gca": lambda: run_gca(plan, args.quick),
+        "window": lambda: run_window(plan, args.quick),
+    }
+    for part in parts:
+        print(f"{part}:", flush=True)
+        results[part] = runners[part]()
+        write_json(args.json, results)  # after each part: a run cut short keeps what it measured
     s, n_slots, heads, dim = (GCA_SHAPE[k] for k in ("chunk", "slots", "heads", "dim"))
     print_table(f"CASTLE (H={CASTLE_HEADS}, bf16); TF/s counts matrix-product FLOPs", results.get("castle", []))
     print_table(f"GCA (S={s}, K={n_slots}, H={heads}, d={dim}, bf16)", results.get("gca", []))
