@@ -36,18 +36,18 @@ def test_importing_farsight_loads_no_model_code():
 
 
 def test_ops_names_are_the_functions():
-    import farsight.ops
-
-    # importing a kernel module later does not turn farsight.ops.gca back into the module
-    import farsight.ops.gca.recompute  # noqa: F401
+    import farsight.ops.gca.recompute as recompute_module
     from farsight.ops import castle_attention, gca, sliding_window_attention
     from farsight.ops.castle import castle_attention as castle_module_function
-    from farsight.ops.gca import gca as gca_module_function
     from farsight.ops.gca import gca_reference
 
-    assert farsight.ops.gca is gca is gca_module_function
-    assert castle_attention is castle_module_function
-    assert callable(sliding_window_attention) and callable(gca_reference)
+    assert castle_attention is castle_module_function and callable(sliding_window_attention)
+    # farsight.ops.gca is the package (its modules import as usual) and, called, the op
+    assert gca.gca_reference is gca_reference and recompute_module.gca_recompute is gca.gca_recompute
+    q = torch.randn(1, 2, 3, 1, 4)
+    k = v = torch.randn(1, 2, 2, 1, 4)
+    index, weight = torch.tensor([[[-1], [0]]]), torch.ones(1, 2, 1)
+    torch.testing.assert_close(gca(q, k, v, index, weight), gca.gca(q, k, v, index, weight, backend="reference"))
 
 
 def test_the_gca_layer_lives_in_layers():

@@ -7,12 +7,11 @@
   (farsight.ops.window);
 - `retrieval_scores` / `retrieval_topk`: DRT's chunk retrieval (farsight.ops.retrieval).
 
-Note that `farsight.ops.gca` names the function here; the module of the same name is reached with
-`from farsight.ops.gca import ...`.
+`farsight.ops.gca` is the package of that op and, called, the op itself.
 """
 
+from farsight.ops import gca
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_prefill
-from farsight.ops.gca import gca
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
 from farsight.ops.window import sliding_window_attention
 

@@ -48,12 +48,45 @@ from farsight.ops.precision import amp_function
 __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
 
 
+# Block pointers (a scalar base, shape and strides per tile instead of a tensor of 64-bit
+# addresses) kept the forward's tiles from spilling registers on Triton 3.6; Triton 3.9 removed
+# them in favour of tensor descriptors, so there the tiles are addressed with int32 offsets.
+_BLOCK_POINTERS = tl.constexpr(tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9))
+
+
 @triton.jit
-def _tile_offsets(base, rows, cols, T, D, row_stride):
-    """Offsets and mask of a [rows, cols] tile of a contiguous [B, T, H, D] tensor."""
-    offs = base + rows[:, None].to(tl.int64) * row_stride + cols[None, :]
+def _load(X, base, row0, T, D, row_stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of the [T, D] matrix at X + base whose rows lie row_stride apart
+    (one batch-head of a contiguous [B, T, H, D] tensor), zero-padded to [BLOCK, BLOCK_D]."""
+    if _BLOCK_POINTERS:
+        block = tl.make_block_ptr(X + base, (T, D), (row_stride, 1), (row0, 0), (BLOCK, BLOCK_D), (1, 0))
+        return tl.load(block, boundary_check=(0, 1), padding_option="zero")
+    rows = row0 + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < T) & (cols[None, :] < D)
-    return offs, mask
+    return tl.load(X + base + (rows[:, None] * row_stride + cols[None, :]), mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(X, base, row0, T, D, row_stride, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`value` into the tile `_load` reads, cast to X's dtype; rows past T and columns past D are dropped."""
+    if _BLOCK_POINTERS:
+        block = tl.make_block_ptr(X + base, (T, D), (row_stride, 1), (row0, 0), (BLOCK, BLOCK_D), (1, 0))
+        tl.store(block, value.to(X.dtype.element_ty), boundary_check=(0, 1))
+    else:
+        rows = row0 + tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < T) & (cols[None, :] < D)
+        tl.store(X + base + (rows[:, None] * row_stride + cols[None, :]), value.to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _atomic_add(X, base, row0, T, D, row_stride, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`value` added atomically (fp32) to the tile `_load` reads."""
+    rows = row0 + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    offsets = rows[:, None] * row_stride + cols[None, :]
+    tl.atomic_add(X + base + offsets, value, mask=(rows[:, None] < T) & (cols[None, :] < D))
 
 
 @triton.jit
@@ -122,18 +155,15 @@ def _castle_fwd_diag_kernel(
     i = j + diag
     row_stride = H * D
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    cols = tl.arange(0, BLOCK_D)
     keys = j * BLOCK + tl.arange(0, BLOCK)
     rows = i * BLOCK + tl.arange(0, BLOCK)
-    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
-    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
-    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
-    kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
-    vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
-    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
-    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
-    ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
-    vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dt = qc_i.dtype
 
     p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
@@ -145,16 +175,16 @@ def _castle_fwd_diag_kernel(
     row_ok = rows < T
     m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
     l_old = tl.load(L + stat, mask=row_ok, other=0.0)
-    acc = tl.load(Acc + r_off, mask=r_mask, other=0.0)
+    acc = _load(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     m_new = tl.maximum(m_old, tl.max(score, 1))
     alpha = tl.exp(m_old - m_new)
     e = tl.exp(score - m_new[:, None])
     acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
     tl.store(M + stat, m_new, mask=row_ok)
     tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
-    tl.store(Acc + r_off, acc, mask=r_mask)
+    _store(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
     # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
-    tl.store(Dsum + k_off, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), mask=k_mask)
+    _store(Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -182,21 +212,18 @@ def _castle_fwd_far_kernel(
     if i >= near:
         row_stride = H * D
         base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-        cols = tl.arange(0, BLOCK_D)
         rows = i * BLOCK + tl.arange(0, BLOCK)
-        r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
-        qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
+        qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         stat = bh.to(tl.int64) * T + rows
         row_ok = rows < T
         m_i = tl.load(M + stat, mask=row_ok, other=float("-inf"))
         l_i = tl.load(L + stat, mask=row_ok, other=0.0)
-        acc = tl.load(Acc + r_off, mask=r_mask, other=0.0)
+        acc = _load(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         for j in range(0, i - near + 1):
             keys = j * BLOCK + tl.arange(0, BLOCK)
-            k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
-            kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
-            vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
-            u_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+            kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+            vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+            u_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
             score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
             m_new = tl.maximum(m_i, tl.max(score, 1))
             alpha = tl.exp(m_i - m_new)
@@ -206,7 +233,7 @@ def _castle_fwd_far_kernel(
             m_i = m_new
         tl.store(M + stat, m_i, mask=row_ok)
         tl.store(L + stat, l_i, mask=row_ok)
-        tl.store(Acc + r_off, acc, mask=r_mask)
+        _store(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -244,23 +271,21 @@ def _castle_fwd_lookahead_kernel(
     bh = tl.program_id(1)
     row_stride = H * D
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    cols = tl.arange(0, BLOCK_D)
     keys = j * BLOCK + tl.arange(0, BLOCK)
-    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
     snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D
-    s_off = snap_base + (keys - j_lo * BLOCK)[:, None].to(tl.int64) * row_stride + cols[None, :]
-    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
-    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dt = qu_j.dtype
     for i in range(tl.maximum(g0, j), tl.minimum(g1, j + near)):
-        tl.store(Snap + (i - g0) * snap_stride + s_off, d_j.to(Snap.dtype.element_ty), mask=k_mask)
+        _store(
+            Snap, snap_base + (i - g0) * snap_stride, (j - j_lo) * BLOCK, snap_rows, D, row_stride, d_j, BLOCK, BLOCK_D
+        )
         rows = i * BLOCK + tl.arange(0, BLOCK)
-        r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
-        ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
-        vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+        ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         d_j += tl.dot(p.to(dt), vu_i, input_precision=PREC)
-    tl.store(Dsum + k_off, d_j, mask=k_mask)
+    _store(Dsum, base, j * BLOCK, T, D, row_stride, d_j, BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -313,12 +338,10 @@ def _castle_fwd_attend_kernel(
     row_stride = H * D
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
     snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D + (i - g0) * snap_stride
-    cols = tl.arange(0, BLOCK_D)
     rows = i * BLOCK + tl.arange(0, BLOCK)
-    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
-    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
-    ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
-    vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
+    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
@@ -326,26 +349,23 @@ def _castle_fwd_attend_kernel(
     first_near = tl.maximum(i - near + 1, 0)
     for j in range(0, first_near):
         keys = j * BLOCK + tl.arange(0, BLOCK)
-        k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
-        kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
-        vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
-        u_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+        kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        u_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
         m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
     for j in range(first_near, i + 1):
         keys = j * BLOCK + tl.arange(0, BLOCK)
-        k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
-        s_off = snap_base + (keys - j_lo * BLOCK)[:, None].to(tl.int64) * row_stride + cols[None, :]
-        qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
-        kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
-        vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
-        d_j = tl.load(Snap + s_off, mask=k_mask, other=0.0)
+        qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        d_j = _load(Snap, snap_base, (j - j_lo) * BLOCK, snap_rows, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
         m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
     # Every real row has its own key (b = a), so l > 0 there; padding rows are not stored.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(Out + r_off, acc / l_safe[:, None], mask=r_mask)
+    _store(Out, base, i * BLOCK, T, D, row_stride, acc / l_safe[:, None], BLOCK, BLOCK_D)
     tl.store(Lse + bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
 
 
@@ -373,7 +393,6 @@ def _bwd_tile(
     bh,
     base,
     keys,
-    cols,
     T,
     D,
     row_stride,
@@ -382,6 +401,7 @@ def _bwd_tile(
     HAS_WINDOW: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     NEAR: tl.constexpr,
 ):
     """Gradients of tile (I, J); returns the updated key-block state (d_j, r_j, dkc, dvc, dqu).
@@ -390,18 +410,17 @@ def _bwd_tile(
     added atomically. Far tiles (NEAR=False) have P[J, I] = 0: D_J does not change there.
     """
     rows = i * BLOCK + tl.arange(0, BLOCK)
-    r_off, r_mask = _tile_offsets(base, rows, cols, T, D, row_stride)
     row_ok = rows < T
     stat = bh.to(tl.int64) * T + rows
-    qc_i = tl.load(QC + r_off, mask=r_mask, other=0.0)
-    do_i = tl.load(dO + r_off, mask=r_mask, other=0.0)
+    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    do_i = _load(dO, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
     delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
     dt = qc_i.dtype
 
     if NEAR:
-        vu_i = tl.load(VU + r_off, mask=r_mask, other=0.0)
-        ku_i = tl.load(KU + r_off, mask=r_mask, other=0.0)
+        vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
         g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
@@ -429,9 +448,9 @@ def _bwd_tile(
         dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
         dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
         dku_i = scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC)
-        tl.atomic_add(dVU + r_off, dvu_i, mask=r_mask)
-        tl.atomic_add(dKU + r_off, dku_i, mask=r_mask)
-    tl.atomic_add(dQC + r_off, dqc_i, mask=r_mask)
+        _atomic_add(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
+        _atomic_add(dKU, base, i * BLOCK, T, D, row_stride, dku_i, BLOCK, BLOCK_D)
+    _atomic_add(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
     return d_j, r_j, dkc, dvc, dqu
 
 
@@ -474,13 +493,11 @@ def _castle_bwd_kernel(
     bh = tl.program_id(1)
     row_stride = H * D
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    cols = tl.arange(0, BLOCK_D)
     keys = j * BLOCK + tl.arange(0, BLOCK)
-    k_off, k_mask = _tile_offsets(base, keys, cols, T, D, row_stride)
-    qu_j = tl.load(QU + k_off, mask=k_mask, other=0.0)
-    kc_j = tl.load(KC + k_off, mask=k_mask, other=0.0)
-    vc_j = tl.load(VC + k_off, mask=k_mask, other=0.0)
-    d_j = tl.load(Dsum + k_off, mask=k_mask, other=0.0)
+    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -511,7 +528,6 @@ def _castle_bwd_kernel(
             bh,
             base,
             keys,
-            cols,
             T,
             D,
             row_stride,
@@ -520,6 +536,7 @@ def _castle_bwd_kernel(
             HAS_WINDOW,
             PREC,
             BLOCK,
+            BLOCK_D,
             False,
         )
     for step in range(0, first_near - j + 1):
@@ -546,7 +563,6 @@ def _castle_bwd_kernel(
             bh,
             base,
             keys,
-            cols,
             T,
             D,
             row_stride,
@@ -555,12 +571,13 @@ def _castle_bwd_kernel(
             HAS_WINDOW,
             PREC,
             BLOCK,
+            BLOCK_D,
             True,
         )
     out_ty = dKC.dtype.element_ty
-    tl.store(dKC + k_off, dkc.to(out_ty), mask=k_mask)
-    tl.store(dVC + k_off, dvc.to(out_ty), mask=k_mask)
-    tl.store(dQU + k_off, dqu.to(out_ty), mask=k_mask)
+    _store(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
+    _store(dVC, base, j * BLOCK, T, D, row_stride, dvc.to(out_ty), BLOCK, BLOCK_D)
+    _store(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(out_ty), BLOCK, BLOCK_D)
 
 
 # Whether the kernels were created for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).

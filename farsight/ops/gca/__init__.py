@@ -13,6 +13,9 @@ casts them to the autocast dtype (`farsight.ops.precision`). `weight` keeps its 
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 from farsight.errors import InputError, InputTypeError
@@ -137,3 +140,15 @@ def gca(
         if backend == "reference":
             return gca_reference(q, k, v, index, weight, softmax_one, scale, key_mask)
         return gca_triton(q, k, v, index, weight, softmax_one, scale, key_mask)
+
+
+class _CallablePackage(types.ModuleType):
+    """This package, callable as the op: `from farsight.ops import gca` gives the package (so
+    `farsight.ops.gca.triton` and `import farsight.ops.gca.reference` keep working) and
+    `gca(q, k, v, index, weight)` calls `farsight.ops.gca.gca`."""
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return gca(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
