@@ -35,6 +35,11 @@ class MissingDependencyError(FarsightError, ImportError):
     """An optional package is needed for what was asked; the message names the extra to install."""
 
 
+class WriteError(FarsightError, OSError):
+    """A file or folder could not be written (a full disk, no permission); the message names the
+    path, and what was being written is left as it was before."""
+
+
 class StateError(FarsightError, RuntimeError):
     """An object is used in a state that does not allow it (e.g. a closed session)."""
 

@@ -1,13 +1,23 @@
-"""File helpers every layer shares: replacing a file atomically, and a file's SHA-256."""
+"""File helpers every layer shares: replacing a file or a folder atomically, a file's SHA-256,
+folders made for a write and removed if it fails, and the one-line error of a failed write."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
+import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from farsight.errors import WriteError
+
+# errors of a write that the user fixes on the disk, not in farsight: reported as one line
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+WRITE_FAILURES = DISK_FULL | {errno.EROFS}
 
 
 def _name_beside(path: Path, kind: str) -> str:
@@ -55,6 +65,58 @@ def atomic_directory(path: Path, fill: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def write_failure(path: str | os.PathLike, exc: OSError, then: str = "run the command again") -> WriteError:
+    """The one-line error of a write under `path` that failed with `exc` (a full disk, a
+    read-only file system...); `then` is what to do once space is freed."""
+    if exc.errno in DISK_FULL:
+        return WriteError(f"disk full at {path} ({exc.strerror}); free some space and {then}")
+    return WriteError(f"cannot write {path} ({exc.strerror or exc}); check the permissions and space of that folder")
+
+
+@contextlib.contextmanager
+def reported_write(path: str | os.PathLike, then: str = "run the command again") -> Iterator[None]:
+    """Turn a write under `path` that fails for want of space (or on a read-only file system)
+    into `write_failure`'s one-line error; any other error passes unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        if isinstance(exc, WriteError) or exc.errno not in WRITE_FAILURES:
+            raise
+        raise write_failure(path, exc, then) from exc
+
+
+def os_error_of(exc: Exception, path: str | os.PathLike) -> OSError | None:
+    """The OSError inside a writer's own exception type that names it only in its message (e.g.
+    safetensors' "I/O error: No space left on device (os error 28)"), or None."""
+    match = re.search(r"os error (\d+)", str(exc))
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), os.fspath(path))
+
+
+@contextlib.contextmanager
+def new_folders_for(path: str | os.PathLike) -> Iterator[None]:
+    """Make the missing folders above `path`; if the block fails (or is interrupted), remove the
+    ones made here again, so a failed write leaves no empty folders behind."""
+    missing = []
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    made = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            made.append(folder)
+        yield
+    except BaseException:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
 
 
 def sha256_file(path: Path) -> str:

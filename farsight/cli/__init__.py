@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from farsight.cli import data, demo, evaluation, model, train
 from farsight.errors import FarsightError
+from farsight.files import WRITE_FAILURES, write_failure
 from farsight.process_memory import tune_malloc
 
 # each adds its commands to the parser, in this order in `farsight --help`
@@ -24,8 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C (128 + SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; a farsight error (a problem the user can fix) prints `error: ...` and returns 2."""
+    """Run one command; a farsight error (a problem the user can fix) prints `error: ...` and
+    returns 2, and so does a write that fails for want of space wherever it happens; Ctrl-C prints
+    `interrupted` and returns 130 (each command removes what it had half written)."""
     args = build_parser().parse_args(argv)
     tune_malloc()  # the command owns the process (FARSIGHT_DEFAULT_MALLOC=1 leaves glibc's defaults)
     try:
@@ -36,6 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if args.traceback or exc.errno not in WRITE_FAILURES:
+            raise
+        print(f"error: {write_failure(exc.filename or 'a file farsight was writing', exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if args.traceback:
+            raise
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _model_matmuls(args: argparse.Namespace) -> contextlib.AbstractContextManager:

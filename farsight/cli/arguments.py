@@ -100,6 +100,20 @@ def add_needle_grid_arguments(
     )
 
 
+def text_argument(text: str, flag: str) -> str:
+    """A text option as typed: bytes of the command line that are not valid UTF-8 (Python keeps
+    them as lone surrogates, which no tokenizer encodes) become U+FFFD, with a note saying how many."""
+    raw = text.encode("utf-8", errors="surrogateescape")
+    fixed = raw.decode("utf-8", errors="replace")
+    if fixed != text:
+        invalid = sum(1 for char in text if "\udc80" <= char <= "\udcff")
+        print(
+            f"note: {flag}: {invalid} byte{'s' if invalid != 1 else ''} not valid UTF-8, read as U+FFFD",
+            file=sys.stderr,
+        )
+    return fixed
+
+
 def parse_list(text: str, convert: Callable[[str], T], option: str, what: str) -> list[T]:
     """The comma-separated items of `text`, each converted; an unreadable item is an InputError naming `option`."""
     try:
@@ -160,12 +174,35 @@ def needle_grid(args: argparse.Namespace) -> tuple[list[int], list[float], dict[
     return lengths, depths, trials_per_length(lengths, args.trials, args.long_trials)
 
 
+MAX_SEED = 2**63 - 1  # the largest seed torch's generators take
+
+
 def check_at_least(args: argparse.Namespace, minimums: dict[str, int]) -> None:
-    """Each option (flag -> smallest allowed value) that was given must be at least its minimum."""
+    """Each option (flag -> smallest allowed value) that was given must be at least its minimum
+    (and a --seed at most MAX_SEED)."""
     for flag, minimum in minimums.items():
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None and value < minimum:
             raise InputError(f"{flag} must be at least {minimum}, got {value}")
+        if flag == "--seed" and value is not None and value > MAX_SEED:
+            raise InputError(f"--seed must be at most {MAX_SEED} (2**63 - 1), got {value}")
+
+
+def check_number(
+    args: argparse.Namespace, flag: str, low: float, high: float | None = None, *, open_low: bool = False
+) -> None:
+    """The number option `flag`, if given, must be finite and within [low, high] (`open_low`:
+    above low); the error names the range."""
+    import math
+
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    if value is None:
+        return
+    above = value > low if open_low else value >= low
+    if not math.isfinite(value) or not above or (high is not None and value > high):
+        bounds = f"{'(' if open_low else '['}{low:g}, {high:g}]" if high is not None else None
+        wanted = f"in {bounds}" if bounds else f"a finite number {'above' if open_low else 'of at least'} {low:g}"
+        raise InputError(f"{flag} must be {wanted}, got {value}")
 
 
 def check_output_file(path: str | None, flag: str) -> None:
@@ -211,11 +248,11 @@ def _check_writable_folder(folder: Path, flag: str, path: str) -> None:
 
 
 def model_tokenizer(path: str) -> Any:
-    """The tokenizer of the model or run directory `path`, without loading the model."""
-    from farsight.data.tokenizers import load_tokenizer
-    from farsight.models import resolve_model_dir
+    """The tokenizer of the model or run directory `path`, without loading the model (refused when
+    it has more tokens than the model's vocabulary)."""
+    from farsight.models.registry import load_model_tokenizer
 
-    return load_tokenizer(resolve_model_dir(path))
+    return load_model_tokenizer(path)
 
 
 def model_chunk_size(path: str) -> int:
@@ -244,8 +281,8 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
     """The model (in eval mode, cast to `dtype`) and the tokenizer of the model or run directory `path`."""
     import torch
 
-    from farsight.data.tokenizers import load_tokenizer
     from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir
+    from farsight.models.registry import load_model_tokenizer
     from farsight.train.precision import software_dtype_reason
 
     reason = software_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
@@ -255,7 +292,9 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
             file=sys.stderr,
         )
     directory = resolve_model_dir(path)
-    return load_model(directory).to(MODEL_DTYPES[dtype]).eval(), load_tokenizer(directory)
+    model = load_model(directory)
+    tokenizer = load_model_tokenizer(directory, model.config.vocab_size)
+    return model.to(MODEL_DTYPES[dtype]).eval(), tokenizer
 
 
 def parse_task_options(items: list[str]) -> dict[str, object]:
@@ -273,3 +312,82 @@ def parse_task_options(items: list[str]) -> dict[str, object]:
         except yaml.YAMLError as exc:
             raise InputError(f"--task-option {item!r}: the value is not valid YAML ({exc})") from exc
     return options
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def session_bytes_per_token(path: str, memory: str, kv_dtype: str | None, dtype: str) -> tuple[float, float, str]:
+    """(RAM bytes, disk bytes, what) that a decoding session of the model at `path` keeps per
+    prompt token, read from its config without loading it: a DRT's chunk memory (K/V of every
+    token in the tier `memory`, landmark keys in RAM), a transformer's KV cache (none that grows
+    under sliding attention). A lower bound: buffers that grow by doubling may hold up to twice it."""
+    import torch
+
+    from farsight.models import KV_DTYPES, MODEL_DTYPES, read_model_meta, resolve_model_dir
+
+    meta = read_model_meta(resolve_model_dir(path))
+    config = meta["config"]
+    d_model = int(config.get("d_model", 256))
+    heads = int(config.get("n_heads", 4))
+    head_dim = int(config.get("head_dim") or d_model // heads)
+    model_bytes = torch.empty(0, dtype=MODEL_DTYPES[dtype]).element_size()
+    kv_bytes = torch.empty(0, dtype=KV_DTYPES[kv_dtype]).element_size() if kv_dtype else model_bytes
+    if meta["model_type"] == "drt":
+        kv = 2 * heads * head_dim * kv_bytes
+        landmarks = d_model * model_bytes / int(config.get("chunk_size", 64))
+        what = f"DRT chunk memory in --memory {memory}: {kv + landmarks:,.0f} bytes per token"
+        return (landmarks, kv, what) if memory == "disk" else (kv + landmarks, 0.0, what)
+    attention = config.get("attention", "causal")
+    if attention == "sliding":
+        return 0.0, 0.0, "sliding-window KV cache"
+    per_layer = 2 * heads * head_dim * model_bytes * (2 if attention.startswith("castle") else 1)
+    layers = int(config.get("n_layers", 4))
+    return layers * per_layer, 0.0, f"{attention} KV cache: {layers * per_layer:,.0f} bytes per token"
+
+
+def check_memory_for(args: argparse.Namespace, lengths: list[int], trials: dict[int, int]) -> None:
+    """Refuse (InputError), before any work, lengths whose haystacks and session would not fit in
+    the memory (and, for --memory disk, the temporary folder's free space) there is: each trial's
+    prompt is held as int64 ids (8 bytes a token) while its cell runs, beside the batch being
+    decoded and the model's memory tier (`session_bytes_per_token`)."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    ram_per_token, disk_per_token, what = (
+        session_bytes_per_token(
+            args.model,
+            getattr(args, "memory", "device"),
+            getattr(args, "kv_dtype", None),
+            getattr(args, "dtype", "fp32"),
+        )
+        if getattr(args, "model", None)
+        else (0.0, 0.0, "no model")
+    )
+    batch = getattr(args, "batch_size", 1) or 1
+    available = psutil.virtual_memory().available
+    free_disk = shutil.disk_usage(tempfile.gettempdir()).free
+    for length in sorted(lengths, reverse=True):
+        rows = min(batch, trials[length])
+        haystack = length * 8 * (trials[length] + rows)
+        ram = haystack + length * rows * ram_per_token
+        disk = length * rows * disk_per_token
+        if ram > available:
+            raise InputError(
+                f"--lengths {length:,} needs about {_bytes(ram)} of memory (haystacks: {length:,} tokens x 8 bytes "
+                f"x ({trials[length]} trial{'s' if trials[length] != 1 else ''} + {rows} decoded at once); {what}), "
+                f"more than the {_bytes(available)} available; "
+                "pass shorter --lengths or fewer --trials"
+                + (", or --memory disk" if ram_per_token > 0 and disk_per_token == 0 and "DRT" in what else "")
+            )
+        if disk > free_disk:
+            raise InputError(
+                f"--lengths {length:,} needs about {_bytes(disk)} of disk for the {what}, more than the "
+                f"{_bytes(free_disk)} free in {tempfile.gettempdir()}; pass shorter --lengths or --memory host"
+            )

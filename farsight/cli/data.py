@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from farsight.cli.arguments import check_output_folder, model_tokenizer
+from farsight.cli.arguments import check_at_least, check_number, check_output_folder, model_tokenizer
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -29,7 +29,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument(
         "--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)"
     )
-    prepare.add_argument("--seed", type=int, default=0, help="seed of the document split")
+    prepare.add_argument("--seed", type=int, default=0, help="seed of the document split (0 to 2**63 - 1)")
+    prepare.add_argument(
+        "--extensions",
+        help="comma-separated extensions of the files read from a folder source (default: .txt,.md,.rst,.py)",
+    )
     prepare.set_defaults(func=_prepare)
     info = actions.add_parser("info", help="print a prepared dataset's metadata")
     info.add_argument("path")
@@ -37,13 +41,33 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from farsight.data.corpora import resolve_source
     from farsight.data.token_files import prepare_corpus
     from farsight.data.tokenizers import load_tokenizer
+    from farsight.errors import InputError
 
     check_output_folder(args.out, "--out")
+    check_at_least(args, {"--seed": 0})
+    check_number(args, "--val-fraction", 0, 1, open_low=True)
+    if args.val_fraction >= 1:
+        raise InputError(
+            f"--val-fraction must be below 1 so that some documents are trained on, got {args.val_fraction}"
+        )
+    sources: list = list(args.source)
+    if args.extensions is not None:
+        extensions = [item.strip() for item in args.extensions.split(",") if item.strip()]
+        folders = [i for i, spec in enumerate(sources) if Path(spec).is_dir() and not spec.lower().endswith(".jsonl")]
+        if not extensions or not folders:
+            raise InputError(
+                f"--extensions {args.extensions!r} names the files to read from a folder source; "
+                + ("give at least one extension, e.g. .txt,.log" if not extensions else "no --source is a folder")
+            )
+        for i in folders:
+            sources[i] = resolve_source(sources[i], extensions=extensions)
     run = Path(args.tokenizer)
-    tokenizer = model_tokenizer(args.tokenizer) if (run / "checkpoints").is_dir() else load_tokenizer(args.tokenizer)
-    meta = prepare_corpus(args.source, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
+    is_model = (run / "checkpoints").is_dir() or (run / "config.json").is_file()  # a run, or a model directory
+    tokenizer = model_tokenizer(args.tokenizer) if is_model else load_tokenizer(args.tokenizer)
+    meta = prepare_corpus(sources, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
     return 0
 

@@ -10,6 +10,7 @@ from farsight.cli.arguments import (
     add_model_argument,
     add_needle_grid_arguments,
     check_at_least,
+    check_memory_for,
     check_output_folder,
     load_model_and_tokenizer,
     needle_grid,
@@ -58,6 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     check_output_folder(args.out, "--out")
     check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
+    check_memory_for(args, lengths, trials)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     if not isinstance(model, DRTForCausalLM):
         raise UnsupportedModelError(

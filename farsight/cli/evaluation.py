@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from farsight.cli.arguments import (
     add_dtype_argument,
@@ -12,6 +13,7 @@ from farsight.cli.arguments import (
     add_model_argument,
     add_needle_grid_arguments,
     check_at_least,
+    check_memory_for,
     check_output_file,
     check_output_folder,
     check_plot_file,
@@ -173,8 +175,8 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument(
         "--choices",
         type=int,
-        default=4,
-        help="with --export-choice: choices per item (the answer and random distractors)",
+        default=None,
+        help="with --export-choice: choices per item (the answer and random distractors; default 4, at least 2)",
     )
     needle.set_defaults(func=_needle, task=task)
 
@@ -187,7 +189,12 @@ def _needle(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_plot_file(args.plot)
     check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
+    if args.choices is not None and not args.export_choice:
+        raise InputError(
+            f"--choices {args.choices} sets the choices per item of --export-choice; add --export-choice DIR or drop --choices"
+        )
     lengths, depths, trials = needle_grid(args)
+    check_memory_for(args, lengths, trials)
     options = parse_task_options(args.task_option)
     if args.export_choice:
         return _export_choice(args, lengths, depths, trials, options)
@@ -231,6 +238,7 @@ def _export_choice(
     from farsight.eval.choice import export_choice_tasks
 
     check_output_folder(args.export_choice, "--export-choice")
+    args.choices = 4 if args.choices is None else args.choices
     check_at_least(args, {"--choices": 2})
     tokenizer = model_tokenizer(args.model)
     align = args.align or model_chunk_size(args.model)
@@ -354,7 +362,12 @@ def _retrieval(args: argparse.Namespace) -> int:
                 else "does not exist"
             )
             raise MissingFileError(f"--text {args.text} {what}; pass a text file")
-        ids = tokenizer.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+        from farsight.data.corpora import invalid_utf8_note, read_text_file
+
+        text, invalid = read_text_file(Path(args.text))
+        if invalid:
+            print(f"note: {invalid_utf8_note(args.text, invalid)}", file=sys.stderr)
+        ids = tokenizer.encode(text)
     else:
         data = open_corpus(args.corpus, args.split, [args.model])
         if args.document >= data.num_documents:
@@ -362,6 +375,14 @@ def _retrieval(args: argparse.Namespace) -> int:
                 f"--document {args.document} does not exist: the {args.split} split of {args.corpus} has documents 0..{data.num_documents - 1}"
             )
         ids = [i for i in data.document(args.document).tolist() if i not in (tokenizer.eos_id, tokenizer.bos_id)]
+    chunk = model_chunk_size(args.model)
+    if min(len(ids), args.max_tokens) < 2 * chunk:
+        where = f"--text {args.text}" if args.text else f"document {args.document} of {args.corpus}"
+        held = f"holds {len(ids)} tokens" if len(ids) < 2 * chunk else f"is cut to --max-tokens {args.max_tokens}"
+        raise InputError(
+            f"{where} {held}; a chunk retrieves only the chunks before it, so this model "
+            f"(chunks of {chunk} tokens) needs at least {2 * chunk}: pass a longer text"
+        )
     if len(ids) > args.max_tokens:
         print(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
         ids = ids[: args.max_tokens]
@@ -373,7 +394,10 @@ def _retrieval(args: argparse.Namespace) -> int:
             : args.top
         ]
         records.sort(key=lambda r: r["chunk"])
-    print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
+    if records:
+        print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
+    else:
+        print(f"no chunk of the {len(ids)} tokens retrieved a past chunk")
     write_json(args.out, {"records": records})
     return 0
 

@@ -21,11 +21,16 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
         "harness",
         help="lm-evaluation-harness tasks",
         description="Run lm-evaluation-harness tasks (lm_eval.simple_evaluate) on a farsight model and print lm-eval's table. "
-        "Needs `pip install farsight[eval,hf]`.",
+        "Needs `pip install farsight[eval,hf]`. Task YAML files can run Python code (`!function`): "
+        "--include-path only folders you trust.",
     )
     add_model_argument(harness)
     harness.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
-    harness.add_argument("--include-path", help="folder of extra task YAML files")
+    harness.add_argument(
+        "--include-path",
+        help="folder of extra task YAML files. Caution: lm-eval runs the Python code a YAML there names with "
+        "`!function` (e.g. utils.py beside it, as in farsight's own exports); pass only folders you trust",
+    )
     harness.add_argument(
         "--limit", type=float, default=None, help="examples per task (a fraction if below 1), for quick checks"
     )
@@ -41,12 +46,17 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
 
 
 def _harness(args: argparse.Namespace) -> int:
+    import math
     from pathlib import Path
 
     check_output_file(args.out, "--out")
     check_at_least(args, {"--batch-size": 1, "--num-fewshot": 0})
-    if args.limit is not None and args.limit <= 0:
+    if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0):
         raise InputError(f"--limit must be > 0, got {args.limit}")
+    if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
+        raise InputError(
+            f"--limit {args.limit}: a count of examples is a whole number (below 1, a fraction), got {args.limit}"
+        )
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise MissingFileError(
             f"--include-path {args.include_path} is not a folder; pass the folder holding the task YAML files"

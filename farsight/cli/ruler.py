@@ -13,6 +13,7 @@ from farsight.cli.arguments import (
     add_model_argument,
     add_needle_grid_arguments,
     check_at_least,
+    check_memory_for,
     check_output_file,
     check_output_folder,
     check_plot_file,
@@ -82,6 +83,7 @@ def _ruler(args: argparse.Namespace) -> int:
     check_plot_file(args.plot)
     check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
+    check_memory_for(args, lengths, trials)
     names = ruler_task_names(args.tasks)
     options = parse_task_options(args.task_option)
     if args.export:

@@ -19,12 +19,19 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value, e.g. train.steps=100"
     )
     train.add_argument(
-        "--restart", action="store_true", help="start over: delete the checkpoints already in train.out_dir"
+        "--restart",
+        action="store_true",
+        help="start over: delete the checkpoints farsight wrote in train.out_dir/checkpoints (other files there stay)",
     )
     train.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume even though optim, data, train.seed or train.grad_accum differ from the checkpoint's, with the new values",
+    )
+    train.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="resume even though the token files at data.path (or data.corpus) differ from those the checkpoint was trained on",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     train.set_defaults(func=_train)
@@ -38,7 +45,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.no_progress:
         config.train.progress = False
     try:
-        result = train(config, resume=not args.restart, allow_config_change=args.allow_config_change)
+        result = train(
+            config,
+            resume=not args.restart,
+            allow_config_change=args.allow_config_change,
+            allow_data_change=args.allow_data_change,
+        )
     except TrainingDiverged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED

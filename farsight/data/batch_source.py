@@ -21,6 +21,9 @@ class BatchSource(Protocol):
 
     def eval_batch(self, index: int) -> dict[str, torch.Tensor]: ...
 
+    # optional: `fingerprint() -> {config key: hash}` of the files the batches are read from, which
+    # a checkpoint records and a resume compares (a source without files need not have it)
+
 
 def batch_rng(seed: int, *stream: int) -> np.random.Generator:
     """Independent, reproducible random stream for one (seed, step, micro, rank, ...) tuple."""

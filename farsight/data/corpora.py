@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator, Mapping
@@ -45,10 +46,35 @@ _STDLIB_SKIP_DIRS = frozenset(
 )
 
 
+_INVALID_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes an invalid byte to
+
+
+def decode_text(data: bytes) -> tuple[str, int]:
+    """UTF-8 `data` as text with \\r\\n and \\r turned into \\n (as text mode reads it), and how many
+    bytes were not valid UTF-8: each invalid sequence becomes U+FFFD, as errors="replace" gives."""
+    try:
+        text, invalid = data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        invalid = len(_INVALID_BYTE.findall(data.decode("utf-8", errors="surrogateescape")))
+        text = data.decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n"), invalid
+
+
+def read_text_file(path: Path) -> tuple[str, int]:
+    """The text of the file `path` and its count of invalid UTF-8 bytes (see `decode_text`)."""
+    return decode_text(Path(path).read_bytes())
+
+
+def invalid_utf8_note(path: Path | str, invalid: int) -> str:
+    return f"{path}: {invalid:,} byte{'s' if invalid != 1 else ''} not valid UTF-8, read as U+FFFD"
+
+
 def _read_text(path: Path) -> str:
-    # Text mode turns \r\n and \r into \n, and bad bytes into U+FFFD instead of aborting a long prepare.
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        return handle.read()
+    # bad bytes become U+FFFD instead of aborting a long prepare, each file with a note saying how many
+    text, invalid = read_text_file(path)
+    if invalid:
+        _note(invalid_utf8_note(path, invalid))
+    return text
 
 
 class LocalTextSource(Source):
@@ -109,7 +135,8 @@ class LocalTextSource(Source):
         files = self.files()
         if not files:
             raise CorpusError(
-                f"no files with extensions {', '.join(self.extensions)} under {self.path}; pass extensions=[...] to read other kinds of file"
+                f"no files with extensions {', '.join(self.extensions)} under {self.path}; to read other kinds of file name "
+                "their extensions (`farsight data prepare --extensions .log,.csv`, or extensions=[...] in Python)"
             )
         base = self.path.resolve().parent
         for path in files:
@@ -161,10 +188,15 @@ class JsonlSource(Source):
         self.id_field = id_field
 
     def __iter__(self) -> Iterator[Document]:
-        with open(self.path, encoding="utf-8", errors="replace") as handle:
+        invalid = 0
+        with open(self.path, encoding="utf-8", errors="surrogateescape") as handle:
             for line_number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
+                bad = len(_INVALID_BYTE.findall(line))
+                if bad:
+                    invalid += bad
+                    line = line.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
                 where = f"{self.path}:{line_number}"
                 try:
                     record = json.loads(line)
@@ -181,6 +213,8 @@ class JsonlSource(Source):
                     else str(_field(record, self.id_field, where, "id_field", want_str=False))
                 )
                 yield Document(doc_id=doc_id, text=text, license=self.license)
+        if invalid:
+            _note(invalid_utf8_note(self.path, invalid))
 
 
 def _field(record: Mapping[str, Any], name: str, where: str, option: str, want_str: bool = True) -> Any:

@@ -47,6 +47,13 @@ class TokenBatches:
                 "lower seq_len or prepare more text",
             )
 
+    def fingerprint(self) -> dict[str, str]:
+        """What the batches are drawn from beyond the config: a hash of the token files at data.path
+        (`farsight.data.token_files.dataset_fingerprint`), which a resumed run compares."""
+        from farsight.data.token_files import dataset_fingerprint
+
+        return {"data.path": dataset_fingerprint(self.config.path)}
+
     def _windows(self, split: Any, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         n = self.config.seq_len
         starts = rng.integers(0, len(split) - n, size=self.config.batch_size)

@@ -30,6 +30,7 @@ from farsight.data.corpora import resolve_source
 from farsight.data.documents import Document, Source
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer, tokenizer_from_spec
 from farsight.errors import FarsightError
+from farsight.files import atomic_directory, new_folders_for, reported_write, sha256_file
 
 FORMAT_NAME = "farsight-tokens"
 FORMAT_VERSION = 1
@@ -88,10 +89,13 @@ class _SplitWriter:
     handle: BinaryIO
     starts: list[int] = field(default_factory=list)
     tokens: int = 0
+    digest: Any = field(default_factory=hashlib.sha256)  # of the bytes written, for meta.json's checksums
 
     def write(self, ids: np.ndarray) -> None:
         self.starts.append(self.tokens)
-        self.handle.write(ids.tobytes())
+        data = ids.tobytes()
+        self.handle.write(data)
+        self.digest.update(data)
         self.tokens += len(ids)
 
 
@@ -156,8 +160,11 @@ def prepare_corpus(
     every document when `append_eos`. Sources are spec strings for `resolve_source` or
     `Source` objects (to pass options such as `text_field`).
 
-    Everything is written to a temporary folder inside `out_dir` and renamed into place at
-    the end, meta.json last: an interrupted run leaves any previous dataset there untouched.
+    A new `out_dir` is written as a temporary folder beside it and renamed into place at the end;
+    into an existing folder (a dataset to replace) the new files go through a temporary folder
+    inside it and replace the old ones at the end, meta.json last. Either way a failed or interrupted run (a full disk,
+    Ctrl-C) removes what it wrote and leaves any previous dataset there untouched. meta.json
+    records the SHA-256 of every token file (`dataset_fingerprint`).
     """
     if isinstance(sources, (str, os.PathLike)) or not sources:
         raise TokenDataError(
@@ -171,35 +178,62 @@ def prepare_corpus(
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
-    try:
-        counts = [
-            {"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0}
-            for _ in resolved
-        ]
-        with open(scratch / "train.bin", "wb") as train_handle, open(scratch / "val.bin", "wb") as val_handle:
-            writers = {"train": _SplitWriter(train_handle), "val": _SplitWriter(val_handle)}
-            splitter = _HeldBackSplitter(writers, counts, val_fraction)
-            _tokenize_sources(resolved, tok, dtype, seed, append_eos, progress, splitter, counts)
-            splitter.finish()
-            for handle in (train_handle, val_handle):
-                handle.flush()
-                os.fsync(handle.fileno())
-        total_documents = sum(c["documents"] for c in counts)
-        if total_documents < 2:
-            raise TokenDataError(
-                f"the sources hold {total_documents} document(s); a split by document needs at least 2 (add documents or sources)"
-            )
-        for split in SPLITS:
-            with open(scratch / f"{split}.docs.npy", "wb") as handle:
-                np.save(handle, np.asarray(writers[split].starts, dtype=np.int64))
-        meta = _build_meta(resolved, counts, writers, tok, dtype, val_fraction, seed, append_eos)
-        tok.save(scratch)
-        (scratch / META_FILENAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
-        _commit(scratch, out)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    if out.exists() and not out.is_dir():
+        raise TokenDataError(f"{out} is a file, not a folder; pass a new folder (or a prepared dataset to replace)")
+    result: dict[str, Any] = {}
+
+    def fill(scratch: Path) -> None:
+        result["meta"] = _write_dataset(scratch, resolved, tok, dtype, val_fraction, seed, append_eos, progress)
+
+    with new_folders_for(out), reported_write(out):
+        if not out.exists():
+            atomic_directory(out, fill)
+        else:
+            scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
+            try:
+                fill(scratch)
+                _commit(scratch, out)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return result["meta"]
+
+
+def _write_dataset(
+    scratch: Path,
+    sources: list[Source],
+    tok: Tokenizer,
+    dtype: np.dtype,
+    val_fraction: float,
+    seed: int,
+    append_eos: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """Every file of a prepared dataset, written into the folder `scratch`; returns meta.json's dict."""
+    counts = [
+        {"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0} for _ in sources
+    ]
+    with open(scratch / "train.bin", "wb") as train_handle, open(scratch / "val.bin", "wb") as val_handle:
+        writers = {"train": _SplitWriter(train_handle), "val": _SplitWriter(val_handle)}
+        splitter = _HeldBackSplitter(writers, counts, val_fraction)
+        _tokenize_sources(sources, tok, dtype, seed, append_eos, progress, splitter, counts)
+        splitter.finish()
+        for handle in (train_handle, val_handle):
+            handle.flush()
+            os.fsync(handle.fileno())
+    total_documents = sum(c["documents"] for c in counts)
+    if total_documents < 2:
+        raise TokenDataError(
+            f"the sources hold {total_documents} document(s); a split by document needs at least 2 (add documents or sources)"
+        )
+    checksums = {f"{split}.bin": writers[split].digest.hexdigest() for split in SPLITS}
+    for split in SPLITS:
+        with open(scratch / f"{split}.docs.npy", "wb") as handle:
+            np.save(handle, np.asarray(writers[split].starts, dtype=np.int64))
+        checksums[f"{split}.docs.npy"] = sha256_file(scratch / f"{split}.docs.npy")
+    meta = _build_meta(sources, counts, writers, tok, dtype, val_fraction, seed, append_eos)
+    meta["checksums"] = dict(sorted(checksums.items()))
+    tok.save(scratch)
+    (scratch / META_FILENAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     return meta
 
 
@@ -313,6 +347,38 @@ def load_meta(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
             f"{FORMAT_NAME!r} version {FORMAT_VERSION}; prepare the dataset again"
         )
     return meta
+
+
+def dataset_fingerprint(out_dir: str | os.PathLike[str]) -> str:
+    """A short hash of what the prepared dataset in `out_dir` holds, cheap on any size: the SHA-256
+    of its token files that meta.json records, or, for a dataset prepared before meta.json held
+    them, the files' sizes and samples of their bytes (the whole file up to 1 MiB, else 16 spread
+    blocks of 64 KiB). Re-preparing the same text with the same tokenizer and split gives the
+    same fingerprint; other text gives another."""
+    directory = Path(out_dir)
+    meta = load_meta(directory)
+    basis: dict[str, Any] = {"tokenizer": meta.get("tokenizer"), "dtype": meta.get("dtype")}
+    if isinstance(meta.get("checksums"), dict):
+        basis["checksums"] = meta["checksums"]
+    else:
+        names = [info[key] for info in meta.get("splits", {}).values() for key in ("file", "offsets_file")]
+        basis["samples"] = {name: _sampled_digest(directory / name) for name in sorted(set(names))}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _sampled_digest(path: Path, blocks: int = 16, block: int = 1 << 16) -> str:
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        if size <= 1 << 20:
+            digest.update(handle.read())
+        else:
+            for i in range(blocks):
+                handle.seek((size - block) * i // (blocks - 1))
+                digest.update(handle.read(block))
+    return digest.hexdigest()
 
 
 class TokenFile:

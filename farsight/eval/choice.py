@@ -8,6 +8,7 @@ accuracy here and its exact match there are measured on the same haystacks.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,26 @@ import yaml
 from farsight.data.tasks.needles import NeedleTask
 from farsight.errors import InputError
 from farsight.eval.needle import format_length, trial_rng
+from farsight.files import atomic_write, new_folders_for, reported_write
+
+DATA_LOADER = "farsight_data.py"  # copied into an export: loads its items relative to the folder
+
+
+def write_lm_eval_task(out: Path, name: str, items: list[dict[str, Any]], config: dict[str, Any]) -> None:
+    """out/data/NAME.jsonl (the items) and out/NAME.yaml (`config`, reading them through
+    out/farsight_data.py with a path relative to `out`, so the folder can move), each file
+    written atomically; a full disk is one line (`farsight.files.write_failure`)."""
+    with new_folders_for(out / "data" / "x"), reported_write(out):
+        (out / "data").mkdir(parents=True, exist_ok=True)
+        with resources.as_file(resources.files("farsight.eval") / "lm_eval_tasks" / DATA_LOADER) as source:
+            text = source.read_text(encoding="utf-8")
+        atomic_write(out / DATA_LOADER, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        lines = "".join(json.dumps(item) + "\n" for item in items)
+        atomic_write(out / "data" / f"{name}.jsonl", lambda tmp: Path(tmp).write_text(lines, encoding="utf-8"))
+        config = {**config, "dataset_kwargs": {"data_files": {"test": f"data/{name}.jsonl"}}}
+        # the loader's tag cannot come out of safe_dump: it is the one line added by hand
+        task = yaml.safe_dump(config, sort_keys=False) + f"custom_dataset: !function {Path(DATA_LOADER).stem}.load\n"
+        atomic_write(out / f"{name}.yaml", lambda tmp: Path(tmp).write_text(task, encoding="utf-8"))
 
 
 def choice_items(
@@ -70,21 +91,17 @@ def export_choice_tasks(
     seed: int = 0,
 ) -> list[str]:
     """Write out/data/NAME.jsonl and out/NAME.yaml per length (NAME = farsight_TASK_mc_LENGTH,
-    tagged farsight_TASK_mc); returns the task names."""
+    tagged farsight_TASK_mc) and the loader they share (`write_lm_eval_task`); returns the task names."""
     out = Path(out)
-    (out / "data").mkdir(parents=True, exist_ok=True)
     tag = f"farsight_{task.name}_mc"
     names = []
     for length in lengths:
         name = f"{tag}_{format_length(length).lower()}"
         items = choice_items(task, length, depths, trials[length], choices, seed)
-        data = (out / "data" / f"{name}.jsonl").resolve()
-        data.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
         config = {
             "task": name,
             "tag": [tag],
             "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(data)}},
             "test_split": "test",
             "output_type": "multiple_choice",
             "doc_to_text": "input",
@@ -94,6 +111,6 @@ def export_choice_tasks(
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
             "metadata": {"version": 1.0},
         }
-        (out / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        write_lm_eval_task(out, name, items, config)
         names.append(name)
     return names

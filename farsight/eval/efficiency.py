@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.files import atomic_write
+from farsight.files import atomic_write, new_folders_for, reported_write
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss, tune_malloc
 from farsight.train.precision import resolve_precision
 
@@ -168,9 +168,9 @@ def write_json(path: str | os.PathLike | None, payload: dict, default: Callable[
     what json cannot (json.dumps's argument)."""
     if path:
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(payload, indent=2, default=default) + "\n"
-        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        with new_folders_for(path), reported_write(path):
+            atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         print(f"wrote {path}")
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from farsight.errors import InputError, MissingDependencyError
 from farsight.eval.needle import format_length
+from farsight.files import atomic_write, new_folders_for, reported_write
 
 
 def _pyplot():
@@ -23,9 +24,11 @@ def _pyplot():
 def _save(plt: Any, fig: Any, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:  # atomically: an interrupted or failed write leaves an earlier image as it was
+        with new_folders_for(path), reported_write(path):
+            atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".").lower() or "png"))
+    finally:
+        plt.close(fig)
     return path
 
 

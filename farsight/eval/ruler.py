@@ -11,18 +11,16 @@ YAMLs built on the templates in `farsight/eval/lm_eval_tasks/ruler/`.
 
 from __future__ import annotations
 
-import json
-import shutil
 import zlib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from farsight.data.tasks.ruler import RulerTask, split_answer
+from farsight.eval.choice import write_lm_eval_task
 from farsight.eval.needle import evaluate_needle_task, format_length, trial_rng
+from farsight.files import atomic_write, new_folders_for, reported_write
 
 DEPTHLESS = 0.5  # the single depth of the tasks whose answer is spread over the whole context
 TEMPLATE = "_farsight_ruler_template.yaml"
@@ -191,24 +189,23 @@ def export_lm_eval(
     Every task is tagged "farsight_ruler" and "farsight_ruler_TASK", so lm-eval can run them all
     or one task at every length. A task generates up to twice its longest answer's tokens."""
     out = Path(out)
-    (out / "data").mkdir(parents=True, exist_ok=True)
     templates = resources.files("farsight.eval") / "lm_eval_tasks" / "ruler"
-    for name in (TEMPLATE, UTILS):
-        with resources.as_file(templates / name) as source:
-            shutil.copyfile(source, out / name)
+    with new_folders_for(out / "x"), reported_write(out):
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (TEMPLATE, UTILS):
+            with resources.as_file(templates / name) as source:
+                text = source.read_text(encoding="utf-8")
+            atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
     per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
     written = []
     for task in tasks:
         for length in lengths:
             name = lm_eval_task_name(task.name, length)
             items = ruler_items(task, length, depths, per_length[length], seed)
-            data = (out / "data" / f"{name}.jsonl").resolve()
-            data.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
             config = {
                 "include": TEMPLATE,
                 "task": name,
                 "tag": [TAG, f"{TAG}_{task.name}"],
-                "dataset_kwargs": {"data_files": {"test": str(data)}},
                 "generation_kwargs": {
                     "until": ["\n"],
                     "do_sample": False,
@@ -216,6 +213,6 @@ def export_lm_eval(
                     "max_gen_toks": max(8, 2 * max(item["answer_tokens"] for item in items)),
                 },
             }
-            (out / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+            write_lm_eval_task(out, name, items, config)
             written.append(name)
     return written

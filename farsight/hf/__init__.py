@@ -8,8 +8,8 @@
     tokenizer = AutoTokenizer.from_pretrained("models/demo-drt")
 
 When lm-eval is installed it also registers the lm-eval model `"farsight"`
-(`lm_eval.simple_evaluate(model="farsight", model_args="pretrained=DIR,memory=disk")`).
-See docs/huggingface.md.
+(`lm_eval.simple_evaluate(model="farsight", model_args="pretrained=DIR,memory=disk")`); lm-eval's
+own model "hf" loads a farsight directory through the Auto classes too. See docs/huggingface.md.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ def _register_auto_classes() -> None:
 
 
 def _register_lm_eval_model() -> None:
-    """Register "farsight" with lm-eval as a placeholder, imported when lm-eval first asks for it."""
+    """Register "farsight" with lm-eval as a placeholder, imported when lm-eval first asks for it.
+    lm-eval's own models ("hf", "vllm", ...) are registered first: lm-eval registers them only
+    while its registry is empty, so "farsight" alone in it would hide them."""
     try:
+        import lm_eval.models  # noqa: F401  (registers lm-eval's models as placeholders: cheap)
         from lm_eval.api.registry import model_registry
     except ImportError:
         return

@@ -4,6 +4,14 @@ farsight writes `{"model_type": "drt", "farsight_version": ..., "config": {...}}
 keeps that layout (the farsight config stays a dict under `config`), so `AutoConfig.from_pretrained`
 reads a farsight model directory as it is. `memory` and `kv_dtype` are the DRT session options
 that `generate` and the lm-eval adapter use; they are load-time options, not part of config.json.
+
+The sizes tools read from a Hugging Face config (`vocab_size`, `hidden_size`, `num_hidden_layers`,
+`num_attention_heads`, `max_position_embeddings`) are read-only views of the farsight config.
+No farsight model has a table of positions: RoPE tables grow on demand, ALiBi and sliding
+windows are relative, and a session streams any number of tokens. `max_position_embeddings`
+is therefore UNBOUNDED_POSITIONS (2^30) for every model, so that a tool that truncates its
+inputs to it (lm-eval's "hf" model does) never truncates. A sliding-window transformer gives
+its window as `sliding_window`, the attribute transformers' own sliding-window models use.
 """
 
 from __future__ import annotations
@@ -16,6 +24,10 @@ from transformers import PreTrainedConfig
 from farsight.config import ConfigBase
 from farsight.errors import ConfigError
 from farsight.models import KV_DTYPES, MEMORY_TIERS, MODEL_DTYPES, MODEL_TYPES
+
+# max_position_embeddings of every farsight model (module docstring): far more tokens than any
+# context farsight has been run on (16M), and still an int32
+UNBOUNDED_POSITIONS = 2**30
 
 
 class FarsightConfig(PreTrainedConfig):
@@ -54,6 +66,32 @@ class FarsightConfig(PreTrainedConfig):
     @property
     def vocab_size(self) -> int:
         return self.config["vocab_size"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config["d_model"]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.config["n_layers"]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.config["n_heads"]
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """UNBOUNDED_POSITIONS: a farsight model reads any number of tokens (module docstring)."""
+        return UNBOUNDED_POSITIONS
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of a sliding-window transformer; None for full attention (CASTLE-SWL
+        included: its window bounds lookahead, not attention) and for a DRT, whose retrieval
+        reads past its lower layers' window."""
+        if self.model_type == "drt":
+            return None
+        return self.config.get("window")
 
 
 class FarsightDRTConfig(FarsightConfig):

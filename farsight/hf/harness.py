@@ -14,16 +14,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
-from farsight.data.tokenizers import load_tokenizer
-from farsight.errors import InputError
+from farsight.errors import InputError, MissingFileError
 from farsight.hf.configuration import resolve_dtype
 from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
+from farsight.models.registry import load_model_tokenizer
 from farsight.ops.precision import widened_matmuls
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -62,7 +64,7 @@ class FarsightLM(TemplateLM):
         torch_dtype = resolve_dtype(dtype)
         if torch_dtype is not None and torch_dtype != next(self.model.parameters()).dtype:
             self.model.to(torch_dtype)
-        self.tokenizer = load_tokenizer(directory)
+        self.tokenizer = load_model_tokenizer(directory, self.model.config.vocab_size)
         self.pretrained = str(directory)
         self.session_options = {"memory": memory, "kv_dtype": kv_dtype}
         self.batch_size = int(batch_size)
@@ -278,6 +280,52 @@ def task_manager(tasks: Sequence[str], include_path: str | None = None) -> Any:
     return TaskManager(include_path=include_path)
 
 
+class _TolerantLoader(yaml.SafeLoader):
+    """Safe YAML that reads lm-eval's `!function NAME` tags as plain strings (nothing is imported)."""
+
+
+_TolerantLoader.add_multi_constructor("!", lambda loader, suffix, node: loader.construct_scalar(node))
+
+
+def check_task_data(include_path: str, tasks: Sequence[str]) -> None:
+    """Refuse (MissingFileError, one line) a task of `include_path` named in `tasks` (by its name
+    or a tag) whose data file does not exist, before lm-eval fails on it with a traceback. A
+    relative path is read as lm-eval reads it: from the working directory, or from the YAML's
+    folder for the tasks farsight exports (they load their items through farsight_data.py)."""
+    wanted = set(tasks)
+    for path in sorted(Path(include_path).rglob("*.y*ml")):
+        try:
+            config = yaml.load(path.read_text(encoding="utf-8"), Loader=_TolerantLoader)
+        except (yaml.YAMLError, UnicodeDecodeError, OSError):
+            continue  # lm-eval reports the YAML itself
+        if not isinstance(config, dict):
+            continue
+        tags = config.get("tag", [])
+        names = {config.get("task"), *([tags] if isinstance(tags, str) else tags if isinstance(tags, list) else [])}
+        if not names & wanted:
+            continue
+        files = (
+            (config.get("dataset_kwargs") or {}).get("data_files")
+            if isinstance(config.get("dataset_kwargs"), dict)
+            else None
+        )
+        if isinstance(files, (str, list)):
+            files = {"": files}
+        exported = "farsight_data" in str(config.get("custom_dataset", ""))
+        for entries in (files or {}).values() if isinstance(files, dict) else []:
+            for entry in [entries] if isinstance(entries, str) else entries if isinstance(entries, list) else []:
+                if not isinstance(entry, str) or any(c in entry for c in "*?[") or "://" in entry:
+                    continue
+                file = Path(entry) if Path(entry).is_absolute() else (path.parent if exported else Path.cwd()) / entry
+                if not file.is_file():
+                    fix = (
+                        "the folder was moved or the file deleted since it was exported: export the tasks again"
+                        if exported or Path(entry).is_absolute()
+                        else f"a relative path is read from the working directory {Path.cwd()}: fix dataset_kwargs.data_files"
+                    )
+                    raise MissingFileError(f"{path}: its data file {entry} does not exist; {fix}")
+
+
 def evaluate(
     pretrained: str,
     tasks: Sequence[str],
@@ -296,6 +344,8 @@ def evaluate(
     lm-eval's results dict (print it with lm_eval.utils.make_table)."""
     import lm_eval
 
+    if include_path is not None:
+        check_task_data(include_path, tasks)
     manager = task_manager(tasks, include_path)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:

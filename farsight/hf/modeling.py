@@ -8,7 +8,9 @@ farsight's loader (checksums verified, safetensors only); saving writes the dire
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import os
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,10 +19,11 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer
+from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer
 from farsight.errors import InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
+from farsight.models.registry import load_model_tokenizer
 from farsight.models.session import check_left_padding
 from farsight.ops.precision import widened_matmuls
 
@@ -40,6 +43,9 @@ _HUB_KWARGS = (
     "use_safetensors",
     "low_cpu_mem_usage",
 )
+# options of transformers' loader (lm-eval's "hf" model passes them as None) that farsight can only
+# take unset: quantization, GGUF files, offloading and memory budgets for spreading a model
+_OFF_WHEN_NONE = ("max_memory", "gguf_file", "quantization_config", "offload_folder", "tp_plan")
 # generation options farsight's sampler does not implement, with the value that means "off"
 _UNSUPPORTED_GENERATION = {
     "num_beams": 1,
@@ -114,11 +120,14 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         config = kwargs.pop("config", None)
         dtype = resolve_dtype(kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None))
         kwargs.pop("torch_dtype", None)
-        device = kwargs.pop("device_map", None)
-        if device is not None and not isinstance(device, (str, torch.device)) or device == "auto":
-            raise InputError(
-                f"device_map={device!r}: a farsight model runs on one device; pass device_map='cpu' or 'cuda:0'"
-            )
+        device = one_device(kwargs.pop("device_map", None))
+        for name in _OFF_WHEN_NONE:
+            if kwargs.get(name, None) is not None:
+                raise InputError(
+                    f"from_pretrained does not support {name}={kwargs[name]!r}: farsight loads its own safetensors "
+                    "weights whole onto one device; leave it unset"
+                )
+            kwargs.pop(name, None)
         path = resolve_model_dir(pretrained_model_name_or_path)
         if config is None:
             config_class = cls.config_class if cls.config_class is not FarsightConfig else None
@@ -134,7 +143,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model.to(dtype)
         config.dtype = next(model.parameters()).dtype
-        tokenizer = load_tokenizer(path) if (path / TOKENIZER_FILENAME).is_file() else None
+        tokenizer = (
+            load_model_tokenizer(path, model.config.vocab_size) if (path / TOKENIZER_FILENAME).is_file() else None
+        )
         wrapper = _class_for(config)(config, model, tokenizer)
         wrapper.name_or_path = str(path)
         if device is not None:
@@ -211,56 +222,65 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         Reads `generation_config` (default: the model's) updated by kwargs: max_new_tokens (or
         max_length), do_sample, temperature, top_k, top_p, eos_token_id (an id or a list),
         pad_token_id. A left-padding attention_mask is masked by a DRT session (one session for
-        the batch); other models run each row's real tokens in a session of its own. The output keeps the prompt's pads, and rows that ended early are padded with pad_token_id
-        after their eos. memory/kv_dtype override the model's DRT session options for this call;
-        `generator` seeds sampling.
+        the batch); other models run each row's real tokens in a session of its own, the rows
+        stepped together. The output keeps the prompt's pads, and rows that ended early are
+        padded with pad_token_id after their eos. As in transformers, `streamer` is given the
+        prompt [B, T], then each new token [B], then `end()`; `stopping_criteria` is called
+        with the ids so far after each token and ends the rows it returns True for.
+        memory/kv_dtype override the model's DRT session options for this call; `generator`
+        seeds sampling.
         """
         input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
         if input_ids is None:
             raise InputError("generate needs input_ids [batch, tokens]; pass them as the first argument")
         input_ids = self.model.check_input_ids(input_ids).to(self.device)
+        streamer = kwargs.pop("streamer", None)
+        stopping_criteria = kwargs.pop("stopping_criteria", None)
         options = self._generation_options(generation_config, kwargs, input_ids.shape[1])
         session_options = self.config.session_options(memory, kv_dtype)
         sampling = {key: options[key] for key in ("temperature", "top_k", "top_p")}
-        eos, pad = options["eos_token_ids"], options["pad_token_id"]
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = check_left_padding(attention_mask, input_ids)
+        ids_so_far = [input_ids]
 
-        def run(ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:  # ids [b, t] -> new tokens [b, n]
-            with (
-                widened_matmuls(ids.device, self.dtype),
-                self.model.new_session(ids.shape[0], **session_options) as session,
-            ):
-                out = generate(
-                    session,
-                    ids,
-                    options["max_new_tokens"],
-                    eos_token_id=eos,
-                    pad_token_id=pad,
-                    generator=generator,
-                    attention_mask=mask,
-                    **sampling,
-                )
-            return out[:, ids.shape[1] :]
+        def on_token(token: torch.Tensor) -> torch.Tensor | None:  # token [B] -> rows that end with it
+            if streamer is not None:
+                streamer.put(token.cpu())
+            if not stopping_criteria:
+                return None
+            ids_so_far.append(token[:, None])
+            return stopping_criteria(torch.cat(ids_so_far, dim=1), None)
 
-        if attention_mask is None or bool(attention_mask.all()):
-            new = run(input_ids)
-        elif self.model.model_type == "drt":
-            # a DRT session masks left padding itself: the rows share one session
-            new = run(input_ids, check_left_padding(attention_mask, input_ids))
-        else:
-            lengths = left_padded_lengths(attention_mask, input_ids)
-            rows = [
-                run(input_ids[row : row + 1, input_ids.shape[1] - length :])[0] for row, length in enumerate(lengths)
-            ]
-            new = input_ids.new_full((len(rows), max(len(r) for r in rows)), pad)
-            for row, tokens in enumerate(rows):
-                new[row, : len(tokens)] = tokens
-        return torch.cat([input_ids, new], dim=1)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        # a DRT session masks left padding itself; other models' sessions take unpadded rows
+        rows_apart = mask is not None and self.model.model_type != "drt"
+        open_session = functools.partial(RowSessions, self.model) if rows_apart else self.model.new_session
+        with (
+            widened_matmuls(input_ids.device, self.dtype),
+            open_session(input_ids.shape[0], **session_options) as session,
+        ):
+            out = generate(
+                session,
+                input_ids,
+                options["max_new_tokens"],
+                eos_token_id=options["eos_token_ids"],
+                pad_token_id=options["pad_token_id"],
+                generator=generator,
+                attention_mask=mask,
+                on_token=on_token if streamer is not None or stopping_criteria else None,
+                **sampling,
+            )
+        if streamer is not None:
+            streamer.end()
+        return out
 
     def _generation_options(
         self, generation_config: GenerationConfig | None, kwargs: dict[str, Any], prompt_length: int
     ) -> dict[str, Any]:
         """What farsight's generate needs, from HF's GenerationConfig updated by kwargs."""
-        for name in ("logits_processor", "stopping_criteria", "streamer", "prefix_allowed_tokens_fn"):
+        for name in ("logits_processor", "prefix_allowed_tokens_fn"):
             if kwargs.pop(name, None) is not None:
                 raise InputError(
                     f"generate does not support {name}; farsight samples with temperature/top_k/top_p only"
@@ -317,6 +337,36 @@ MODEL_CLASSES: dict[str, type[FarsightForCausalLM]] = {
 }
 
 
+class RowSessions:
+    """A left-padded batch for a model whose sessions take no padding: one session per row, fed
+    that row's real tokens, the rows prefilled and stepped together (what `farsight.models.generate`
+    asks of a session: `prefill`, `step`, `model`, `with`)."""
+
+    def __init__(self, model: PretrainedLM, batch_size: int, **options: Any) -> None:
+        self.model = model
+        with contextlib.ExitStack() as stack:  # a session that fails to open closes those before it
+            self.sessions = [stack.enter_context(model.new_session(1, **options)) for _ in range(batch_size)]
+            self._stack = stack.pop_all()
+
+    def prefill(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] with left padding where attention_mask is 0 -> next-token logits [B, V]."""
+        width = ids.shape[1]
+        lengths = [width] * len(self.sessions) if attention_mask is None else left_padded_lengths(attention_mask, ids)
+        return torch.cat(
+            [s.prefill(ids[row : row + 1, width - n :]) for row, (s, n) in enumerate(zip(self.sessions, lengths))]
+        )
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """token [B] -> next-token logits [B, V]."""
+        return torch.cat([s.step(token[row : row + 1]) for row, s in enumerate(self.sessions)])
+
+    def __enter__(self) -> RowSessions:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+
 def _class_for(config: FarsightConfig) -> type[FarsightForCausalLM]:
     return MODEL_CLASSES[config.model_type]
 
@@ -332,6 +382,32 @@ def _load_config(path: Path, config_class: type[FarsightConfig] | None, kwargs: 
             f"{path} holds a {config.model_type!r} model; load it with AutoModelForCausalLM.from_pretrained"
         )
     return config
+
+
+def one_device(device_map: Any) -> torch.device | None:
+    """The device a `from_pretrained` device_map puts the whole model on: a device ("cpu",
+    "cuda:0", torch.device, or a GPU index as transformers reads an int), or a dict whose values
+    all name that one device ({"": "cpu"}, as lm-eval passes). Anything that spreads a model over
+    devices ("auto", "balanced", "disk", two devices) is refused; None for None."""
+    if device_map is None:
+        return None
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    devices = {_device(value) for value in values}
+    if len(devices) == 1 and None not in devices:
+        return devices.pop()
+    raise InputError(
+        f"device_map={device_map!r}: a farsight model runs whole on one device; pass device_map='cpu', 'cuda:0' "
+        "or {'': 'cuda:0'}"
+    )
+
+
+def _device(value: Any) -> torch.device | None:
+    """The device one device_map value names (an int is a GPU index); None if it names none."""
+    try:
+        device = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+    except (RuntimeError, TypeError):
+        return None
+    return None if device.type == "meta" else device
 
 
 def left_padded_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> list[int]:

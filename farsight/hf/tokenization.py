@@ -21,7 +21,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from farsight.data.tokenizers import TOKENIZER_FILENAME, ByteTokenizer, Tokenizer, load_tokenizer
-from farsight.models import resolve_model_dir
+from farsight.models import CONFIG_FILE, resolve_model_dir
+from farsight.models.registry import load_model_tokenizer
 
 # what `from_pretrained` receives from the Auto classes and the Hub API; a local spec needs none
 _HUB_KWARGS = (
@@ -114,6 +115,8 @@ class FarsightTokenizerFast(PreTrainedTokenizerFast):
         source = pretrained_model_name_or_path
         if Path(source).is_dir() and not (Path(source) / TOKENIZER_FILENAME).is_file():
             source = resolve_model_dir(source)  # a training run: its newest checkpoint's tokenizer
+        if Path(source).is_dir() and (Path(source) / CONFIG_FILE).is_file():
+            return cls.from_farsight(load_model_tokenizer(source), **kwargs)  # checked against the model's vocabulary
         return cls.from_farsight(load_tokenizer(source), **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> tuple[str, ...]:

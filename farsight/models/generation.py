@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,13 +58,16 @@ def generate(
     generator: torch.Generator | None = None,
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int | None = None,
+    on_token: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Prefill input_ids [B, T] into `session` (attention_mask [B, T]: 0 for left padding, see
     Session.prefill), then sample up to max_new_tokens with `step`.
 
     Returns [B, T + new] ids. A row ends at its first token among eos_token_id (one id or
     several) and continues with pad_token_id (default: the first eos id); the loop stops early
-    once every row has ended.
+    once every row has ended. `on_token`, if given, is called with each new token [B] (pad for
+    the rows already ended) and may return a bool [B] of rows that end with it, as at an eos
+    (transformers' streamers and stopping criteria run on it).
     """
     if max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -88,10 +91,16 @@ def generate(
         if unsampled.numel():
             logits = logits.index_fill(-1, unsampled, float("-inf"))
         token = sample_next_token(logits, temperature, top_k, top_p, generator)
-        if eos_ids:
+        if pad_token_id is not None:  # rows end only with a pad id to continue with
             token = token.masked_fill(finished, pad_token_id)
+        if eos_ids:
             finished |= torch.isin(token, eos)
         new_tokens.append(token)
+        ended = None if on_token is None else on_token(token)
+        if ended is not None:
+            if pad_token_id is None:
+                raise InputError("rows that end before the others need pad_token_id (or eos_token_id); pass one")
+            finished |= torch.as_tensor(ended, dtype=torch.bool, device=finished.device)
         if i + 1 == max_new_tokens or bool(finished.all()):
             break
         logits = session.step(token)

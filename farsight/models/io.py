@@ -20,27 +20,40 @@ import torch
 from torch import nn
 
 from farsight.errors import InputError, MissingFileError, ModelFileError
-from farsight.files import atomic_write, sha256_file
+from farsight.files import atomic_write, os_error_of, sha256_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "checksums.json"
 
 
-def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """config.json from `meta`, model.safetensors from `tensors` (moved to the CPU, contiguous)."""
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """safetensors' save_file; a write that fails (a full disk) raises the OSError it is, which
+    safetensors reports as a SafetensorError naming the OS error only in its message."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as exc:
+        error = os_error_of(exc, path)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """config.json from `meta`, model.safetensors from `tensors` (moved to the CPU, contiguous)."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
-    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(path / WEIGHTS_FILE, lambda tmp: save_tensors(tensors, tmp))
 
 
 def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
     """Copy a model.safetensors with its floating-point tensors cast to `dtype` (loading casts them
     back to the model's dtype), written atomically."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     tensors = load_file(source)
     largest = torch.finfo(dtype).max
@@ -50,18 +63,20 @@ def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
                 f"weight {name!r} holds values up to {float(tensor.abs().max()):.4g}, beyond {dtype}'s largest {largest:.4g}; export in bf16 or fp32"
             )
     tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    atomic_write(out, lambda tmp: save_tensors(tensors, tmp))
 
 
-def write_checksums(path: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+def write_checksums(path: Path, names: Iterable[str], extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Record the size and SHA-256 of the files `names` of directory `path` in checksums.json
-    (those that exist), atomically: {"files": {name: {"bytes": n, "sha256": hex}}}; returns the entries."""
+    (those that exist), atomically: {"files": {name: {"bytes": n, "sha256": hex}}, **extra};
+    returns the entries."""
     files = {
         name: {"bytes": (path / name).stat().st_size, "sha256": sha256_file(path / name)}
         for name in sorted(names)
         if (path / name).is_file()
     }
-    atomic_write(path / CHECKSUMS_FILE, lambda tmp: Path(tmp).write_text(json.dumps({"files": files}, indent=2) + "\n"))
+    text = json.dumps({"files": files, **(extra or {})}, indent=2) + "\n"
+    atomic_write(path / CHECKSUMS_FILE, lambda tmp: Path(tmp).write_text(text))
     return files
 
 
@@ -126,6 +141,20 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     raise MissingFileError(
         f"{path} is neither a model directory (with {CONFIG_FILE}) nor a training run with checkpoints"
     )
+
+
+def check_tokenizer_fits(path: str | os.PathLike, tokenizer_vocab: int, model_vocab: int | None = None) -> None:
+    """Refuse (ModelFileError) a tokenizer with more tokens than the model of directory `path` has
+    embeddings for (`model_vocab`, read from its config.json when not given): its extra ids would
+    index past the model's vocabulary, and what the model writes would decode as another text."""
+    if model_vocab is None:
+        model_vocab = read_model_meta(path)["config"].get("vocab_size")
+    if isinstance(model_vocab, int) and tokenizer_vocab > model_vocab:
+        raise ModelFileError(
+            f"{Path(path) / 'tokenizer.json'} has {tokenizer_vocab:,} tokens but the model in {path} has a vocabulary "
+            f"of {model_vocab:,}: the tokenizer belongs to another model; put back the model's own tokenizer.json "
+            "(or export the model again from its training run)"
+        )
 
 
 def read_model_meta(path: str | os.PathLike, known_types: Iterable[str] | None = None) -> dict:

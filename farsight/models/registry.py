@@ -13,15 +13,16 @@ import torch
 from torch import nn
 
 from farsight.config import ConfigError
-from farsight.data.tokenizers import TOKENIZER_FILENAME
+from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer
 from farsight.errors import InputError, ModelFileError
-from farsight.files import atomic_directory
+from farsight.files import atomic_directory, new_folders_for, reported_write
 from farsight.models.drt import DRTForCausalLM
 from farsight.models.io import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
     WEIGHTS_FILE,
     cast_weights,
+    check_tokenizer_fits,
     read_model_meta,
     resolve_model_dir,
     write_checksums,
@@ -63,22 +64,95 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return MODEL_TYPES[meta["model_type"]].from_pretrained(path, map_location)
 
 
+def load_model_tokenizer(path: str | os.PathLike, model_vocab: int | None = None) -> Tokenizer:
+    """The tokenizer of a model directory (or a run's newest checkpoint), refused (ModelFileError)
+    when it has more tokens than the model's vocabulary (`model_vocab`, or its config.json's)."""
+    directory = resolve_model_dir(path)
+    tokenizer = load_tokenizer(directory)
+    check_tokenizer_fits(directory, tokenizer.vocab_size, model_vocab)
+    return tokenizer
+
+
+# what an export writes, and the mark in its checksums.json that tells a previous export (which
+# export may replace) from a model directory written otherwise (replaced only with overwrite=True)
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME, CHECKSUMS_FILE, "README.md"})
+EXPORT_MARK = {"written_by": "farsight export"}
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "manifest.json", "trainer_state.json", "trainer_state.safetensors")
+
+
+def check_export_target(source: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse (InputError) an export of `source` to `out` that would overwrite what it should not:
+    the source itself or a folder holding it, a folder inside a run's checkpoints, a training run
+    or checkpoint, a file, a folder holding anything an export does not write, and a model
+    directory that no export wrote unless `overwrite` (a previous export is replaced)."""
+    source, out = resolve_model_dir(source).resolve(), Path(out)
+    target = out.resolve()
+    if target == source or target in source.parents:
+        raise InputError(
+            f"{out} is the model being exported{'' if target == source else ' or holds it'}; export to a new folder outside it"
+        )
+    if source in target.parents:
+        raise InputError(f"{out} is inside the model being exported ({source}); export to a new folder outside it")
+    for folder in (target, *target.parents):
+        if (
+            folder.name == "checkpoints"
+            and folder.is_dir()
+            and any(p.name.startswith("step_") for p in folder.iterdir())
+        ):
+            raise InputError(
+                f"{out} is inside the checkpoints of the run {folder.parent}, where farsight keeps its own files; "
+                "export to a new folder outside the run"
+            )
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"{out} is a file; export to a new or empty folder")
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    if any((out / name).exists() for name in _RUN_FILES):
+        raise InputError(f"{out} is a training run or checkpoint; export to a new folder outside the run")
+    foreign = [name for name in names if name not in EXPORT_FILES]
+    if foreign or CONFIG_FILE not in names:
+        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "") if foreign else "no config.json"
+        raise InputError(
+            f"{out} exists and is not a model directory (it holds {listed}); export to a new or empty folder"
+        )
+    if not overwrite and not _exported(out):
+        raise InputError(
+            f"{out} holds a model that no export wrote; pass --force (overwrite=True) to replace it, or export to a new folder"
+        )
+
+
+def _exported(path: Path) -> bool:
+    """Whether the model directory `path` was written by an export (its checksums.json says so)."""
+    try:
+        record = json.loads((path / CHECKSUMS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and all(record.get(key) == value for key, value in EXPORT_MARK.items())
+
+
 def export_model(
     source: str | os.PathLike,
     out: str | os.PathLike,
     dtype: str | None = None,
     readme: str | Callable[[nn.Module], str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the model of `source` (a model directory, or a run's newest checkpoint) to the model
     directory `out`: config, weights (cast to `dtype`, e.g. "bf16", if given), tokenizer, README.md
     (if given: its text, or a function that writes it from the exported model as `load_model` reads
     it back, in eval mode) and a new checksums.json. The copy is built beside `out` and loaded to
-    verify it before it replaces `out`, so a failed export leaves `out` as it was; an existing `out`
-    must be a model directory or empty. Returns the model directory exported."""
+    verify it before it replaces `out`, so a failed export (a full disk, Ctrl-C) leaves `out` as
+    it was and no folder behind; `out` must be new, empty or a previous export (another model
+    directory only with `overwrite`), never the source, a run or a checkpoint
+    (`check_export_target`). Returns the model directory exported."""
+    check_export_target(source, out, overwrite)
     source, out = resolve_model_dir(source), Path(out)
-    load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
-    if out.exists() and not (out / CONFIG_FILE).is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise InputError(f"{out} exists and is not a model directory; export to a new or empty directory")
+    model = load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights
+    if (source / TOKENIZER_FILENAME).is_file():
+        load_model_tokenizer(source, model.config.vocab_size)  # a tokenizer of another model is not copied on
     recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
     names = [name for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME) if (source / name).is_file()]
 
@@ -89,7 +163,7 @@ def export_model(
                 recorded.pop(name, None)
             else:
                 shutil.copyfile(source / name, staging / name)
-        copied = write_checksums(staging, names)
+        copied = write_checksums(staging, names, EXPORT_MARK)
         for name, entry in recorded.items():
             if name in copied and copied[name] != entry:
                 raise ModelFileError(
@@ -99,6 +173,6 @@ def export_model(
         if readme is not None:  # not in checksums.json: a card can be rewritten without touching the weights
             (staging / "README.md").write_text(readme(exported.eval()) if callable(readme) else readme)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_directory(out, fill)
+    with new_folders_for(out), reported_write(out):
+        atomic_directory(out, fill)
     return source

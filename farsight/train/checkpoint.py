@@ -34,6 +34,8 @@ STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LEGACY_STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
+# the files of a checkpoint, any of which marks a step_N folder as farsight's
+FARSIGHT_CHECKPOINT_FILES = ("config.json", "model.safetensors", STATE_JSON, STATE_TENSORS, MANIFEST_FILE)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER = re.compile(r"^step_\d{8}\.(tmp|deleting)$")
 
@@ -199,9 +201,11 @@ def save_checkpoint(
         for p in tmp.iterdir():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-    except OSError as exc:
+    except BaseException as exc:  # a full disk, or a second Ctrl-C: the previous checkpoint stays the newest
         shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(tmp, exc) from exc
+        if isinstance(exc, OSError) and not isinstance(exc, FarsightError):
+            raise write_error(tmp, exc) from exc
+        raise
     if final.exists():
         _remove(final)
     os.replace(tmp, final)
@@ -209,6 +213,26 @@ def save_checkpoint(
     for _, old in list_checkpoints(root)[:-keep_last]:
         _remove(old)
     return final
+
+
+def remove_checkpoints(root: Path) -> list[str]:
+    """Delete what farsight wrote under `root` (a run's checkpoints folder): its step_N checkpoints
+    (folders of that name holding a checkpoint's files, or nothing) and the step_N.tmp /
+    step_N.deleting leftovers of interrupted writes; anything else there (a user's own files)
+    stays. Returns the names left, sorted; `root` goes too if nothing is."""
+    for p in sorted(root.iterdir()):
+        if not p.is_dir() or p.is_symlink():
+            continue
+        ours = _STEP_DIR.match(p.name) and (
+            not any(p.iterdir())
+            or any((p / name).is_file() for name in (*FARSIGHT_CHECKPOINT_FILES, LEGACY_STATE_FILE))
+        )
+        if ours or _LEFTOVER.match(p.name):
+            shutil.rmtree(p)
+    left = sorted(p.name for p in root.iterdir())
+    if not left:
+        root.rmdir()
+    return left
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -241,6 +265,13 @@ def verify_checkpoint(path: Path) -> None:
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """The trainer state of checkpoint `path`, read from JSON and safetensors only (never unpickled)."""
+    if not any((path / name).is_file() for name in (*FARSIGHT_CHECKPOINT_FILES, LEGACY_STATE_FILE)):
+        held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+        what = f"only {', '.join(held[:3])}{', ...' if len(held) > 3 else ''}" if held else "nothing"
+        raise CheckpointError(
+            f"{path} is not a farsight checkpoint (it holds {what}, none of config.json, model.safetensors, "
+            f"{STATE_JSON}); move it out of {path.parent} to resume from the checkpoint before it, or start over with --restart"
+        )
     if not any((path / name).is_file() for name in (STATE_JSON, STATE_TENSORS, LEGACY_STATE_FILE)):
         # shipped runs keep their weights only: the optimizer state is as large again
         raise CheckpointError(

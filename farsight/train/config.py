@@ -174,14 +174,21 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
     """The raw mapping of the config at `path`, with its `base:` chain resolved (a base path is
     relative to the file that names it)."""
     if not path.is_file():
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         if chain:
             raise MissingFileError(
-                f"{chain[-1]}: its base {path} does not exist; fix the base path (relative to {chain[-1].parent})"
+                f"{chain[-1]}: its base {path} {what}; fix the base path (relative to {chain[-1].parent})"
             )
         raise MissingFileError(
-            f"config file {path} does not exist; pass the path of a YAML file with sections model, data, optim, train"
+            f"config file {path} {what}; pass the path of a YAML file with sections model, data, optim, train"
         )
-    raw = _parse_yaml(path.read_text(), str(path)) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a YAML file") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path} ({exc.strerror}); check its permissions") from exc
+    raw = _parse_yaml(text, str(path)) or {}
     if not isinstance(raw, dict) or BASE_KEY not in raw:
         return raw
     base = raw.pop(BASE_KEY)

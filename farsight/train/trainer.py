@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import signal
 import threading
 import time
@@ -34,6 +33,7 @@ from farsight.train.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_trainer_state,
+    remove_checkpoints,
     save_checkpoint,
     write_text_atomically,
 )
@@ -214,6 +214,7 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
+        self._data_fingerprint: dict[str, str] | None = None
 
     def _init_weights(self, source: str) -> None:
         """Start from the weights of another run or model directory (a resume overrides them)."""
@@ -262,7 +263,15 @@ class Trainer:
             "rng": _rng_state(self.device),
             "config": self.config.to_dict(),
             "world_size": self.ctx.world_size,
+            "data_fingerprint": self.data_fingerprint(),
         }
+
+    def data_fingerprint(self) -> dict[str, str]:
+        """{config key: hash} of the files the batches come from (farsight.data's `fingerprint`),
+        computed once: a checkpoint records it and a resume compares it."""
+        if self._data_fingerprint is None:
+            self._data_fingerprint = dict(getattr(self.data, "fingerprint", dict)())
+        return self._data_fingerprint
 
     def save(self) -> Path | None:
         path = None
@@ -282,7 +291,7 @@ class Trainer:
         found = list_checkpoints(self.ckpt_root)
         return found[-1][1] if found else None
 
-    def resume(self, allow_config_change: bool = False) -> bool:
+    def resume(self, allow_config_change: bool = False, allow_data_change: bool = False) -> bool:
         path = self.latest_checkpoint()
         if path is None:
             return False
@@ -300,6 +309,7 @@ class Trainer:
                 f"the config differs from the one {path} was trained with: {listed}; restore those values, "
                 "pass --allow-config-change to continue the run with the new ones, or --restart to start over"
             )
+        data_changes = self._data_changes(path, state, allow_data_change or any(k.startswith("data.") for k in guarded))
         from safetensors import SafetensorError
 
         try:
@@ -324,7 +334,36 @@ class Trainer:
             if self.ctx.is_main:
                 for key, (old, new) in changes.items():
                     print(f"config change on resume: {key} {old!r} -> {new!r} (from step {self.step + 1})")
+        if self.ctx.is_main:
+            for key in data_changes:
+                print(
+                    f"data change on resume: the files at {key}={self.config.data.get(key[5:])} differ from those "
+                    f"{path.name} was trained on (from step {self.step + 1})"
+                )
         return True
+
+    def _data_changes(self, path: Path, state: dict[str, Any], allowed: bool) -> list[str]:
+        """The config keys (data.path, data.corpus) whose files differ from those the checkpoint
+        `path` recorded; refused (ConfigError) unless `allowed`. A checkpoint of an older farsight
+        recorded none: a note, and nothing to compare."""
+        saved = state.get("data_fingerprint")
+        if saved is None:
+            if self.ctx.is_main:
+                print(
+                    f"note: {path} records no fingerprint of its training data (an older farsight's checkpoint); "
+                    "resuming without checking that the data is unchanged"
+                )
+            return []
+        current = self.data_fingerprint()
+        changed = sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
+        if changed and not allowed:
+            where = ", ".join(f"{key}={self.config.data.get(key[5:])}" for key in changed)
+            raise ConfigError(
+                f"the data at {where} is not what {path} was trained on (its token files were prepared again, "
+                "from other text or with other settings); resume on the original data, pass --allow-data-change to "
+                "continue on the new data, or --restart (or a new train.out_dir) to start over"
+            )
+        return changed
 
     def _load_weights_and_optimizer(self, path: Path, optimizer: dict[str, Any]) -> None:
         if self._sharded:
@@ -442,7 +481,9 @@ class Trainer:
         ]
         write_text_atomically(path, "".join(json.dumps(record) + "\n" for record in kept))
 
-    def fit(self, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
+    def fit(
+        self, resume: bool = True, allow_config_change: bool = False, allow_data_change: bool = False
+    ) -> TrainResult:
         run = self.config.train
         if self.ctx.is_main:
             try:
@@ -461,8 +502,13 @@ class Trainer:
             self._init_weights(self._deferred_init)
         if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
             # starting over: older checkpoints would otherwise look newer than the new run's
-            print(f"starting over: removing {self.ckpt_root}")
-            shutil.rmtree(self.ckpt_root)
+            print(f"starting over: removing the checkpoints in {self.ckpt_root}")
+            kept = remove_checkpoints(self.ckpt_root)
+            if kept:
+                listed = ", ".join(kept[:5]) + (", ..." if len(kept) > 5 else "")
+                print(
+                    f"note: kept {len(kept)} file{'s' if len(kept) != 1 else ''} farsight did not write in {self.ckpt_root}: {listed}"
+                )
         dist_utils.barrier(self.ctx)
         found = list_checkpoints(self.ckpt_root) if resume else []
         if found and found[-1][0] >= run.steps:
@@ -472,7 +518,7 @@ class Trainer:
                 past = f", past train.steps={run.steps}" if found[-1][0] > run.steps else ""
                 print(f"{self.out_dir} is at step {found[-1][0]}{past}: nothing to train")
             return TrainResult(status="completed", step=found[-1][0], checkpoint=found[-1][1])
-        resumed = resume and self.resume(allow_config_change)
+        resumed = resume and self.resume(allow_config_change, allow_data_change)
         if self.ctx.is_main:
             dump_train_config(self.config, self.out_dir / "config.yaml")
             if resumed:
@@ -570,9 +616,11 @@ class Trainer:
         dist_utils.shutdown(self.ctx)
 
 
-def train(config: TrainConfig, resume: bool = True, allow_config_change: bool = False) -> TrainResult:
+def train(
+    config: TrainConfig, resume: bool = True, allow_config_change: bool = False, allow_data_change: bool = False
+) -> TrainResult:
     trainer = Trainer(config)
     try:
-        return trainer.fit(resume=resume, allow_config_change=allow_config_change)
+        return trainer.fit(resume=resume, allow_config_change=allow_config_change, allow_data_change=allow_data_change)
     finally:
         trainer.close()

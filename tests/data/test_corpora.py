@@ -467,7 +467,8 @@ def test_prepare_input_errors(tmp_path: Path) -> None:
         prepare_corpus(FIXTURE_SOURCES, "byte", tmp_path / "c", val_fraction=0.0)
     with pytest.raises(TokenDataError, match="non-empty list"):
         prepare_corpus(str(CORPUS), "byte", tmp_path / "d")
-    assert not (tmp_path / "a" / "meta.json").exists() and not list((tmp_path / "a").iterdir())
+    # a failed prepare into a new folder leaves no folder (nor its temporary one beside it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
 
 
 class _ExplodingSource(Source):
@@ -495,8 +496,8 @@ def test_interrupted_prepare_leaves_previous_dataset_intact(tmp_path: Path) -> N
     fresh = tmp_path / "fresh"
     with pytest.raises(KeyboardInterrupt):
         prepare_corpus([_ExplodingSource(fail_after=3)], "byte", fresh, progress=False)
-    assert list(fresh.iterdir()) == []
-    with pytest.raises(TokenDataError, match=r"meta\.json missing.*run `farsight data prepare"):
+    assert not fresh.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(TokenDataError, match=r"no such directory.*run `farsight data prepare"):
         load_token_dataset(fresh, "train")
 
 

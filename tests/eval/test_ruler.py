@@ -184,6 +184,7 @@ def test_eval_ruler_export_command(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "_farsight_ruler_template.yaml",
         "data",
+        "farsight_data.py",
         "farsight_ruler_vt_1k.yaml",
         "utils.py",
     ]

@@ -13,14 +13,19 @@ from transformers import (
     GenerationMixin,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextStreamer,
 )
+from transformers.generation.streamers import BaseStreamer
 
 import farsight.hf
 import farsight.ops.precision
-from farsight.data.tokenizers import load_tokenizer, train_bpe_tokenizer
+from farsight.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe_tokenizer
 from farsight.errors import ConfigError, InputError, MissingDependencyError
 from farsight.hf import FarsightTokenizerFast
-from farsight.models import MODEL_TYPES, causal_lm_loss, load_model
+from farsight.hf.configuration import UNBOUNDED_POSITIONS
+from farsight.models import MODEL_TYPES, TransformerConfig, TransformerForCausalLM, causal_lm_loss, load_model
 
 TEXT = "The passkey is 48213. Remember it. "
 
@@ -41,6 +46,56 @@ def test_auto_classes_load_a_farsight_directory_as_saved(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert isinstance(tokenizer, PreTrainedTokenizerFast)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == load_tokenizer(model_dir).eos_id
+
+
+def test_config_gives_the_sizes_tools_read_from_the_farsight_config(drt_dir, castle_dir, tmp_path):
+    for directory in (drt_dir, castle_dir):
+        config, native = AutoConfig.from_pretrained(directory), load_model(directory).config
+        sizes = (config.vocab_size, config.hidden_size, config.num_hidden_layers, config.num_attention_heads)
+        assert sizes == (native.vocab_size, native.d_model, native.n_layers, native.n_heads)
+        # no farsight model has a position table: tools that truncate to this never truncate
+        assert config.max_position_embeddings == UNBOUNDED_POSITIONS == 2**30
+        assert config.sliding_window is None  # DRT (retrieval reads past its window) and CASTLE
+    assert sizes == (260, 32, 2, 2)
+    assert AutoConfig.from_pretrained(drt_dir).hidden_size == 128  # the demo DRT, not a default
+    sliding = TransformerForCausalLM(
+        TransformerConfig(d_model=32, n_layers=3, n_heads=4, attention="sliding", window=24)
+    )
+    config = AutoConfig.from_pretrained(sliding.save_pretrained(tmp_path / "sliding", tokenizer=ByteTokenizer()))
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.sliding_window) == (
+        32,
+        3,
+        4,
+        24,
+    )
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    ["cpu", 0, torch.device("cpu"), {"": "cpu"}, {"model.embed": "cpu", "model.lm_head": torch.device("cpu")}],
+)
+def test_a_device_map_that_puts_the_model_on_one_device_is_taken(device_map, tiny_drt_dir, monkeypatch):
+    moved = []
+    monkeypatch.setattr(PreTrainedModel, "to", lambda self, device: moved.append(device) or self)
+    AutoModelForCausalLM.from_pretrained(tiny_drt_dir, device_map=device_map)
+    assert moved == [torch.device("cuda", 0) if device_map == 0 else torch.device("cpu")]
+
+
+@pytest.mark.parametrize(
+    "device_map", ["auto", "balanced", {"model.embed": "cpu", "model.lm_head": "cuda:0"}, {"": "disk"}, {}]
+)
+def test_a_device_map_over_several_devices_is_refused_in_one_line(device_map, tiny_drt_dir):
+    with pytest.raises(InputError, match="runs whole on one device") as error:
+        AutoModelForCausalLM.from_pretrained(tiny_drt_dir, device_map=device_map)
+    assert "\n" not in str(error.value)
+
+
+def test_loader_options_lm_eval_passes_unset_are_taken_and_set_refused(tiny_drt_dir):
+    unset = dict(max_memory=None, gguf_file=None, quantization_config=None, revision="main", dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, device_map={"": "cpu"}, **unset)
+    assert model.dtype == torch.float32
+    with pytest.raises(InputError, match="does not support quantization_config"):
+        AutoModelForCausalLM.from_pretrained(tiny_drt_dir, quantization_config={"load_in_4bit": True})
 
 
 def test_logits_and_loss_equal_the_native_model(model_dir):
@@ -104,6 +159,60 @@ def test_generate_refuses_what_farsight_does_not_do(tiny_drt_dir):
         model.generate(ids, max_new_tokens=2, repetition_penalty=1.2)
     with pytest.raises(ConfigError, match="memory="):
         model.generate(ids, max_new_tokens=2, memory="floppy")
+
+
+class EndRowsAfter(StoppingCriteria):
+    """Ends row i once it has counts[i] new tokens; records the lengths it was called with."""
+
+    def __init__(self, prompt_length, counts):
+        self.prompt_length, self.counts, self.lengths = prompt_length, counts, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.lengths.append(input_ids.shape[1])
+        return torch.tensor([input_ids.shape[1] - self.prompt_length >= n for n in self.counts])
+
+
+@pytest.mark.parametrize("kind", ["drt", "castle"])
+def test_stopping_criteria_end_rows_as_in_transformers(kind, tiny_drt_dir, castle_dir):
+    # DRT: one session for the left-padded batch; CASTLE: a session per row, stepped together
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir if kind == "drt" else castle_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_drt_dir, padding_side="left")
+    batch = tokenizer([TEXT, TEXT * 2 + "And the"], return_tensors="pt", padding=True)
+    width = batch["input_ids"].shape[1]
+    free = model.generate(**batch, max_new_tokens=8)
+    criteria = EndRowsAfter(width, [2, 5])
+    out = model.generate(**batch, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([criteria]))
+    assert criteria.lengths == [width + 1, width + 2, width + 3, width + 4, width + 5]  # after each new token
+    assert out.shape == (2, width + 5) and torch.equal(out[1], free[1, : width + 5])
+    assert torch.equal(out[0, : width + 2], free[0, : width + 2])
+    assert (out[0, width + 2 :] == tokenizer.pad_token_id).all()  # an ended row is padded, as after its eos
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.clone())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_a_streamer_gets_the_prompt_then_each_token_and_prints_what_generate_returns(drt_dir, capsys):
+    model = AutoModelForCausalLM.from_pretrained(drt_dir)
+    tokenizer = AutoTokenizer.from_pretrained(drt_dir)
+    ids = prompt(load_tokenizer(drt_dir))
+    plain = model.generate(ids, max_new_tokens=12)
+    assert capsys.readouterr().out == ""
+    out = model.generate(ids, max_new_tokens=12, streamer=TextStreamer(tokenizer))
+    assert torch.equal(out, plain)
+    printed = capsys.readouterr().out
+    assert printed == tokenizer.decode(out[0]) + "\n"  # the prompt, the new text, the newline end() prints
+    recorder = Recorder()
+    model.generate(ids, max_new_tokens=12, streamer=recorder)
+    assert torch.equal(recorder.calls[0], ids) and recorder.calls[-1] == "end"
+    assert [token.tolist() for token in recorder.calls[1:-1]] == [[t] for t in out[0, ids.shape[1] :].tolist()]
 
 
 def test_sampling_reads_the_generation_options(tiny_drt_dir):

@@ -1,16 +1,20 @@
 """The lm-eval model "farsight": simple_evaluate on small local tasks equals the same numbers
-computed by hand on farsight's sessions, from Python and from `farsight eval harness`."""
+computed by hand on farsight's sessions, from Python and from `farsight eval harness`; lm-eval's
+own model "hf" (HFLM, through the Auto classes) gives the same numbers and truncates nothing."""
 
 import json
 
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 lm_eval = pytest.importorskip("lm_eval")
 
 import farsight.hf  # noqa: E402,F401  (registers "farsight" with lm-eval)
 from farsight.cli import main  # noqa: E402
 from farsight.data.tokenizers import load_tokenizer  # noqa: E402
+from farsight.hf import FarsightForCausalLM  # noqa: E402
+from farsight.hf.configuration import UNBOUNDED_POSITIONS  # noqa: E402
 from farsight.hf.harness import task_manager  # noqa: E402
 from farsight.models import load_model  # noqa: E402
 
@@ -152,3 +156,91 @@ def test_bf16_scoring_and_generation_widen_the_products_this_cpu_lacks(native, t
         [SimpleNamespace(args=("The passkey is", {"until": ["."], "max_gen_toks": 3}))], disable_tqdm=True
     )
     assert isinstance(text, str) and bool(widened_ops) != native
+
+
+def write_tasks(folder, docs, question, max_gen_toks=16):
+    """A multiple-choice (log-likelihood) and a generate_until task over `docs`, each prompt
+    "{context}{question}"."""
+    data = folder / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    common = (
+        f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        f'target_delimiter: ""\ndoc_to_text: "{{{{context}}}}{question}"\n'
+    )
+    (folder / "mc.yaml").write_text(
+        "task: hf_passkey_mc\noutput_type: multiple_choice\n"
+        + common
+        + 'doc_to_choice: "{{choices}}"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n'
+    )
+    (folder / "gen.yaml").write_text(
+        "task: hf_passkey_gen\noutput_type: generate_until\n"
+        + common
+        + f'doc_to_target: " {{{{passkey}}}}"\ngeneration_kwargs:\n  until: ["."]\n  max_gen_toks: {max_gen_toks}\n'
+        + "metric_list:\n  - metric: exact_match\n"
+    )
+    return ["hf_passkey_mc", "hf_passkey_gen"]
+
+
+def test_lm_evals_hf_model_equals_farsights_own_on_chunk_aligned_prompts(drt_dir, tmp_path):
+    """simple_evaluate(model="hf") (HFLM: the Auto classes, device_map={"": "cpu"}, forward for
+    log-likelihoods, generate with lm-eval's stopping criteria, batches padded) against
+    model="farsight", on the demo DRT. HFLM scores with `forward`, the training layout (the
+    stream from position 0), where "farsight" lays each context out to end on a chunk boundary
+    (docs/design.md §2.1): the two agree where a prompt is a whole number of chunks, as here
+    (the byte tokenizer: a character is a token; prompts of 2, 3 and 4 chunks)."""
+    question = " What is the passkey? The passkey"
+    chunk = load_model(drt_dir).config.chunk_size
+    docs = []
+    for i, doc in enumerate(DOCS):
+        text = doc["context"] + " Hay hay." * (4 * i)
+        text += " " * (-(len(text) + len(question)) % chunk)
+        choices = [f" {doc['passkey']}.", " 1234.", " 9090.", " 5555."]
+        docs.append({"context": text, "choices": choices, "answer": 0, "passkey": doc["passkey"]})
+    assert len({len(doc["context"]) for doc in docs}) == 3
+    names = write_tasks(tmp_path, docs, question)
+    runs = {
+        model: lm_eval.simple_evaluate(
+            model=model,
+            model_args=f"pretrained={drt_dir},batch_size=4" + (",device=cpu" if model == "hf" else ""),
+            tasks=names,
+            task_manager=task_manager(names, str(tmp_path)),
+            log_samples=True,
+        )
+        for model in ("farsight", "hf")
+    }
+    ours, theirs = runs["farsight"], runs["hf"]
+    for a, b in zip(ours["samples"]["hf_passkey_mc"], theirs["samples"]["hf_passkey_mc"], strict=True):
+        assert [r[0][0] for r in b["resps"]] == pytest.approx([r[0][0] for r in a["resps"]], abs=1e-4)
+        assert [r[0][1] for r in b["resps"]] == [r[0][1] for r in a["resps"]]  # greedy matches
+    texts = [[s["resps"][0][0] for s in run["samples"]["hf_passkey_gen"]] for run in (ours, theirs)]
+    assert texts[0] == texts[1] and all(text.strip() for text in texts[0])
+    for name in names:
+        assert theirs["results"][name] == pytest.approx(ours["results"][name])
+
+
+def test_lm_evals_hf_model_passes_a_64k_token_context_to_a_drt_whole(tiny_drt_dir, tmp_path, monkeypatch):
+    """HFLM truncates to max_position_embeddings (else tokenizer.model_max_length): a DRT reads
+    any length, so what HFLM hands the model is the whole 64K-token prompt. The model is a spy
+    (a 64K-token forward of a real DRT is not this test's business)."""
+    context = ("The grass is green. The sky is blue. " * 2000)[:65536]  # bytes: 65,536 tokens
+    docs = [{"context": context, "choices": [" 12", " 99"], "answer": 0, "passkey": "12"}]
+    names = write_tasks(tmp_path, docs, "", max_gen_toks=3)
+    seen = {"forward": [], "generate": []}
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        seen["forward"].append(tuple(input_ids.shape))
+        return CausalLMOutputWithPast(logits=torch.zeros(*input_ids.shape, self.config.vocab_size))
+
+    def generate(self, inputs=None, **kwargs):
+        ids = kwargs["input_ids"]
+        seen["generate"].append(tuple(ids.shape))
+        return torch.cat([ids, ids.new_full((ids.shape[0], 3), ord("."))], dim=1)
+
+    monkeypatch.setattr(FarsightForCausalLM, "forward", forward)
+    monkeypatch.setattr(FarsightForCausalLM, "generate", generate)
+    lm = lm_eval.api.registry.get_model("hf")(pretrained=str(tiny_drt_dir), device="cpu")
+    assert lm.max_length == lm.model.config.max_position_embeddings == UNBOUNDED_POSITIONS
+    assert lm.tokenizer.model_max_length >= UNBOUNDED_POSITIONS  # transformers' "no limit"
+    lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names, str(tmp_path)))
+    assert seen["forward"] and {shape[1] for shape in seen["forward"]} == {65536 + 3 - 1}  # context + choice - 1
+    assert seen["generate"] == [(1, 65536)]

@@ -187,6 +187,26 @@ def test_generate_stops_rows_at_any_of_several_eos_ids_and_pads_after():
     assert out.shape == (2, 3)
 
 
+def test_on_token_sees_each_new_token_and_ends_the_rows_it_returns():
+    from farsight.models.generation import generate
+
+    script = [[5, 9, 7, 7, 7], [5, 6, 8, 3, 3], [1, 2, 3, 4, 5]]
+    prompt = torch.zeros(3, 2, dtype=torch.long)
+    seen = []
+
+    def on_token(token):  # ends row 2 once it has 2 new tokens, as a stopping criterion would
+        seen.append(token.tolist())
+        return torch.tensor([False, False, len(seen) >= 2])
+
+    out = generate(ScriptedSession(script), prompt, 4, temperature=0, eos_token_id=9, pad_token_id=0, on_token=on_token)
+    assert out[:, 2:].tolist() == [[5, 9, 0, 0], [5, 6, 8, 3], [1, 2, 0, 0]]
+    assert seen == out[:, 2:].t().tolist()  # the tokens as returned, pads included
+    with pytest.raises(InputError, match="pad_token_id"):  # an ended row needs something to continue with
+        generate(
+            ScriptedSession(script), prompt, 4, temperature=0, on_token=lambda token: torch.ones(3, dtype=torch.bool)
+        )
+
+
 def test_generate_never_samples_an_id_the_model_refuses_as_input():
     from farsight.models.generation import generate
 

@@ -123,15 +123,49 @@ def test_unavailable_or_unknown_backend_is_a_clear_error():
         sliding_window_attention(q, k, v, 3, backend="flash")
 
 
+def attention_query_by_query(q, k, v, window, slopes, key_padding_mask):
+    """The definition, one query and head at a time: query i at position p = Tk - Tq + i attends
+    to the keys j with p - window < j <= p (padding hidden, but never its own key), with scores
+    q . k / sqrt(d) - slope * (p - j)."""
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    out = torch.zeros_like(q)
+    for row in range(b):
+        for i in range(tq):
+            p = tk - tq + i
+            seen = [
+                j
+                for j in range(max(0, p - window + 1), p + 1)
+                if key_padding_mask is None or key_padding_mask[row, j] or j == p
+            ]
+            for head in range(h):
+                scores = k[row, seen, head] @ q[row, i, head] / d**0.5
+                if slopes is not None:
+                    scores = scores - slopes[head] * (p - torch.tensor(seen, dtype=scores.dtype))
+                out[row, i, head] = torch.softmax(scores, dim=0) @ v[row, seen, head]
+    return out
+
+
 @pytest.mark.parametrize("b,tq,tk,h,d,window", BACKEND_CASES)
 @pytest.mark.parametrize("alibi", [False, True])
 @pytest.mark.parametrize("padding", [False, True])
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
-def test_dense_backends_match_reference(b, tq, tk, h, d, window, alibi, padding, backend):
+def test_reference_follows_the_definition_query_by_query(b, tq, tk, h, d, window, alibi, padding):
+    """What judges every backend, judged by the definition written out (no shared mask code)."""
+    q, k, v = (x.detach() for x in _inputs(b, tq, tk, h, d))
+    slopes = torch.rand(h, dtype=torch.float64) if alibi else None
+    mask = (torch.rand(b, tk) > 0.3) if padding else None
+    ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
+    torch.testing.assert_close(ref, attention_query_by_query(q, k, v, window, slopes, mask), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("b,tq,tk,h,d,window", BACKEND_CASES)
+@pytest.mark.parametrize("alibi", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+def test_sdpa_backend_matches_reference(b, tq, tk, h, d, window, alibi, padding):
     q, k, v = _inputs(b, tq, tk, h, d)
     slopes = torch.rand(h, dtype=torch.float64) if alibi else None
     mask = (torch.rand(b, tk) > 0.3) if padding else None
-    out = sliding_window_attention(q, k, v, window, slopes, key_padding_mask=mask, backend=backend)
+    out = sliding_window_attention(q, k, v, window, slopes, key_padding_mask=mask, backend="sdpa")
     ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
     torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
     grad = torch.randn_like(out)

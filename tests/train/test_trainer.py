@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from farsight.config import ConfigError
 from farsight.errors import MissingFileError
-from farsight.models import load_model
+from farsight.models import DRTForCausalLM, load_model
 from farsight.train.checkpoint import CheckpointError, list_checkpoints
 from farsight.train.config import TrainConfig, apply_overrides, load_train_config
 from farsight.train.trainer import Trainer, TrainingDiverged, lr_at, train
@@ -96,6 +96,53 @@ def test_interrupt_checkpoints_and_resume_is_bit_identical(token_dir, tmp_path, 
         assert 0 < records[-1]["skipped_steps"] < 6 and any(r["grad_norm"] is None for r in records)
 
 
+# A DRT that draws random numbers at every step: Gumbel noise on the retrieval scores picks 2 of
+# up to 7 past chunks (seq_len 32 in chunks of 4), so the losses after a resume depend on the
+# restored RNG state. (farsight's models have no dropout: the noise is the only draw.)
+GUMBEL_DRT = {
+    "type": "drt",
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "chunk_size": 4,
+    "window": 8,
+    "top_k": 2,
+    "encoder_layers": 1,
+    "gumbel": True,
+}
+
+
+def test_resume_restores_the_rng_so_a_gumbel_drt_trains_bit_identically(token_dir, tmp_path, monkeypatch):
+    def drt_config(out):
+        config = tiny_config(token_dir, out)
+        config.model = dict(GUMBEL_DRT)
+        return config
+
+    draws = []
+    select = DRTForCausalLM._select
+    monkeypatch.setattr(
+        DRTForCausalLM, "_select", lambda self, scores: draws.append(scores.shape[-1]) or select(self, scores)
+    )
+    straight = Trainer(drt_config(tmp_path / "a")).fit()
+    assert draws and max(draws) > GUMBEL_DRT["top_k"]  # more candidates than it keeps: the noise chooses
+
+    trainer = Trainer(drt_config(tmp_path / "b"))
+    step = trainer._train_step
+
+    def step_then_ctrl_c():
+        out = step()
+        if trainer.step == 3:
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    trainer._train_step = step_then_ctrl_c
+    first = trainer.fit()
+    assert first.status == "interrupted" and first.step == 3
+    resumed = train(drt_config(tmp_path / "b"))  # a new process would start from the seed's RNG state
+    assert resumed.status == "completed"
+    assert dict(first.losses) | dict(resumed.losses) == dict(straight.losses)  # exact equality
+
+
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")  # the test wraps it
 def test_grad_accumulation_averages_micro_batch_gradients(token_dir, tmp_path):
     import copy
@@ -146,6 +193,21 @@ def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
     state = tmp_path / "c" / "checkpoints" / "step_00000002" / "trainer_state.safetensors"
     state.write_bytes(state.read_bytes()[:50])
     with pytest.raises(CheckpointError, match="truncated"):
+        train(tiny_config(token_dir, tmp_path / "c", steps=4))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.safetensors"])
+def test_a_same_size_corruption_is_caught_by_the_checksum_on_resume(token_dir, tmp_path, name):
+    """Bytes flipped in the middle of a file (its tensor data, its length unchanged) pass the size
+    check and still load: only the manifest's SHA-256 tells, so resuming must refuse it."""
+    train(tiny_config(token_dir, tmp_path / "c", steps=2))
+    file = tmp_path / "c" / "checkpoints" / "step_00000002" / name
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0x5A for b in data[middle : middle + 8])
+    file.write_bytes(bytes(data))
+    load_file(file)  # the flipped bytes are tensor data: the file still reads, and has its size
+    with pytest.raises(CheckpointError, match=f"{name} does not match its checksum"):
         train(tiny_config(token_dir, tmp_path / "c", steps=4))
 
 

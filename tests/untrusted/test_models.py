@@ -5,6 +5,7 @@ checks what must not be lost or run. Adding a case is one line of CASES."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -86,6 +87,36 @@ def load(ctx: Ctx) -> Any:
     return load_model(ctx["path"])
 
 
+def gpt2_tokenizer(path: Path) -> None:
+    """GPT-2's tokenizer.json (50,259 tokens) in place of the model's, checksums.json gone with it."""
+    from farsight.data.tokenizers import load_tokenizer
+
+    load_tokenizer("gpt2").save(path)
+    drop_record(path)
+
+
+def hf_tokenizer(ctx: Ctx) -> Any:
+    from farsight.hf import FarsightTokenizerFast
+
+    return FarsightTokenizerFast.from_pretrained(ctx["path"])
+
+
+def hf_model(ctx: Ctx) -> Any:
+    from farsight.hf import FarsightForCausalLM
+
+    return FarsightForCausalLM.from_pretrained(ctx["path"])
+
+
+def lm_eval_model(ctx: Ctx) -> Any:
+    pytest.importorskip("lm_eval")
+    from farsight.hf.harness import FarsightLM
+
+    return FarsightLM(str(ctx["path"]))
+
+
+FOREIGN_TOKENIZER = r"tokenizer\.json has 50,259 tokens but the model in .* has a vocabulary of 260: the tokenizer belongs to another model"
+
+
 def without_record(call: Callable[[Ctx], Any]) -> Callable[[Ctx], None]:
     def warned(ctx: Ctx) -> None:
         with pytest.warns(UserWarning, match="has no checksums.json"):
@@ -127,8 +158,11 @@ def export_writes_a_record(ctx: Ctx) -> None:
 
 
 def export_keeps_the_record(ctx: Ctx) -> None:
+    """The export records the same files, sizes and hashes, and marks itself as an export."""
     out = ctx["tmp"] / "out"
-    assert (out / "checksums.json").read_bytes() == ctx["files"]["checksums.json"]
+    record = json.loads((out / "checksums.json").read_text())
+    assert record["files"] == json.loads(ctx["files"]["checksums.json"])["files"]
+    assert record["written_by"] == "farsight export"
     load_model(out)
 
 
@@ -387,6 +421,34 @@ CASES = [
         files_untouched,
     ),
     Case("no record (older farsight) loads, warns", damaged(drop_record), without_record(load), None, files_untouched),
+    Case(
+        "generate with another model's tokenizer",
+        damaged(gpt2_tokenizer),
+        cli("generate", "--model", "{path}", "--max-new-tokens", "2"),
+        (ModelFileError, FOREIGN_TOKENIZER),
+        files_untouched,
+    ),
+    Case(
+        "farsight.hf tokenizer: another model's",
+        damaged(gpt2_tokenizer),
+        hf_tokenizer,
+        (ModelFileError, FOREIGN_TOKENIZER),
+        files_untouched,
+    ),
+    Case(
+        "farsight.hf model: another model's tokenizer",
+        damaged(gpt2_tokenizer),
+        hf_model,
+        (ModelFileError, FOREIGN_TOKENIZER),
+        files_untouched,
+    ),
+    Case(
+        "lm-eval model: another model's tokenizer",
+        damaged(gpt2_tokenizer),
+        lm_eval_model,
+        (ModelFileError, FOREIGN_TOKENIZER),
+        files_untouched,
+    ),
     Case(
         "generate from flipped bytes",
         damaged(flip_tensor_byte),

@@ -15,8 +15,10 @@ import json
 import os
 import pickle
 import re
+import shutil
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -24,9 +26,10 @@ import torch
 import yaml
 
 from farsight.cli import main
+from farsight.data.token_files import prepare_corpus
 from farsight.files import sha256_file
 from farsight.models import load_model
-from farsight.train.checkpoint import MANIFEST_FILE, list_checkpoints, load_trainer_state
+from farsight.train.checkpoint import MANIFEST_FILE, STATE_JSON, list_checkpoints, load_trainer_state
 from farsight.train.trainer import lr_at
 from tests.train.conftest import tiny_config
 from tests.train.test_checkpoint_kill import run_killed
@@ -38,6 +41,9 @@ class Env:
     config: Path  # the YAML file passed to `farsight train`
     marker: Path  # a planted payload creates this file if it ever runs
     monkeypatch: pytest.MonkeyPatch
+    tokens: Path  # the shared prepared corpus (read-only: _own_corpus copies it first)
+    out: str = ""  # what the command printed on stdout
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Payload:
@@ -126,6 +132,98 @@ def _file_at_run(env: Env) -> None:
     env.run.write_text("not a run directory")
 
 
+def _set_config(env: Env, section: str, key: str, value) -> None:
+    raw = yaml.safe_load(env.config.read_text())
+    raw[section][key] = value
+    env.config.write_text(yaml.safe_dump(raw))
+
+
+def _own_corpus(env: Env) -> None:
+    """data.path: a copy of the shared corpus that this case may prepare again."""
+    shutil.copytree(env.tokens, env.run.parent / "corpus")
+    _set_config(env, "data", "path", str(env.run.parent / "corpus"))
+
+
+def _prepared_again(text: str) -> Callable[[Env], None]:
+    """The corpus at data.path prepared again, from 12 documents of `text` ("same": the original
+    documents, which gives the same token files)."""
+
+    def setup(env: Env) -> None:
+        docs = env.tokens.parent / "docs"
+        if text != "same":
+            docs = env.run.parent / "other-docs"
+            docs.mkdir()
+            for i in range(12):
+                (docs / f"doc{i:02d}.txt").write_text(f"{i} {text} " * 60)
+        prepare_corpus([str(docs)], "byte", env.run.parent / "corpus", val_fraction=0.2, seed=0, progress=False)
+
+    return setup
+
+
+def _older_checkpoint(env: Env) -> None:
+    """The newest checkpoint as an older farsight wrote it: no fingerprint of its data."""
+    _, path = list_checkpoints(env.run / "checkpoints")[-1]
+    state = json.loads((path / STATE_JSON).read_text())
+    del state["data_fingerprint"]
+    (path / STATE_JSON).write_text(json.dumps(state))
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"][STATE_JSON] = {
+        "bytes": (path / STATE_JSON).stat().st_size,
+        "sha256": sha256_file(path / STATE_JSON),
+    }
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def _users_files(env: Env) -> None:
+    """A user's own files in the checkpoints folder, beside what farsight wrote (a leftover of an
+    interrupted checkpoint write included)."""
+    root = env.run / "checkpoints"
+    (root / "backup.txt").write_text("my notes")
+    (root / "mine").mkdir()
+    (root / "mine" / "plot.png").write_bytes(b"png")
+    (root / "step_00000003.tmp").mkdir()
+
+
+def _notes_as_checkpoint(env: Env) -> None:
+    """A folder named like a newer checkpoint that holds only a user's notes."""
+    (env.run / "checkpoints" / "step_00000003").mkdir()
+    (env.run / "checkpoints" / "step_00000003" / "notes.txt").write_text("mine")
+
+
+def _config_is_a_folder(env: Env) -> None:
+    env.config.unlink()
+    env.config.mkdir()
+
+
+def _safetensors_disk_full(env: Env) -> None:
+    """safetensors' own writer fails as it does on a full disk: a SafetensorError naming the OS error."""
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    env.monkeypatch.setattr("safetensors.torch.save_file", full)
+
+
+def _on_small_tmpfs(env: Env) -> None:
+    """The trained run moved to a tmpfs with room for its files and a third of another checkpoint
+    (skipped where root cannot mount one)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    used = sum(p.stat().st_size for p in env.run.rglob("*") if p.is_file())
+    checkpoint = sum(p.stat().st_size for p in list_checkpoints(env.run / "checkpoints")[-1][1].iterdir())
+    disk = env.run.parent / "disk"
+    disk.mkdir()
+    size = (used + checkpoint // 3 + 64 * 1024) // 4096 * 4096
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    env.cleanups.append(lambda: subprocess.run(["umount", str(disk)], check=True))
+    shutil.copytree(env.run, disk / "run")
+    env.run = disk / "run"
+    _set_config(env, "train", "out_dir", str(env.run))
+
+
 def _steps(env: Env) -> list[int]:
     lines = (env.run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["step"] for line in lines if '"loss"' in line]
@@ -183,6 +281,21 @@ def _lr_applied(env: Env) -> None:
     records = [json.loads(line) for line in (env.run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[2]["lr"] == pytest.approx(lr_at(3, 1e-3, 3e-4, 2, 4))
+
+
+def _printed(pattern: str) -> Callable[[Env], None]:
+    def check(env: Env) -> None:
+        assert re.search(pattern, env.out), env.out
+
+    return check
+
+
+def _only_users_files_left(env: Env) -> None:
+    """--restart removed farsight's checkpoints and leftovers, kept the user's files, said so."""
+    root = env.run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["backup.txt", "mine", "step_00000002"]
+    assert (root / "backup.txt").read_text() == "my notes" and (root / "mine" / "plot.png").read_bytes() == b"png"
+    assert "note: kept 2 files farsight did not write in" in env.out and "backup.txt, mine" in env.out
 
 
 def _chain(*steps: Callable[[Env], None]) -> Callable[[Env], None]:
@@ -294,6 +407,69 @@ CASES = [
         _steps_are([1, 2, 3, 4]),
     ),
     Case(
+        "config-is-a-folder",
+        _config_is_a_folder,
+        (),
+        r"config file .*train\.yaml is a folder; pass the path of a YAML file",
+        _no_run_dir,
+    ),
+    Case(
+        "restart-keeps-files-farsight-did-not-write",
+        _chain(_train("--set", "train.steps=4", *EVERY_STEP), _users_files),
+        ("--restart", "--set", "train.steps=2"),
+        None,
+        _only_users_files_left,
+    ),
+    Case(
+        "resume-on-data-prepared-again-from-other-text-is-refused",
+        _chain(_own_corpus, TRAINED, _prepared_again("other words entirely")),
+        STEPS_4,
+        r"the data at data\.path=.*corpus is not what .*step_00000002 was trained on .*pass --allow-data-change "
+        r"to continue on the new data, or --restart \(or a new train\.out_dir\)",
+        _chain(_newest_is(2), _steps_are([1, 2])),
+    ),
+    Case(
+        "resume-on-changed-data-allowed",
+        _chain(_own_corpus, TRAINED, _prepared_again("other words entirely")),
+        (*STEPS_4, "--allow-data-change"),
+        None,
+        _chain(_newest_is(4), _printed(r"data change on resume: the files at data\.path=.* \(from step 3\)")),
+    ),
+    Case(
+        "resume-on-data-prepared-again-from-the-same-text",
+        _chain(_own_corpus, TRAINED, _prepared_again("same")),
+        STEPS_4,
+        None,
+        _chain(_newest_is(4), _steps_are([1, 2, 3, 4])),
+    ),
+    Case(
+        "resume-of-a-checkpoint-without-data-fingerprint",
+        _chain(TRAINED, _older_checkpoint),
+        STEPS_4,
+        None,
+        _chain(_newest_is(4), _printed(r"note: .*step_00000002 records no fingerprint of its training data")),
+    ),
+    Case(
+        "a-folder-of-notes-named-like-a-checkpoint",
+        _chain(TRAINED, _notes_as_checkpoint),
+        STEPS_4,
+        r"step_00000003 is not a farsight checkpoint \(it holds only notes\.txt, none of config\.json.*move it out",
+    ),
+    Case(
+        "disk-full-in-safetensors-writer",
+        _chain(TRAINED, _safetensors_disk_full),
+        STEPS_4,
+        r"disk full at .*step_00000004\.tmp \(No space left on device\); free some space",
+        _chain(_newest_is(2), _no_leftovers),
+    ),
+    Case(
+        "disk-full-on-a-real-small-disk",
+        _chain(TRAINED, _on_small_tmpfs),
+        STEPS_4,
+        r"disk full at .*step_00000004\.tmp \(No space left on device\)",
+        _chain(_newest_is(2), _no_leftovers),
+    ),
+    Case(
         "resume-after-sigkill-mid-checkpoint",
         _chain(_train(*EVERY_STEP, "--set", "train.steps=2"), _killed_mid_checkpoint),
         EVERY_STEP,
@@ -306,18 +482,27 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_train(case, token_dir, tmp_path, monkeypatch, capsys):
     env = Env(
-        run=tmp_path / "run", config=tmp_path / "train.yaml", marker=tmp_path / "payload-ran", monkeypatch=monkeypatch
+        run=tmp_path / "run",
+        config=tmp_path / "train.yaml",
+        marker=tmp_path / "payload-ran",
+        monkeypatch=monkeypatch,
+        tokens=token_dir,
     )
     env.config.write_text(yaml.safe_dump(tiny_config(token_dir, env.run).to_dict()))
-    case.setup(env)
-    capsys.readouterr()
-    code = main(["train", str(env.config), *case.args])
-    err = capsys.readouterr().err
-    if case.error is None:
-        assert code == 0, err
-    else:
-        lines = err.splitlines()
-        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
-        assert re.search(case.error, lines[0]), lines[0]
-    assert not env.marker.exists(), "a planted pickle ran"
-    case.check(env)
+    try:
+        case.setup(env)
+        capsys.readouterr()
+        code = main(["train", str(env.config), *case.args])
+        captured = capsys.readouterr()
+        err, env.out = captured.err, captured.out
+        if case.error is None:
+            assert code == 0, err
+        else:
+            lines = err.splitlines()
+            assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+            assert re.search(case.error, lines[0]), lines[0]
+        assert not env.marker.exists(), "a planted pickle ran"
+        case.check(env)
+    finally:
+        for cleanup in env.cleanups:
+            cleanup()

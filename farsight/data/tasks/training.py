@@ -142,6 +142,12 @@ class NeedleBatches:
                 make_task(n, self.tokenizer, filler, align, **config.task_options.get(n, {})) for n in names
             ]
 
+    def fingerprint(self) -> dict[str, str]:
+        """What the batches are drawn from beyond the config: the corpus's token files, if any."""
+        from farsight.data.token_files import dataset_fingerprint
+
+        return {"data.corpus": dataset_fingerprint(self.config.corpus)} if self.config.corpus else {}
+
     def _batch(self, split: str, length: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         n = max(1, self.config.batch_tokens // length)
         ids = np.empty((n, length), dtype=np.int64)

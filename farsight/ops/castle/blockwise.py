@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from farsight.ops.castle.reference import lookahead_mask
 from farsight.ops.checks import compute_dtype
 from farsight.ops.precision import amp_function
 
@@ -99,6 +98,21 @@ class _Masks(NamedTuple):
     tril: torch.Tensor  # [sub, sub], 1.0 where a >= c
     scan_lower: torch.Tensor  # [_SCAN_GROUP, _SCAN_GROUP] strictly lower triangular ones
     scan_upper: torch.Tensor  # its transpose
+
+
+def lookahead_mask(rows: int, cols: int, window: int | None, device: torch.device, col_offset: int = 0) -> torch.Tensor:
+    """Bool [rows, cols]: True where key b = row may take lookahead token c = col_offset + col.
+
+    Holds for b < c (and c <= b + window with a window); the `c <= t` bound of the recurrent
+    form is the caller's business (it is causality of the query, not of the key). The
+    references in farsight.ops.castle.reference write their own mask, so that they judge this one.
+    """
+    b = torch.arange(rows, device=device)[:, None]
+    c = torch.arange(cols, device=device)[None, :] + col_offset
+    mask = c > b
+    if window is not None:
+        mask &= c <= b + window
+    return mask
 
 
 def _masks(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _Masks:

@@ -1,9 +1,9 @@
 """CASTLE ground truth: the recurrent definition and the dense parallel form (Theorem 1).
 
-Both are slow on purpose and exist to test the blockwise path; their inputs are assumed valid
-(`farsight.ops.castle` checks them and resolves `scale`). All six inputs are [B, T, H, d];
-positions are 0-based. With `window` W (CASTLE-SWL, None = CASTLE), the lookahead key of
-token s after tokens 0..t have been seen is
+Both are slow on purpose and exist to test the blockwise path, so they share no code with it
+(each writes its own masks); their inputs are assumed valid (`farsight.ops.castle` checks them
+and resolves `scale`). All six inputs are [B, T, H, d]; positions are 0-based. With `window` W
+(CASTLE-SWL, None = CASTLE), the lookahead key of token s after tokens 0..t have been seen is
 
     U^t[s] = sum_{c : s < c <= t, c <= s + W} sigmoid(scale * qu_s . ku_c) * vu_c
 
@@ -16,20 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from farsight.ops.checks import compute_dtype
-
-
-def lookahead_mask(rows: int, cols: int, window: int | None, device: torch.device, col_offset: int = 0) -> torch.Tensor:
-    """Bool [rows, cols]: True where key b = row may take lookahead token c = col_offset + col.
-
-    Holds for b < c (and c <= b + window with a window); the `c <= t` bound of the recurrent
-    form is the caller's business (it is causality of the query, not of the key).
-    """
-    b = torch.arange(rows, device=device)[:, None]
-    c = torch.arange(cols, device=device)[None, :] + col_offset
-    mask = c > b
-    if window is not None:
-        mask &= c <= b + window
-    return mask
 
 
 def _heads_first(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,12 +40,15 @@ def castle_recurrent(
     dtype = compute_dtype(qu.dtype)
     qu_, ku_, vu_, qc_, kc_, vc_ = (_heads_first(x, dtype) for x in (qu, ku, vu, qc, kc, vc))
     steps = qu.shape[1]
-    mask = lookahead_mask(steps, steps, window, qu.device).to(dtype)
+    # takes[s, c]: U^t[s] sums token c when s < c (c <= t: the tokens seen) and c <= s + W
+    position = torch.arange(steps, device=qu.device)
+    s, c = position[:, None], position[None, :]
+    takes = (s < c) & (c <= s + window) if window is not None else s < c
     rows = []
     for t in range(steps):
         seen = slice(0, t + 1)
         weights = torch.sigmoid(scale * qu_[..., seen, :] @ ku_[..., seen, :].transpose(-1, -2))
-        u_t = (weights * mask[seen, seen]) @ vu_[..., seen, :]  # [B, H, t + 1, d], last row 0
+        u_t = (weights * takes[seen, seen]) @ vu_[..., seen, :]  # [B, H, t + 1, d], last row 0
         q_t = qc_[..., t : t + 1, :]
         score = scale * q_t @ kc_[..., seen, :].transpose(-1, -2) - F.silu(scale * q_t @ u_t.transpose(-1, -2))
         rows.append(torch.softmax(score, dim=-1) @ vc_[..., seen, :])
@@ -88,7 +77,10 @@ def castle_parallel_reference(
     qu_, ku_, vu_, qc_, kc_, vc_ = (_heads_first(x, dtype) for x in (qu, ku, vu, qc, kc, vc))
     steps = qu.shape[1]
     causal = torch.ones(steps, steps, dtype=torch.bool, device=qu.device).tril()
-    lookahead = torch.sigmoid(scale * qu_ @ ku_.transpose(-1, -2)) * lookahead_mask(steps, steps, window, qu.device)
+    # [b < c <= b + W]: key b absorbs the tokens after it, up to W of them (all without a window)
+    width = steps if window is None else window
+    b, c = torch.arange(steps, device=qu.device)[:, None], torch.arange(steps, device=qu.device)[None, :]
+    lookahead = torch.sigmoid(scale * qu_ @ ku_.transpose(-1, -2)) * ((b < c) & (c <= b + width))
     s_u = (scale * qc_ @ vu_.transpose(-1, -2) * causal) @ lookahead.transpose(-1, -2)
     score = (scale * qc_ @ kc_.transpose(-1, -2) - F.silu(s_u)).masked_fill(~causal, float("-inf"))
     return (torch.softmax(score, dim=-1) @ vc_).transpose(1, 2).to(qu.dtype)

@@ -5,8 +5,9 @@ n in the hundreds of thousands at 16M tokens). Here the full scan runs as one bf
 error per score is bounded; only the keys that the bound cannot rule out are rescored in the
 exact dtype, and the top-k is taken among those exact scores.
 
-Why it is exact. Let u = 2^-9 (bf16's unit roundoff) and e = 2^-24 (fp32's). Rounding q and k
-to bf16 and accumulating their products in fp32 gives a' with
+Why it is exact. Let u = 2^-8 (bf16's unit roundoff: 8 significant bits, so rounding moves a
+value by up to 2^-8 of it) and e = 2^-24 (fp32's). Rounding q and k to bf16 and accumulating
+their products in fp32 gives a' with
 |a' - s| <= (2u + u^2 + 2 D e) (1 + u)^2 sum_d |q_d k_d| <= screen_error(D) |q| max_j |k_j| =: c
 against the exact fp32 score s (Cauchy-Schwarz; both accumulations counted), and rounding a' to
 the bf16 output a adds at most r |a| with r = u / (1 - u). So |a - s| <= E(a) = c + r |a|.
@@ -24,7 +25,7 @@ from farsight.ops.retrieval.groups import group_maxima, topk_from_groups
 from farsight.ops.retrieval.reference import retrieval_topk_reference, score_dtype
 
 GROUP = 16  # keys per group (farsight.ops.retrieval.groups)
-UNIT_ROUNDOFF = 2.0**-9  # bf16
+UNIT_ROUNDOFF = 2.0**-8  # bf16 (torch.finfo(torch.bfloat16).eps / 2)
 OUTPUT_ROUNDING = UNIT_ROUNDOFF / (1 - UNIT_ROUNDOFF)  # r: rounding a product to bf16, relative to the rounded value
 
 

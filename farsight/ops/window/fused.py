@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from farsight.ops.checks import compute_dtype
-from farsight.ops.window.reference import window_mask_and_distance
 
 
 def flex_available() -> bool:
@@ -109,6 +108,13 @@ def sliding_window_attention_flex(
     return out.transpose(1, 2)
 
 
+def _band(tq: int, tk: int, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For queries at the last tq of tk positions: (keep [tq, tk], True where 0 <= query position -
+    key position < window; that distance [tq, tk])."""
+    distance = torch.arange(tk - tq, tk, device=device)[:, None] - torch.arange(tk, device=device)[None, :]
+    return (distance >= 0) & (distance < window), distance
+
+
 def sliding_window_attention_sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -120,7 +126,7 @@ def sliding_window_attention_sdpa(
 ) -> torch.Tensor:
     """Same contract as `sliding_window_attention_flex`, through SDPA with a dense mask."""
     tq, tk = q.shape[1], k.shape[1]
-    keep, distance = window_mask_and_distance(tq, tk, window, q.device)
+    keep, distance = _band(tq, tk, window, q.device)
     if key_padding_mask is not None:
         keep = keep & (key_padding_mask[:, None, None, :] | (distance == 0))  # [B, 1, Tq, Tk]
     mask: torch.Tensor = keep

@@ -1,6 +1,7 @@
 """Dense reference for causal sliding-window attention: a full [Tq, Tk] score matrix with a mask.
 
-O(T^2) time and memory; it exists to test the blockwise path and for tiny inputs.
+O(T^2) time and memory; it exists to test the other paths (blockwise, FlexAttention, SDPA) and
+for tiny inputs, so it shares no code with them: it writes its own mask.
 """
 
 from __future__ import annotations
@@ -8,23 +9,6 @@ from __future__ import annotations
 import torch
 
 from farsight.ops.checks import compute_dtype
-
-
-def window_mask_and_distance(
-    tq: int, tk: int, window: int | None, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allowed-key mask and query-key distance for queries at the last `tq` of `tk` positions.
-
-    Query i sits at absolute position tk - tq + i. Key j is allowed when
-    0 <= pos(i) - j < window (window=None: all earlier keys). Returns (mask [tq, tk] bool, distance [tq, tk]).
-    """
-    qpos = torch.arange(tk - tq, tk, device=device)[:, None]
-    kpos = torch.arange(tk, device=device)[None, :]
-    distance = qpos - kpos
-    mask = distance >= 0
-    if window is not None:
-        mask &= distance < window
-    return mask, distance
 
 
 def sliding_window_attention_reference(
@@ -46,7 +30,9 @@ def sliding_window_attention_reference(
     tq, tk, d = q.shape[1], k.shape[1], q.shape[-1]
     scale = d**-0.5 if scale is None else scale
     work = compute_dtype(q.dtype)
-    mask, distance = window_mask_and_distance(tq, tk, window, q.device)
+    # query i sits at position tk - tq + i; key j is visible when 0 <= position - j < window
+    distance = torch.arange(tk - tq, tk, device=q.device)[:, None] - torch.arange(tk, device=q.device)[None, :]
+    mask = (distance >= 0) & (distance < (tk if window is None else window))
     scores = torch.einsum("bqhd,bkhd->bhqk", q.to(work), k.to(work)) * scale
     if alibi_slopes is not None:
         scores = scores - alibi_slopes.to(work)[:, None, None] * distance.to(work)
