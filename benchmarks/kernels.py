@@ -66,6 +66,7 @@ def measure(op: Callable[[], torch.Tensor], inputs: list[torch.Tensor], quick: b
     device = DEVICE
     repeat = 3 if quick else 5
     result: dict = {}
+    started = time.perf_counter()
     try:
         with torch.no_grad():
             result["fwd_s"] = time_fn(op, device, warmup=2, repeat=repeat)
@@ -83,6 +84,7 @@ def measure(op: Callable[[], torch.Tensor], inputs: list[torch.Tensor], quick: b
 
         result["fb_s"] = time_fn(forward_backward, device, warmup=1, repeat=repeat)
         result["fb_bytes"] = measure_peak_memory(forward_backward, device)
+        result["measure_s"] = time.perf_counter() - started  # compilation included
     except (torch.cuda.OutOfMemoryError, RuntimeError, ValueError) as exc:  # OOM, or a kernel that failed
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     finally:
@@ -95,6 +97,24 @@ def leaves(shape: tuple[int, ...], count: int) -> list[torch.Tensor]:
     return [torch.randn(shape, device=DEVICE, dtype=DTYPE).requires_grad_(True) for _ in range(count)]
 
 
+def agreement(
+    op: Callable[[], torch.Tensor], reference: Callable[[], torch.Tensor], inputs: list[torch.Tensor]
+) -> float:
+    """Largest relative RMS difference between `op` and `reference` over the output and the
+    gradients of every input (the same random cotangent for both): a check that the timed kernel
+    computes the right thing at the timed shape."""
+
+    def values(fn: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        out = fn()
+        grad = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(0), device=out.device)
+        return [out.detach().float(), *(g.float() for g in torch.autograd.grad(out, inputs, grad.to(out.dtype)))]
+
+    worst = 0.0
+    for got, want in zip(values(op), values(reference)):
+        worst = max(worst, ((got - want).norm() / want.norm().clamp_min(1e-30)).item())
+    return worst
+
+
 def rates(result: dict, fwd_flop: float, fb_flop: float) -> dict:
     """ms and TFLOP/s of the fwd, bwd and f+b times in `result`."""
     row: dict = {}
@@ -103,6 +123,7 @@ def rates(result: dict, fwd_flop: float, fb_flop: float) -> dict:
         row[f"{part} ms"] = None if seconds is None else seconds * 1e3
         row[f"{part} TF/s"] = None if seconds is None else flop / seconds / 1e12
     row["f+b MB"] = result["fb_bytes"] / 2**20 if "fb_bytes" in result else None
+    row["measure s"] = result.get("measure_s")
     row["error"] = result.get("error")
     return row
 
@@ -156,6 +177,9 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
                     op = partial(castle_attention, *xs, window=window, backend="triton")
                     impls[f"triton-{schedule}"] = measure(op, xs, quick)
                 castle_triton.FORWARD_SCHEDULE = "grouped"
+                torch_path = partial(castle_attention, *xs, window=window, backend="torch")
+                error = agreement(partial(castle_attention, *xs, window=window, backend="triton"), torch_path, xs)
+                print(f"  {variant} d={dim} B={batch} T={steps}: triton vs torch path rel. RMS {error:.2e}", flush=True)
                 if peer is not None and window is None:
                     scale = dim**-0.5
                     peer_inputs = leaves((batch, CASTLE_HEADS, steps, dim), 6)  # q, k, v, qu, ku, vu
@@ -165,6 +189,7 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
                     row["flop/sdpa"] = fb_f / sdpa_fb
                     row["time/sdpa"] = _ratio(row["f+b ms"], sdpa["f+b ms"])
                     row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
+                    row["vs torch path"] = error if name.startswith("triton-grouped") else None
                     rows.append(row)
                     print(
                         f"  {row['case']} {name}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
@@ -207,6 +232,12 @@ def run_gca(plan: dict, quick: bool) -> list[dict]:
             measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
             *sdpa_flop(batch, heads, steps, dim),
         )
+        error = agreement(
+            partial(gca, q, k, v, index, weight, backend="triton"),
+            partial(gca, q, k, v, index, weight, backend="torch"),
+            [q, k, v, weight],
+        )
+        print(f"  gca B={batch} T={steps}: triton vs torch path rel. RMS {error:.2e}", flush=True)
         for backend in ("triton", "torch"):
             result = measure(partial(gca, q, k, v, index, weight, backend=backend), [q, k, v, weight], quick)
             row = {"case": f"B={batch} T={steps}", "impl": backend, **rates(result, fwd_f, fb_f)}
@@ -267,6 +298,8 @@ def main() -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="tiny shapes on any device (checks the script, times nothing useful)"
     )
+    parser.add_argument("--shapes", metavar="BxT,...", help="batch x length of every part's cases, e.g. 8x4096,2x16384")
+    parser.add_argument("--castle-dims", metavar="D,...", help="CASTLE head dims (default 64,128)")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))
@@ -287,7 +320,12 @@ def main() -> int:
 
     machine.update(triton=triton.__version__, cuda=torch.version.cuda)
     print(f"machine: {machine}", flush=True)
-    plan = SMOKE if args.smoke else QUICK if args.quick else FULL
+    plan = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
+        plan.update(castle=shapes, gca=shapes, window=shapes)
+    if args.castle_dims:
+        plan["castle_dims"] = [int(d) for d in args.castle_dims.split(",")]
     start = time.perf_counter()
     results: dict = {"machine": machine, "quick": args.quick, "dtype": str(DTYPE)}
     runners = {

@@ -42,51 +42,20 @@ import triton
 import triton.language as tl
 
 from farsight.errors import BackendUnavailableError, InputTypeError
-from farsight.ops.gca.triton import _check_block, _dot_precision, _kernel_dtype, _tile, autotuned
 from farsight.ops.precision import amp_function
+from farsight.ops.triton_tiles import (
+    INTERPRETED,
+    add_rows,
+    autotuned,
+    check_block,
+    dot_precision,
+    kernel_dtype,
+    load_rows,
+    store_rows,
+    tile_size,
+)
 
 __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
-
-
-# Block pointers (a scalar base, shape and strides per tile instead of a tensor of 64-bit
-# addresses) kept the forward's tiles from spilling registers on Triton 3.6; Triton 3.9 removed
-# them in favour of tensor descriptors, so there the tiles are addressed with int32 offsets.
-_BLOCK_POINTERS = tl.constexpr(tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9))
-
-
-@triton.jit
-def _load(X, base, row0, T, D, row_stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows [row0, row0 + BLOCK) of the [T, D] matrix at X + base whose rows lie row_stride apart
-    (one batch-head of a contiguous [B, T, H, D] tensor), zero-padded to [BLOCK, BLOCK_D]."""
-    if _BLOCK_POINTERS:
-        block = tl.make_block_ptr(X + base, (T, D), (row_stride, 1), (row0, 0), (BLOCK, BLOCK_D), (1, 0))
-        return tl.load(block, boundary_check=(0, 1), padding_option="zero")
-    rows = row0 + tl.arange(0, BLOCK)
-    cols = tl.arange(0, BLOCK_D)
-    mask = (rows[:, None] < T) & (cols[None, :] < D)
-    return tl.load(X + base + (rows[:, None] * row_stride + cols[None, :]), mask=mask, other=0.0)
-
-
-@triton.jit
-def _store(X, base, row0, T, D, row_stride, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`value` into the tile `_load` reads, cast to X's dtype; rows past T and columns past D are dropped."""
-    if _BLOCK_POINTERS:
-        block = tl.make_block_ptr(X + base, (T, D), (row_stride, 1), (row0, 0), (BLOCK, BLOCK_D), (1, 0))
-        tl.store(block, value.to(X.dtype.element_ty), boundary_check=(0, 1))
-    else:
-        rows = row0 + tl.arange(0, BLOCK)
-        cols = tl.arange(0, BLOCK_D)
-        mask = (rows[:, None] < T) & (cols[None, :] < D)
-        tl.store(X + base + (rows[:, None] * row_stride + cols[None, :]), value.to(X.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _atomic_add(X, base, row0, T, D, row_stride, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """`value` added atomically (fp32) to the tile `_load` reads."""
-    rows = row0 + tl.arange(0, BLOCK)
-    cols = tl.arange(0, BLOCK_D)
-    offsets = rows[:, None] * row_stride + cols[None, :]
-    tl.atomic_add(X + base + offsets, value, mask=(rows[:, None] < T) & (cols[None, :] < D))
 
 
 @triton.jit
@@ -157,13 +126,13 @@ def _castle_fwd_diag_kernel(
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
     keys = j * BLOCK + tl.arange(0, BLOCK)
     rows = i * BLOCK + tl.arange(0, BLOCK)
-    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dt = qc_i.dtype
 
     p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
@@ -175,16 +144,18 @@ def _castle_fwd_diag_kernel(
     row_ok = rows < T
     m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
     l_old = tl.load(L + stat, mask=row_ok, other=0.0)
-    acc = _load(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     m_new = tl.maximum(m_old, tl.max(score, 1))
     alpha = tl.exp(m_old - m_new)
     e = tl.exp(score - m_new[:, None])
     acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
     tl.store(M + stat, m_new, mask=row_ok)
     tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
-    _store(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
+    store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
     # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
-    _store(Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D)
+    store_rows(
+        Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D
+    )
 
 
 @triton.jit
@@ -213,17 +184,17 @@ def _castle_fwd_far_kernel(
         row_stride = H * D
         base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
         rows = i * BLOCK + tl.arange(0, BLOCK)
-        qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         stat = bh.to(tl.int64) * T + rows
         row_ok = rows < T
         m_i = tl.load(M + stat, mask=row_ok, other=float("-inf"))
         l_i = tl.load(L + stat, mask=row_ok, other=0.0)
-        acc = _load(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         for j in range(0, i - near + 1):
             keys = j * BLOCK + tl.arange(0, BLOCK)
-            kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            u_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+            kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+            vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+            u_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
             score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
             m_new = tl.maximum(m_i, tl.max(score, 1))
             alpha = tl.exp(m_i - m_new)
@@ -233,7 +204,7 @@ def _castle_fwd_far_kernel(
             m_i = m_new
         tl.store(M + stat, m_i, mask=row_ok)
         tl.store(L + stat, l_i, mask=row_ok)
-        _store(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
+        store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -273,19 +244,19 @@ def _castle_fwd_lookahead_kernel(
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
     keys = j * BLOCK + tl.arange(0, BLOCK)
     snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D
-    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dt = qu_j.dtype
     for i in range(tl.maximum(g0, j), tl.minimum(g1, j + near)):
-        _store(
+        store_rows(
             Snap, snap_base + (i - g0) * snap_stride, (j - j_lo) * BLOCK, snap_rows, D, row_stride, d_j, BLOCK, BLOCK_D
         )
         rows = i * BLOCK + tl.arange(0, BLOCK)
-        ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         d_j += tl.dot(p.to(dt), vu_i, input_precision=PREC)
-    _store(Dsum, base, j * BLOCK, T, D, row_stride, d_j, BLOCK, BLOCK_D)
+    store_rows(Dsum, base, j * BLOCK, T, D, row_stride, d_j, BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -339,9 +310,9 @@ def _castle_fwd_attend_kernel(
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
     snap_base = (bh // H).to(tl.int64) * snap_rows * row_stride + (bh % H) * D + (i - g0) * snap_stride
     rows = i * BLOCK + tl.arange(0, BLOCK)
-    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
@@ -349,23 +320,23 @@ def _castle_fwd_attend_kernel(
     first_near = tl.maximum(i - near + 1, 0)
     for j in range(0, first_near):
         keys = j * BLOCK + tl.arange(0, BLOCK)
-        kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        u_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        u_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
         m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
     for j in range(first_near, i + 1):
         keys = j * BLOCK + tl.arange(0, BLOCK)
-        qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        d_j = _load(Snap, snap_base, (j - j_lo) * BLOCK, snap_rows, D, row_stride, BLOCK, BLOCK_D)
+        qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        d_j = load_rows(Snap, snap_base, (j - j_lo) * BLOCK, snap_rows, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
         m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
     # Every real row has its own key (b = a), so l > 0 there; padding rows are not stored.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    _store(Out, base, i * BLOCK, T, D, row_stride, acc / l_safe[:, None], BLOCK, BLOCK_D)
+    store_rows(Out, base, i * BLOCK, T, D, row_stride, acc / l_safe[:, None], BLOCK, BLOCK_D)
     tl.store(Lse + bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
 
 
@@ -412,15 +383,15 @@ def _bwd_tile(
     rows = i * BLOCK + tl.arange(0, BLOCK)
     row_ok = rows < T
     stat = bh.to(tl.int64) * T + rows
-    qc_i = _load(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    do_i = _load(dO, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    do_i = load_rows(dO, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
     delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
     dt = qc_i.dtype
 
     if NEAR:
-        vu_i = _load(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        ku_i = _load(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
         d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
         g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
@@ -448,9 +419,9 @@ def _bwd_tile(
         dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
         dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
         dku_i = scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC)
-        _atomic_add(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
-        _atomic_add(dKU, base, i * BLOCK, T, D, row_stride, dku_i, BLOCK, BLOCK_D)
-    _atomic_add(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
+        add_rows(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
+        add_rows(dKU, base, i * BLOCK, T, D, row_stride, dku_i, BLOCK, BLOCK_D)
+    add_rows(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
     return d_j, r_j, dkc, dvc, dqu
 
 
@@ -494,10 +465,10 @@ def _castle_bwd_kernel(
     row_stride = H * D
     base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
     keys = j * BLOCK + tl.arange(0, BLOCK)
-    qu_j = _load(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = _load(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = _load(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = _load(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -575,13 +546,9 @@ def _castle_bwd_kernel(
             True,
         )
     out_ty = dKC.dtype.element_ty
-    _store(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
-    _store(dVC, base, j * BLOCK, T, D, row_stride, dvc.to(out_ty), BLOCK, BLOCK_D)
-    _store(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(out_ty), BLOCK, BLOCK_D)
-
-
-# Whether the kernels were created for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_castle_fwd_diag_kernel, triton.runtime.JITFunction)
+    store_rows(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
+    store_rows(dVC, base, j * BLOCK, T, D, row_stride, dvc.to(out_ty), BLOCK, BLOCK_D)
+    store_rows(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(out_ty), BLOCK, BLOCK_D)
 
 
 def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
@@ -597,7 +564,7 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
 _DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
 _TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW"]
 _castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(4, 2), restore_value=["Dsum"])
-_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2))
+_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(8, 2))
 _castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(4, 1), reset_to_zero=["dQC", "dVU", "dKU"])
 
 
@@ -646,7 +613,7 @@ def _forward_grouped(
     snap_rows = min(n_blocks, group + near - 1) * block
     snap = torch.empty((group, batch, snap_rows, heads, dim), dtype=qu.dtype, device=qu.device)
     snap_stride = snap[0].numel()
-    meta = dict(HAS_WINDOW=window is not None, PREC=_dot_precision(qu.dtype), BLOCK=block, BLOCK_D=block_d)
+    meta = dict(HAS_WINDOW=window is not None, PREC=dot_precision(qu.dtype), BLOCK=block, BLOCK_D=block_d)
     with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
         for g0 in range(0, n_blocks, group):
             g1 = min(n_blocks, g0 + group)
@@ -674,7 +641,7 @@ def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: flo
     near = _near_diagonals(n_blocks, block, window)
     meta = dict(
         HAS_WINDOW=window is not None,
-        PREC=_dot_precision(qu.dtype),
+        PREC=dot_precision(qu.dtype),
         BLOCK=block,
         BLOCK_D=block_d,
         **_DIAGONAL_LAUNCH,
@@ -731,12 +698,12 @@ def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list
         )
     if qu.dtype == torch.float64:
         raise InputTypeError("the Triton CASTLE kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
-    _check_block("block", block)
+    check_block("block", block)
     dim = qu.shape[-1]
-    block_d = _tile(dim, 1 << 30)
+    block_d = tile_size(dim, 1 << 30)
     # Each program holds several BLOCK x d fp32 tiles: smaller blocks for large heads.
-    block = block or _tile(qu.shape[1], 64 if block_d <= 64 else 32)
-    dtype = _kernel_dtype(qu.dtype)
+    block = block or tile_size(qu.shape[1], 64 if block_d <= 64 else 32)
+    dtype = kernel_dtype(qu.dtype)
     return [x.to(dtype).contiguous() for x in tensors], block, block_d
 
 
@@ -789,7 +756,7 @@ class _CastleTriton(torch.autograd.Function):
                     n_blocks,
                     _near_diagonals(n_blocks, block, window),
                     HAS_WINDOW=window is not None,
-                    PREC=_dot_precision(qu.dtype),
+                    PREC=dot_precision(qu.dtype),
                     BLOCK=block,
                     BLOCK_D=block_d,
                 )

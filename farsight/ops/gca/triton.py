@@ -30,16 +30,25 @@ TRITON_INTERPRET=1 before importing it (the kernels are created at import).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from farsight.errors import BackendUnavailableError, InputError, InputTypeError
-from farsight.ops.checks import check_positive_int
+from farsight.errors import BackendUnavailableError, InputTypeError
 from farsight.ops.precision import amp_function
+from farsight.ops.triton_tiles import (
+    INTERPRETED,
+    add_rows,
+    autotuned,
+    check_block,
+    dot_precision,
+    kernel_dtype,
+    load_rows,
+    store_rows,
+    tile_size,
+)
 
 __all__ = ["gca_triton", "INTERPRETED"]
 
@@ -49,18 +58,17 @@ def _key_tile(
     K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride,
     HAS_KEY_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Rows [s0, s0 + BLOCK_S) of a retrieved chunk: k, v [BLOCK_S, BLOCK_D], their offsets and
-    load mask, and which key columns are real (inside the chunk and not masked out)."""
+    """Rows [s0, s0 + BLOCK_S) of a retrieved chunk: k, v [BLOCK_S, BLOCK_D], and which key
+    columns are real (inside the chunk and not masked out)."""
+    # int64 base: a long-context memory (m * S * H * D) easily passes 2**31 elements.
+    base = chunk_row0 * row_stride + h * D
+    k_t = load_rows(K, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    v_t = load_rows(V, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
     tile = s0 + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
     s_ok = tile < S
-    kv_off = (chunk_row0 + tile[:, None]) * row_stride + h * D + cols[None, :]
-    kv_mask = s_ok[:, None] & (cols[None, :] < D)
-    k_t = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v_t = tl.load(V + kv_off, mask=kv_mask, other=0.0)
     if HAS_KEY_MASK:
         s_ok = s_ok & (tl.load(KeyMask + slot * S + tile, mask=s_ok, other=0) != 0)
-    return k_t, v_t, kv_off, kv_mask, s_ok
+    return k_t, v_t, s_ok
 
 
 @triton.jit
@@ -94,13 +102,10 @@ def _fwd_rows(
 ):
     """Output rows [row0, row0 + min(ROWS, n_rows)) of query chunk bt, head h, over all slots."""
     rows = row0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_D)
     row_ok = rows < row0 + n_rows
     row_stride = H * D
-    # int64 offsets: a long-context memory (m * S * H * D) easily passes 2**31 elements.
-    q_off = (bt.to(tl.int64) * Lq + rows[:, None]) * row_stride + h * D + cols[None, :]
-    q_mask = row_ok[:, None] & (cols[None, :] < D)
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    q_base = bt.to(tl.int64) * Lq * row_stride + h * D
+    q = load_rows(Q, q_base, row0, row0 + n_rows, D, row_stride, ROWS, BLOCK_D)
 
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
@@ -120,7 +125,7 @@ def _fwd_rows(
                 l_i = tl.zeros([ROWS], dtype=tl.float32)
             o_j = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
             for s0 in range(0, S, BLOCK_S):
-                k_t, v_t, _, _, s_ok = _key_tile(
+                k_t, v_t, s_ok = _key_tile(
                     K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                 )
                 scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
@@ -139,7 +144,7 @@ def _fwd_rows(
             acc += w * (o_j / tl.where(has_keys, l_i, 1.0)[:, None])
             lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), 0.0)
             tl.store(Lse + (slot * H + h) * Lq + rows, lse, mask=row_ok)
-    tl.store(Out + q_off, acc.to(Out.dtype.element_ty), mask=q_mask)
+    store_rows(Out, q_base, row0, row0 + n_rows, D, row_stride, acc, ROWS, BLOCK_D)
 
 
 @triton.jit
@@ -240,17 +245,6 @@ def _gca_fwd_kernel(
 
 
 @triton.jit
-def _row_tile(Q, dO, bt, h, rows, row_ok, Lq, H, D, BLOCK_D: tl.constexpr):
-    """q, dO [rows, BLOCK_D] of query chunk bt, head h, with their offsets and load mask."""
-    cols = tl.arange(0, BLOCK_D)
-    q_off = (bt.to(tl.int64) * Lq + rows[:, None]) * (H * D) + h * D + cols[None, :]
-    q_mask = row_ok[:, None] & (cols[None, :] < D)
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-    do = tl.load(dO + q_off, mask=q_mask, other=0.0)
-    return q, do, q_off, q_mask
-
-
-@triton.jit
 def _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION: tl.constexpr):
     """P = exp(scale q k^T - lse), exactly 0 at padding rows and masked or padding keys."""
     scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
@@ -301,17 +295,22 @@ def _gca_bwd_kernel(
     bt = bth // H
     b = bt // n_chunks
     q_block = tl.program_id(1)
-    rows = q_block * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_stride = H * D
+    q_base = bt.to(tl.int64) * Lq * row_stride + h * D
+    row0 = q_block * BLOCK_Q
+    rows = row0 + tl.arange(0, BLOCK_Q)
     row_ok = rows < main_rows
-    q, do, q_off, q_mask = _row_tile(Q, dO, bt, h, rows, row_ok, Lq, H, D, BLOCK_D)
+    q = load_rows(Q, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
+    do = load_rows(dO, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
     has_tail = False
     if TAIL > 0:
         has_tail = q_block == tl.num_programs(1) - 1
+        t_end = tl.where(has_tail, Lq, main_rows)  # no tail rows in the other blocks
         t_rows = main_rows + tl.arange(0, TAIL)
-        t_row_ok = t_rows < tl.where(has_tail, Lq, main_rows)  # no tail rows in the other blocks
-        tq, tdo, tq_off, tq_mask = _row_tile(Q, dO, bt, h, t_rows, t_row_ok, Lq, H, D, BLOCK_D)
+        t_row_ok = t_rows < t_end
+        tq = load_rows(Q, q_base, main_rows, t_end, D, row_stride, TAIL, BLOCK_D)
+        tdo = load_rows(dO, q_base, main_rows, t_end, D, row_stride, TAIL, BLOCK_D)
         tdq = tl.zeros([TAIL, BLOCK_D], dtype=tl.float32)
-    row_stride = H * D
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
         slot = bt * N_SLOTS + j
@@ -323,7 +322,7 @@ def _gca_bwd_kernel(
             lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
             if ONE_TILE:
                 # One tile holds the chunk: read it once, take r = rowsum(P * dP) from it.
-                k_t, v_t, kv_off, kv_mask, s_ok = _key_tile(
+                k_t, v_t, s_ok = _key_tile(
                     K, V, KeyMask, chunk_row0, slot, 0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                 )
                 p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
@@ -345,13 +344,13 @@ def _gca_bwd_kernel(
                         dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
                         dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
                         dw += tl.sum(tr, 0)
-                tl.atomic_add(dV + kv_off, dv_t, mask=kv_mask)
-                tl.atomic_add(dK + kv_off, dk_t, mask=kv_mask)
+                add_rows(dV, chunk_row0 * row_stride + h * D, 0, S, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
+                add_rows(dK, chunk_row0 * row_stride + h * D, 0, S, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
             else:
                 # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
                 r = tl.zeros([BLOCK_Q], dtype=tl.float32)
                 for s0 in range(0, S, BLOCK_S):
-                    k_t, v_t, _, _, s_ok = _key_tile(
+                    k_t, v_t, s_ok = _key_tile(
                         K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                     )
                     p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
@@ -359,7 +358,7 @@ def _gca_bwd_kernel(
                 dw = tl.sum(r, 0)
                 # Pass 2: this slot's output gradient is w * dO.
                 for s0 in range(0, S, BLOCK_S):
-                    k_t, v_t, kv_off, kv_mask, s_ok = _key_tile(
+                    k_t, v_t, s_ok = _key_tile(
                         K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                     )
                     p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
@@ -368,80 +367,28 @@ def _gca_bwd_kernel(
                     dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
                     dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
                     dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-                    tl.atomic_add(dV + kv_off, dv_t, mask=kv_mask)
-                    tl.atomic_add(dK + kv_off, dk_t, mask=kv_mask)
+                    add_rows(dV, chunk_row0 * row_stride + h * D, s0, S, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
+                    add_rows(dK, chunk_row0 * row_stride + h * D, s0, S, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
             tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + q_block, dw)
-    tl.store(dQ + q_off, dq.to(dQ.dtype.element_ty), mask=q_mask)
+    store_rows(dQ, q_base, row0, main_rows, D, row_stride, dq, BLOCK_Q, BLOCK_D)
     if TAIL > 0:
         if has_tail:
-            tl.store(dQ + tq_off, tdq.to(dQ.dtype.element_ty), mask=tq_mask)
-
-
-# Whether the kernels were created for Triton's CPU interpreter (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_gca_fwd_kernel, triton.runtime.JITFunction)
-
-# Warps per program and software-pipelining depth. With FARSIGHT_TRITON_AUTOTUNE=1 each kernel
-# tries these on the GPU at its first call for each key (tile sizes) and input dtype and keeps
-# the fastest for the process (each try compiles the kernel once more: seconds per setting);
-# otherwise it launches with the kernel's own default below.
-AUTOTUNE = os.environ.get("FARSIGHT_TRITON_AUTOTUNE", "0") == "1"
-LAUNCH_CONFIGS = [(4, 1), (4, 2), (8, 2)]
-
-
-def autotuned(
-    kernel: Any,
-    key: list[str],
-    default: tuple[int, int],
-    reset_to_zero: list[str] | None = None,
-    restore_value: list[str] | None = None,
-) -> Any:
-    """`kernel` launched with (warps, stages) `default`, or autotuned over LAUNCH_CONFIGS on a GPU
-    with AUTOTUNE (outputs it accumulates into are zeroed, and buffers it updates restored,
-    between trials). The interpreter ignores launch settings."""
-    if INTERPRETED:
-        return kernel
-    configs = LAUNCH_CONFIGS if AUTOTUNE else [default]
-    configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in configs]
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero, restore_value=restore_value)(kernel)
+            store_rows(dQ, q_base, main_rows, Lq, D, row_stride, tdq, TAIL, BLOCK_D)
 
 
 _TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
-_gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(4, 2))
-_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
-
-
-def _tile(size: int, cap: int) -> int:
-    # tl.dot needs every tile dimension >= 16; larger tiles only pay off up to the cap.
-    return min(cap, max(16, triton.next_power_of_2(size)))
-
-
-def _check_block(name: str, value: int | None) -> None:
-    check_positive_int(name, value, allow_none=True)
-    if value is not None and (value < 16 or value & (value - 1)):
-        raise InputError(f"{name} must be a power of two >= 16 (a tl.dot tile), got {value}")
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs follow torch's global setting: exact ("ieee") unless the user allowed TF32
-    # with torch.set_float32_matmul_precision("high" / "medium"). Ignored for fp16/bf16.
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "ieee"
-
-
-def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
-    # The interpreter computes bf16 tl.dot wrongly, so bf16 runs in fp32 there.
-    return torch.float32 if INTERPRETED and dtype == torch.bfloat16 else dtype
+_gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(8, 2))
+_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(8, 1), reset_to_zero=["dK", "dV"])
 
 
 def row_layout(lq: int, block_q: int | None) -> tuple[int, int, int]:
     """(BLOCK_Q, TAIL, main_rows): query rows [0, main_rows) in blocks of BLOCK_Q, and the rest
     (at most a quarter of a block, e.g. DRT's landmark row) as one TAIL-row tile of the last
     block; TAIL = 0 when the rows fit the blocks well, or when a chunk takes several key tiles."""
-    block = block_q or _tile(lq, 64)
+    block = block_q or tile_size(lq, 64)
     rest = lq % block
     if block_q is None and lq > block and 0 < rest <= block // 4:
-        return block, _tile(rest, block), lq - rest
+        return block, tile_size(rest, block), lq - rest
     return block, 0, lq
 
 
@@ -462,7 +409,7 @@ class _GCATriton(torch.autograd.Function):
         batch, n, lq, heads, dim = q.shape
         m, s, n_slots = k.shape[1], k.shape[2], index.shape[2]
         block_q, tail, main_rows, block_s, block_d = blocks
-        dtype = _kernel_dtype(q.dtype)
+        dtype = kernel_dtype(q.dtype)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, weight.dtype)
         qc, kc, vc = (x.to(dtype).contiguous() for x in (q, k, v))
         index, weight = index.contiguous(), weight.float().contiguous()
@@ -472,7 +419,7 @@ class _GCATriton(torch.autograd.Function):
         grid = (batch * n * heads, triton.cdiv(main_rows, block_q))
         meta = dict(
             HAS_KEY_MASK=key_mask is not None,
-            DOT_PRECISION=_dot_precision(dtype),
+            DOT_PRECISION=dot_precision(dtype),
             BLOCK_Q=block_q,
             TAIL=tail,
             BLOCK_S=block_s,
@@ -541,12 +488,12 @@ def gca_triton(
         )
     if q.dtype == torch.float64:
         raise InputTypeError("the Triton GCA kernels support fp32, fp16 and bf16, not float64; use backend='torch'")
-    _check_block("block_q", block_q)
-    _check_block("block_s", block_s)
+    check_block("block_q", block_q)
+    check_block("block_s", block_s)
     lq, s, dim = q.shape[2], k.shape[2], q.shape[4]
-    block_s = block_s or _tile(s, 64)
-    block_q, tail, main_rows = row_layout(lq, block_q) if s <= block_s else (block_q or _tile(lq, 64), 0, lq)
-    blocks = (block_q, tail, main_rows, block_s, _tile(dim, 1 << 30))
+    block_s = block_s or tile_size(s, 64)
+    block_q, tail, main_rows = row_layout(lq, block_q) if s <= block_s else (block_q or tile_size(lq, 64), 0, lq)
+    blocks = (block_q, tail, main_rows, block_s, tile_size(dim, 1 << 30))
     scale = dim**-0.5 if scale is None else float(scale)
     function = amp_function(_GCATriton, q.device.type)
     return function.apply(q, k, v, index, weight, key_mask, softmax_one, scale, blocks)
