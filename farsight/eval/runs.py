@@ -12,10 +12,11 @@ from farsight.train.metrics import read_metrics
 
 
 def architecture(config: Any) -> str:
-    """A short description of a model config, e.g. 'DRT x2, window 64, top-4, 4 layers'; a DRT
+    """A short description of a model config, e.g. 'drt-x2, window 64, top-4, 4 layers' (the model
+    names of configs/README.md); a DRT
     that departs from the paper's retriever (docs/design.md §2.3: the R4 ablations) says how."""
     if hasattr(config, "groups"):
-        text = f"DRT x{config.groups}, window {config.window}, top-{config.top_k}"
+        text = f"drt-x{config.groups}, window {config.window}, top-{config.top_k}"
         if config.retriever == "none":
             text += ", no retrieval"
         elif config.retriever == "random":

@@ -37,11 +37,11 @@ def test_summary_reads_the_model_and_the_training_record(tmp_path):
 
 def test_a_drt_ablation_is_named_in_its_architecture():
     base = dict(vocab_size=260, d_model=32, n_layers=4, n_heads=2, chunk_size=8, window=16, top_k=2, encoder_layers=1)
-    assert architecture(DRTConfig(**base)) == "DRT x1, window 16, top-2, 4 layers"
-    assert architecture(DRTConfig(**base, gumbel=False)) == "DRT x1, window 16, top-2, no Gumbel, 4 layers"
-    assert architecture(DRTConfig(**base, retriever="random")) == "DRT x1, window 16, top-2, random retriever, 4 layers"
-    assert architecture(DRTConfig(**base, softmax_one=False)) == "DRT x1, window 16, top-2, plain softmax, 4 layers"
-    assert architecture(DRTConfig(**base, retriever="none")) == "DRT x1, window 16, top-2, no retrieval, 4 layers"
+    assert architecture(DRTConfig(**base)) == "drt-x1, window 16, top-2, 4 layers"
+    assert architecture(DRTConfig(**base, gumbel=False)) == "drt-x1, window 16, top-2, no Gumbel, 4 layers"
+    assert architecture(DRTConfig(**base, retriever="random")) == "drt-x1, window 16, top-2, random retriever, 4 layers"
+    assert architecture(DRTConfig(**base, softmax_one=False)) == "drt-x1, window 16, top-2, plain softmax, 4 layers"
+    assert architecture(DRTConfig(**base, retriever="none")) == "drt-x1, window 16, top-2, no retrieval, 4 layers"
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
@@ -61,7 +61,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     run = make_run(tmp_path / "drt", drt, RECORDS)
     assert main(["eval", "runs", str(run), "--out", str(tmp_path / "runs.json")]) == 0
     out = capsys.readouterr().out
-    assert "DRT x2, window 16, top-2, 4 layers" in out and "params (M)" in out
+    assert "drt-x2, window 16, top-2, 4 layers" in out and "params (M)" in out
     assert json.loads((tmp_path / "runs.json").read_text())["runs"][0]["parameters"] == drt.num_parameters()
 
 

@@ -130,7 +130,7 @@ class NeedleBatches:
         align = config.align or chunk
         # questions at multiples of `align` inside a chunk: each sample draws its offset, else every
         # sample of one length would end its question at the same offset and the model would learn
-        # retrieval for that offset only (DRT x2 did)
+        # retrieval for that offset only (drt-x2 did)
         self.offsets = chunk // align if align < chunk else 1
         names = list(config.mix) if config.mix else [config.task]
         weights = np.asarray([config.mix[n] for n in names] if config.mix else [1.0])

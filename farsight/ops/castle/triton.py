@@ -563,8 +563,8 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
 # d=64 and d=128, with and without a window. The other kernels: see `autotuned`.
 _DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
 _TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW"]
-_castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(4, 2), restore_value=["Dsum"])
-_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(8, 2))
+_castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(8, 2), restore_value=["Dsum"])
+_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2))
 _castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(4, 1), reset_to_zero=["dQC", "dVU", "dKU"])
 
 

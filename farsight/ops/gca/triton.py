@@ -378,7 +378,7 @@ def _gca_bwd_kernel(
 
 _TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
 _gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(8, 2))
-_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(8, 1), reset_to_zero=["dK", "dV"])
+_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
 
 
 def row_layout(lq: int, block_q: int | None) -> tuple[int, int, int]:
