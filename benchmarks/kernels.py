@@ -134,6 +134,13 @@ def sdpa_flop(batch: int, heads: int, steps: int, dim: int) -> tuple[float, floa
     return 2 * dim * pairs * SDPA_FORWARD_PRODUCTS, 2 * dim * pairs * (SDPA_FORWARD_PRODUCTS + SDPA_BACKWARD_PRODUCTS)
 
 
+def causal_sdpa(batch: int, heads: int, steps: int, dim: int, quick: bool) -> dict:
+    """The baseline of every part: causal SDPA (FlashAttention where the GPU has it), timed and rated."""
+    heads_first = leaves((batch, heads, steps, dim), 3)
+    result = measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick)
+    return rates(result, *sdpa_flop(batch, heads, steps, dim))
+
+
 def castle_flop(batch: int, steps: int, dim: int, window: int | None) -> tuple[float, float]:
     """(forward, forward+backward) matrix-product FLOPs of the blockwise CASTLE path, counted on meta tensors."""
     xs = [torch.randn(batch, steps, CASTLE_HEADS, dim, device="meta", requires_grad=True) for _ in range(6)]
@@ -159,13 +166,8 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
     for dim in plan["castle_dims"]:
         for batch, steps in plan["castle"]:
             xs = leaves((batch, steps, CASTLE_HEADS, dim), 6)
-            heads_first = leaves((batch, CASTLE_HEADS, steps, dim), 3)
-            sdpa_f, sdpa_fb = sdpa_flop(batch, CASTLE_HEADS, steps, dim)
-            sdpa = rates(
-                measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
-                sdpa_f,
-                sdpa_fb,
-            )
+            sdpa = causal_sdpa(batch, CASTLE_HEADS, steps, dim, quick)
+            sdpa_fb = sdpa_flop(batch, CASTLE_HEADS, steps, dim)[1]
             rows.append({"case": f"sdpa d={dim} B={batch} T={steps}", **sdpa})
             print(f"  sdpa d={dim} B={batch} T={steps}: {sdpa['f+b ms']} ms", flush=True)
             for window in plan["castle_windows"]:
@@ -194,7 +196,7 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
                     print(
                         f"  {row['case']} {name}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
                     )
-            del xs, heads_first
+            del xs
     return rows
 
 
@@ -227,11 +229,7 @@ def run_gca(plan: dict, quick: bool) -> list[dict]:
             2 * dim * pairs * SDPA_FORWARD_PRODUCTS,
             2 * dim * pairs * (SDPA_FORWARD_PRODUCTS + SDPA_BACKWARD_PRODUCTS),
         )
-        heads_first = leaves((batch, heads, steps, dim), 3)
-        sdpa = rates(
-            measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
-            *sdpa_flop(batch, heads, steps, dim),
-        )
+        sdpa = causal_sdpa(batch, heads, steps, dim, quick)
         error = agreement(
             partial(gca, q, k, v, index, weight, backend="triton"),
             partial(gca, q, k, v, index, weight, backend="torch"),
@@ -247,7 +245,7 @@ def run_gca(plan: dict, quick: bool) -> list[dict]:
             print(
                 f"  gca {row['case']} {backend}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
             )
-        del q, k, v, weight, index, heads_first
+        del q, k, v, weight, index
     return rows
 
 
@@ -255,15 +253,10 @@ def run_window(plan: dict, quick: bool) -> list[dict]:
     rows = []
     for batch, steps in plan["window"]:
         q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
-        heads_first = leaves((batch, WINDOW_HEADS, steps, WINDOW_DIM), 3)
+        sdpa = causal_sdpa(batch, WINDOW_HEADS, steps, WINDOW_DIM, quick)
         sdpa_f, sdpa_fb = sdpa_flop(batch, WINDOW_HEADS, steps, WINDOW_DIM)
-        sdpa = rates(
-            measure(partial(F.scaled_dot_product_attention, *heads_first, is_causal=True), heads_first, quick),
-            sdpa_f,
-            sdpa_fb,
-        )
-        # attended pairs: query t sees min(t + 1, W + 1) keys (itself and W before it)
-        pairs = sum(min(t + 1, WINDOW + 1) for t in range(steps)) / (steps * (steps + 1) / 2)
+        # attended pairs: query t sees its last min(t + 1, W) positions, itself included
+        pairs = sum(min(t + 1, WINDOW) for t in range(steps)) / (steps * (steps + 1) / 2)
         result = measure(partial(sliding_window_attention, q, k, v, WINDOW), [q, k, v], quick)
         row = {"case": f"W={WINDOW} B={batch} T={steps}", **rates(result, sdpa_f * pairs, sdpa_fb * pairs)}
         row["sdpa f+b ms"] = sdpa["f+b ms"]
@@ -271,7 +264,7 @@ def run_window(plan: dict, quick: bool) -> list[dict]:
         row["per pair vs sdpa"] = _ratio(row["f+b ms"], None if sdpa["f+b ms"] is None else sdpa["f+b ms"] * pairs)
         rows.append(row)
         print(f"  window {row['case']}: {row['f+b ms']} ms, per pair {row['per pair vs sdpa']}x SDPA", flush=True)
-        del q, k, v, heads_first
+        del q, k, v
     return rows
 
 
