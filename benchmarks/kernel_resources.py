@@ -82,12 +82,13 @@ def resources(kernel, dtype: str, constexprs: dict, warps: int, stages: int, arc
 def cases(dim: int) -> list[tuple[str, object, dict, list[tuple[int, int]]]]:
     block = 64 if dim <= 64 else 32
     castle = dict(HAS_WINDOW=False, PREC="ieee", BLOCK=block, BLOCK_D=dim)
+    castle_backward = {**castle, "BLOCK": castle_kernels.backward_block(block, dim)}
     gca = dict(HAS_KEY_MASK=False, DOT_PRECISION="ieee", BLOCK_Q=64, TAIL=16, BLOCK_S=64, BLOCK_D=dim)
     return [
         ("castle forward: lookahead", castle_kernels._castle_fwd_lookahead_kernel, castle, [(4, 2), (8, 2)]),
         ("castle forward: attend", castle_kernels._castle_fwd_attend_kernel, castle, [(4, 2), (8, 2)]),
         ("castle forward: diagonal", castle_kernels._castle_fwd_diag_kernel, castle, [(4, 1)]),
-        ("castle backward", castle_kernels._castle_bwd_kernel, castle, [(4, 1), (8, 1)]),
+        ("castle backward", castle_kernels._castle_bwd_kernel, castle_backward, [(4, 1), (8, 1)]),
         ("gca forward", gca_kernels._gca_fwd_kernel, {**gca, "SOFTMAX_ONE": True}, [(4, 2), (8, 2)]),
         ("gca backward", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True}, [(4, 2), (8, 1)]),
     ]
@@ -105,7 +106,8 @@ def main() -> int:
     for dim in (int(d) for d in args.dims.split(",")):
         for name, kernel, constexprs, launches in cases(dim):
             for warps, stages in launches:
-                row = {"kernel": name, "d": dim, "warps": warps, "stages": stages}
+                row = {"kernel": name, "d": dim, "block": constexprs.get("BLOCK", constexprs.get("BLOCK_Q"))}
+                row.update(warps=warps, stages=stages)
                 row.update(resources(kernel, args.dtype, constexprs, warps, stages, args.arch))
                 rows.append(row)
                 print(f"  {name} d={dim} {warps} warps {stages} stages: {row['stack bytes']} stack bytes", flush=True)

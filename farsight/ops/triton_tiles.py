@@ -79,7 +79,8 @@ def autotuned(
 ) -> Any:
     """`kernel` launched with (warps, stages) `default`, or autotuned over LAUNCH_CONFIGS on a GPU
     with AUTOTUNE (outputs it accumulates into are zeroed, and buffers it updates restored,
-    between trials). The interpreter ignores launch settings."""
+    between trials). The interpreter ignores launch settings. One kernel may be wrapped twice
+    with different defaults, e.g. one per head-dim range."""
     if INTERPRETED:
         return kernel
     configs = LAUNCH_CONFIGS if AUTOTUNE else [default]

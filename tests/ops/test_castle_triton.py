@@ -103,6 +103,13 @@ def test_grouped_forward_any_group_size(group, window) -> None:
 
 
 @pytest.mark.parametrize("window", [None, 20])
+def test_backward_tile_differs_from_the_forwards(window) -> None:
+    # The backward reads per-row sums and logsumexps, so it may walk smaller tiles than the forward.
+    assert castle_triton.backward_block(64, 64) == 32 and castle_triton.backward_block(32, 128) == 16
+    assert_matches_reference(make_inputs(1, 70, 2, 8), window, block=32, backward_block=16)
+
+
+@pytest.mark.parametrize("window", [None, 20])
 def test_diagonal_forward_schedule(monkeypatch, window) -> None:
     monkeypatch.setattr(castle_triton, "FORWARD_SCHEDULE", "diagonal")
     assert_matches_reference(make_inputs(1, 40, 2, 8), window, block=16)

@@ -564,7 +564,12 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
 _DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
 _TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW"]
 _castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(8, 2), restore_value=["Dsum"])
-_castle_fwd_attend_kernel = autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2))
+# The attention launch per head-dim range: 64-row tiles of d <= 64 spill least with 4 warps,
+# 32-row tiles of d = 128 not at all with 8 (`benchmarks/kernel_resources.py`, Triton 3.6).
+_ATTEND_KERNELS = {
+    True: autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2)),
+    False: autotuned(_castle_fwd_attend_kernel, _TILES, default=(8, 2)),
+}
 _castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(4, 1), reset_to_zero=["dQC", "dVU", "dKU"])
 
 
@@ -622,7 +627,7 @@ def _forward_grouped(
                 qu, ku, vu, dsum, snap, steps, heads, dim, window or 0, scale,
                 g0, g1, j_lo, snap_rows, snap_stride, near, **meta,
             )  # fmt: skip
-            _castle_fwd_attend_kernel[(g1 - g0, batch * heads)](
+            _ATTEND_KERNELS[block_d <= 64][(g1 - g0, batch * heads)](
                 qu, ku, vu, qc, kc, vc, dsum, snap, out, lse, steps, heads, dim, window or 0, scale,
                 g0, j_lo, snap_rows, snap_stride, near, **meta,
             )  # fmt: skip
@@ -707,10 +712,20 @@ def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list
     return [x.to(dtype).contiguous() for x in tensors], block, block_d
 
 
+def backward_block(block: int, block_d: int) -> int:
+    """The backward's tile: it keeps five fp32 key-block tiles (D, R and three gradients) and a
+    score tile's worth of temporaries per program, which spill registers at 64 rows (1.7 KB per
+    thread at d=64) and not at 32 rows for d <= 64 or 16 for d = 128 (`benchmarks/kernel_resources.py`,
+    Triton 3.6). The lookahead sums and logsumexp it reads are per row, so any tile works."""
+    return min(block, 32 if block_d <= 64 else 16)
+
+
 class _CastleTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block, group):  # type: ignore[override]
+    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block, group, bwd_block):  # type: ignore[override]
+        check_block("backward_block", bwd_block)
         inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
+        ctx.backward_block = bwd_block
         if qu.numel() == 0:
             out = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
             lse = dsum = out
@@ -726,6 +741,7 @@ class _CastleTriton(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         *inputs, out, lse, dsum = ctx.saved_tensors
         window, scale, block, block_d = ctx.config
+        block = ctx.backward_block or backward_block(block, block_d)
         qu = inputs[0]
         batch, steps, heads, dim = qu.shape
         do = grad_out.to(qu.dtype).contiguous()
@@ -764,7 +780,7 @@ class _CastleTriton(torch.autograd.Function):
             g.to(ctx.dtype) if needed else None
             for g, needed in zip((dqu, dku, dvu, dqc, dkc, dvc), ctx.needs_input_grad[:6])
         ]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def castle_attention_triton(
@@ -779,6 +795,7 @@ def castle_attention_triton(
     *,
     block: int | None = None,
     group: int | None = None,
+    backward_block: int | None = None,
 ) -> torch.Tensor:
     """Six [B, T, H, d] inputs -> o [B, T, H, d]; same semantics as `castle_parallel_reference`.
 
@@ -786,10 +803,12 @@ def castle_attention_triton(
     and bf16; saved for the backward: the inputs, the output, a logsumexp [B, H, T] and the
     final lookahead sums U [B, T, H, d] (fp32). `block` (a power of two >= 16) is the query and
     key tile (default: next power of two of T, at most 64, or 32 when d > 64); `group` is the
-    number of query blocks per launch pair of the forward (default: `group_size`).
+    number of query blocks per launch pair of the forward (default: `group_size`);
+    `backward_block` is the backward's tile (default: `backward_block(block, d)`).
     """
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
-    return amp_function(_CastleTriton, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block, group)
+    function = amp_function(_CastleTriton, qu.device.type)
+    return function.apply(qu, ku, vu, qc, kc, vc, window, scale, block, group, backward_block)
 
 
 def castle_prefill_triton(

@@ -21,6 +21,7 @@ from farsight.ops.checks import (
     check_tensor,
 )
 from farsight.ops.precision import autocast_inputs
+from farsight.ops.window.banded import sliding_window_attention_banded
 from farsight.ops.window.blockwise import default_block_size, sliding_window_attention_blockwise
 from farsight.ops.window.fused import flex_available, sliding_window_attention_flex, sliding_window_attention_sdpa
 from farsight.ops.window.reference import sliding_window_attention_reference
@@ -33,6 +34,7 @@ __all__ = [
     "sliding_window_attention_flex",
     "sliding_window_attention_sdpa",
     "sliding_window_attention_blockwise",
+    "sliding_window_attention_banded",
     "sliding_window_attention_reference",
     "default_block_size",
 ]
@@ -146,4 +148,6 @@ def _sliding_window_attention(
         return sliding_window_attention_sdpa(q, k, v, window, alibi_slopes, scale, key_padding_mask)
     if backend == "reference":
         return sliding_window_attention_reference(q, k, v, window, alibi_slopes, scale, key_padding_mask)
+    if key_padding_mask is None and q.device.type == "cpu":
+        return sliding_window_attention_banded(q, k, v, window, alibi_slopes, scale, block_size)
     return sliding_window_attention_blockwise(q, k, v, window, alibi_slopes, scale, key_padding_mask, block_size)

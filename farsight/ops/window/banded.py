@@ -1,0 +1,258 @@
+"""Causal sliding-window attention for the CPU in the inputs' dtype: two custom ops (forward,
+backward) made of ATen's batched GEMMs and its fused softmax kernels.
+
+Queries are cut into blocks of `block` rows; query block i reads the `nwin + 1` key blocks that
+end with its own (nwin = ceil((W - 1) / block)), so its key window has `span = (nwin + 1) * block`
+columns, and the window gradients fold back onto the keys as nwin + 1 shifted block sums. Per
+head the scores of every block come out of one `baddbmm` whose addend is the band (-inf outside
+it) and the ALiBi bias, so the mask and the bias cost no pass of their own:
+
+    forward:  S = bias + (scale q) K_w^T;  P = softmax(S);  O = P V_w
+    backward: dP = dO V_w^T;  dS = P * (dP - rowsum(P * dP));  dq = scale dS K_w,
+              dK_w = dS^T (scale q),  dV_w = P^T dO
+
+Every product takes the inputs' dtype (bf16/fp16 products accumulate in fp32 inside the GEMM and
+round their result once); the softmax and its backward are ATen's fused kernels, which keep the
+row max, the sums and the exponentials in fp32 and write bf16/fp16 probabilities directly. So a
+bf16 call makes no fp32 copy of its [blocks, block, span] tiles: the scores, the probabilities
+(saved for the backward) and dS are bf16. The addend is rounded to the inputs' dtype (for ALiBi
+the same rounding as the scores'; -inf stays -inf). Key-window gradients are folded in fp32.
+
+Where the CPU has no matrix instructions for the dtype (bf16 on AVX2, fp16 without AVX512-FP16)
+the products run as fp32 GEMMs rounded back (as `farsight.ops.precision.widened_matmuls` does),
+since a dispatch mode does not see inside a custom op.
+
+Custom ops (torch.library) are opaque to torch.compile: a compiled model keeps these kernels
+(inductor's own softmax ran about 2x slower) and fuses what surrounds them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from farsight.ops.checks import compute_dtype
+from farsight.ops.precision import software_matmul_dtypes
+
+# Tuned on a 2-core AMX Xeon (W = 512, d = 64, bf16 f+b): 128-row blocks cut the band's unused
+# corners (span 640 for 512 keys) while the GEMMs stay large.
+BANDED_BLOCK = 128
+# Smaller windows take smaller blocks so that the span stays within ~1.5x of the window.
+MIN_BLOCK = 32
+
+
+def banded_block_size(window: int, queries: int) -> int:
+    """Rows per query block for a window of `window` keys: the largest power of two <= BANDED_BLOCK
+    whose span (nwin + 1) * block wastes at most half the window, clipped to the queries."""
+    block = BANDED_BLOCK
+    while block > MIN_BLOCK and (_nwin(window, block) + 1) * block > 1.5 * window + block:
+        block //= 2
+    return max(1, min(block, queries))
+
+
+def _nwin(window: int, block: int) -> int:
+    return -(-(window - 1) // block)
+
+
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the products run in: fp32 where the CPU multiplies x's dtype in software."""
+    return torch.float32 if x.dtype in software_matmul_dtypes(x.device) else x.dtype
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == a.dtype:
+        return torch.bmm(a, b)
+    return torch.bmm(a.to(dtype), b.to(dtype)).to(a.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _addend(
+    slopes: tuple[float, ...] | None, heads: int, block: int, window: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[heads, block, span]: -inf outside the band, minus slope * distance inside it (0 without
+    ALiBi), in `dtype`. Row r of a block sits at distance r + nwin * block - c from column c."""
+    nwin = _nwin(window, block)
+    rows = torch.arange(block, device=device)[:, None]
+    cols = torch.arange((nwin + 1) * block, device=device)[None, :]
+    distance = rows + nwin * block - cols
+    work = compute_dtype(dtype)
+    addend = torch.zeros(distance.shape, dtype=work, device=device)
+    addend = addend.masked_fill((distance < 0) | (distance >= window), float("-inf")).expand(heads, -1, -1)
+    if slopes is not None:
+        addend = addend - torch.tensor(slopes, dtype=work, device=device).view(heads, 1, 1) * distance.to(work)
+    return addend.to(dtype).contiguous()
+
+
+class _Geometry:
+    """Where the blocks and key windows of one call sit (queries are the last tq of tk keys)."""
+
+    def __init__(self, tq: int, tk: int, window: int, block: int) -> None:
+        self.tq, self.tk, self.window, self.block = tq, tk, window, block
+        self.nwin = _nwin(window, block)
+        self.span = (self.nwin + 1) * block
+        self.n_blocks = -(-tq // block)
+        self.offset = tk - tq
+        self.pad_left = max(0, self.nwin * block - self.offset)
+        self.pad_right = self.n_blocks * block - tq
+        self.start = self.pad_left + self.offset - self.nwin * block
+        # blocks whose window reaches keys before position 0 (padding, to be masked)
+        self.padded_blocks = min(self.n_blocks, -(-self.pad_left // block)) if self.pad_left else 0
+
+    def queries(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """[B, Tq, H, d] -> scale * x as [H, B * n_blocks, block, d] (one copy)."""
+        batch, _, heads, dim = x.shape
+        out = x.new_zeros(heads, batch, self.n_blocks * self.block, dim)
+        torch.mul(x.permute(2, 0, 1, 3), scale, out=out[:, :, : self.tq])
+        return out.view(heads, batch * self.n_blocks, self.block, dim)
+
+    def windows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Tk, H, d] -> key windows [H, B * n_blocks, span, d] (one copy)."""
+        batch, _, heads, dim = x.shape
+        padded = F.pad(x.permute(2, 0, 1, 3), (0, 0, self.pad_left, self.pad_right))[:, :, self.start :]
+        windows = padded.unfold(2, self.span, self.block)[:, :, : self.n_blocks].transpose(-1, -2)
+        return windows.reshape(heads, batch * self.n_blocks, self.span, dim).contiguous()
+
+    def rows(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        """[H, B * n_blocks, block, d] -> [B, Tq, H, d] (a view)."""
+        heads, dim = x.shape[0], x.shape[-1]
+        return x.view(heads, batch, self.n_blocks * self.block, dim)[:, :, : self.tq].permute(1, 2, 0, 3)
+
+    def fold(self, windows: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+        """Key-window gradients [H, B * n_blocks, span, d] -> per key [B, Tk, H, d] in `dtype`,
+        summed in the compute dtype."""
+        heads, dim, nb, block = windows.shape[0], windows.shape[-1], self.n_blocks, self.block
+        parts = windows.view(heads, batch, nb, self.nwin + 1, block, dim)
+        work = compute_dtype(windows.dtype)
+        total = windows.new_zeros(heads, batch, self.pad_left + self.tk + self.pad_right, dim, dtype=work)
+        # window j of block i covers the padded positions start + (i + j) * block ...
+        covered = total[:, :, self.start : self.start + (nb + self.nwin) * block].view(
+            heads, batch, nb + self.nwin, block, dim
+        )
+        for j in range(self.nwin + 1):
+            covered[:, :, j : j + nb] += parts[:, :, :, j]
+        return total[:, :, self.pad_left : self.pad_left + self.tk].permute(1, 2, 0, 3).to(dtype)
+
+
+def _scores(
+    qb: torch.Tensor, kw: torch.Tensor, addend: torch.Tensor, geo: _Geometry, batch: int, gemm: torch.dtype
+) -> torch.Tensor:
+    """addend + qb kw^T per head: [H, B * n_blocks, block, span], keys before 0 masked."""
+    heads = qb.shape[0]
+    scores = qb.new_empty(heads, qb.shape[1], geo.block, geo.span)
+    for h in range(heads):
+        bias = addend[h].expand(qb.shape[1], -1, -1)
+        if gemm == qb.dtype:
+            torch.baddbmm(bias, qb[h], kw[h].transpose(1, 2), out=scores[h])
+        else:
+            scores[h] = torch.baddbmm(bias.to(gemm), qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm))
+    if geo.padded_blocks:
+        cols = torch.arange(geo.span, device=qb.device)
+        first = geo.offset - geo.nwin * geo.block + torch.arange(geo.padded_blocks, device=qb.device) * geo.block
+        before = (first[:, None] + cols[None, :]) < 0  # [padded_blocks, span]
+        view = scores.view(heads, batch, geo.n_blocks, geo.block, geo.span)[:, :, : geo.padded_blocks]
+        view.masked_fill_(before[:, None, :], float("-inf"))
+    return scores
+
+
+@torch.library.custom_op("farsight::banded_attention", mutates_args=())
+def banded_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slopes: torch.Tensor | None,
+    window: int,
+    block: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Tq, H, d], k/v [B, Tk, H, d] -> (o [B, Tq, H, d], probabilities [H, B * n_blocks,
+    block, span] for the backward), all in q's dtype."""
+    batch, tq, heads, dim = q.shape
+    geo = _Geometry(tq, k.shape[1], window, block)
+    gemm = _gemm_dtype(q)
+    values = None if slopes is None else tuple(float(s) for s in slopes.tolist())
+    addend = _addend(values, heads, block, window, q.dtype, q.device)
+    scores = _scores(geo.queries(q, scale), geo.windows(k), addend, geo, batch, gemm)
+    probs = torch.softmax(scores.view(-1, geo.block, geo.span), dim=-1)
+    del scores
+    out = _bmm(probs, geo.windows(v).view(-1, geo.span, dim), gemm)
+    return geo.rows(out.view(heads, -1, geo.block, dim), batch).contiguous(), probs
+
+
+@banded_attention_forward.register_fake
+def _(q, k, v, slopes, window, block, scale):
+    batch, tq, heads, _ = q.shape
+    geo = _Geometry(tq, k.shape[1], window, block)
+    return q.new_empty(q.shape), q.new_empty(heads * batch * geo.n_blocks, block, geo.span)
+
+
+@torch.library.custom_op("farsight::banded_attention_backward", mutates_args=())
+def banded_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    probs: torch.Tensor,
+    window: int,
+    block: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `banded_attention_forward` with respect to q, k and v."""
+    batch, tq, heads, dim = q.shape
+    geo = _Geometry(tq, k.shape[1], window, block)
+    gemm = _gemm_dtype(q)
+    go = geo.queries(grad_out.to(q.dtype), 1.0).view(-1, block, dim)
+    kw, vw = geo.windows(k).view(-1, geo.span, dim), geo.windows(v).view(-1, geo.span, dim)
+    grad_probs = _bmm(go, vw.transpose(1, 2), gemm)
+    del vw
+    grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+    del grad_probs
+    dq = _bmm(grad_scores, kw, gemm).mul_(scale)
+    del kw
+    dk_windows = _bmm(grad_scores.transpose(1, 2), geo.queries(q, scale).view(-1, block, dim), gemm)
+    del grad_scores
+    dv_windows = _bmm(probs.transpose(1, 2), go, gemm)
+    dq = geo.rows(dq.view(heads, -1, block, dim), batch).contiguous()
+    dk = geo.fold(dk_windows.view(heads, -1, geo.span, dim), batch, k.dtype)
+    dv = geo.fold(dv_windows.view(heads, -1, geo.span, dim), batch, v.dtype)
+    return dq, dk, dv
+
+
+@banded_attention_backward.register_fake
+def _(grad_out, q, k, v, probs, window, block, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, _, window, block, scale = inputs
+    ctx.save_for_backward(q, k, v, output[1])
+    ctx.geometry = (window, block, scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_out, _grad_probs):
+    q, k, v, probs = ctx.saved_tensors
+    dq, dk, dv = banded_attention_backward(grad_out, q, k, v, probs, *ctx.geometry)
+    return dq, dk, dv, None, None, None, None
+
+
+banded_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sliding_window_attention_banded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    alibi_slopes: torch.Tensor | None = None,
+    scale: float | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq; queries are the last Tq positions) ->
+    [B, Tq, H, d] in q's dtype, the semantics of `sliding_window_attention_reference` without key
+    padding. Inputs assumed valid (`farsight.ops.window.sliding_window_attention` checks them);
+    differentiable in q, k and v (not in the slopes, which are read as numbers)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    block = min(block_size, q.shape[1]) if block_size else banded_block_size(window, q.shape[1])
+    return banded_attention_forward(q, k, v, alibi_slopes, window, block, scale)[0]
