@@ -117,12 +117,14 @@ def test_several_tiles_per_chunk_and_query_blocks(softmax_one: bool) -> None:
 
 
 @pytest.mark.parametrize("softmax_one", [True, False])
-def test_landmark_row_rides_on_the_last_block(softmax_one: bool) -> None:
-    # DRT's query chunks have S + 1 rows: 64 in one block, the 65th as a 16-row tail tile of it.
-    assert row_layout(65, None) == (64, 16, 64)
+@pytest.mark.parametrize("lq", [65, 130])
+def test_landmark_row_rides_on_the_last_block(softmax_one: bool, lq: int) -> None:
+    # DRT's query chunks have S + 1 rows: 64 in one block, the 65th as a 16-row tail tile of it;
+    # with two blocks only the last carries the tail (the first sees empty tail rows).
+    assert row_layout(65, None) == (64, 16, 64) and row_layout(130, None) == (64, 16, 128)
     assert row_layout(64, None) == (64, 0, 64) and row_layout(65, 64) == (64, 0, 65)
     assert row_layout(90, None) == (64, 0, 90)  # 26 rows left: a second block
-    inputs = make_inputs(batch=1, n=3, m=3, s=20, heads=2, dim=8, n_slots=2, lq=65)
+    inputs = make_inputs(batch=1, n=3, m=3, s=20, heads=2, dim=8, n_slots=2, lq=lq)
     assert_matches_reference(inputs, softmax_one)
 
 

@@ -11,7 +11,9 @@ Layout: all tensors are contiguous; a row of q / k / v holds H * d values, so he
 of chunk c starts at (c * rows_per_chunk + r) * H * d + h * d.
 
 Programs: one per (batch, query chunk, head) and block of BLOCK_Q query rows. Each loops over
-its K slots and reads each retrieved chunk in tiles of BLOCK_S rows. Two layouts matter for speed:
+its K slots and reads each retrieved chunk in tiles of BLOCK_S rows; an empty slot (-1) runs as
+a chunk of no keys with weight 0, so the loop has no branch and the compiler may prefetch the
+next slot's chunk. Two layouts matter for speed:
 
 * A chunk that fits one tile (S <= BLOCK_S, DRT's S = 64) is read once per slot: the forward
   takes a plain softmax of the tile, and the backward gets the row term rowsum(P * dP) from the
@@ -55,20 +57,32 @@ __all__ = ["gca_triton", "INTERPRETED"]
 
 @triton.jit
 def _key_tile(
-    K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride,
+    K, V, KeyMask, chunk_row0, n_keys, slot, s0, S, h, D, row_stride,
     HAS_KEY_MASK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Rows [s0, s0 + BLOCK_S) of a retrieved chunk: k, v [BLOCK_S, BLOCK_D], and which key
-    columns are real (inside the chunk and not masked out)."""
+    """Rows [s0, s0 + BLOCK_S) of a retrieved chunk: k, v [BLOCK_S, BLOCK_D] (zero past n_keys:
+    S, or 0 for an empty slot), and which key columns are real (inside the chunk and not masked
+    out)."""
     # int64 base: a long-context memory (m * S * H * D) easily passes 2**31 elements.
     base = chunk_row0 * row_stride + h * D
-    k_t = load_rows(K, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
-    v_t = load_rows(V, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    k_t = load_rows(K, base, s0, n_keys, D, row_stride, BLOCK_S, BLOCK_D)
+    v_t = load_rows(V, base, s0, n_keys, D, row_stride, BLOCK_S, BLOCK_D)
     tile = s0 + tl.arange(0, BLOCK_S)
-    s_ok = tile < S
+    s_ok = tile < n_keys
     if HAS_KEY_MASK:
         s_ok = s_ok & (tl.load(KeyMask + slot * S + tile, mask=s_ok, other=0) != 0)
     return k_t, v_t, s_ok
+
+
+@triton.jit
+def _slot(Index, Weight, slot, b, m_chunks, S):
+    """Slot `slot` of the index: the first row of its chunk in K/V, its number of keys (S, or 0
+    when the slot is empty) and its weight (0 when empty). An empty slot runs like a chunk of no
+    keys, so the slot loop has no branch and the compiler can prefetch the next slot's keys."""
+    c = tl.load(Index + slot)
+    chunk_row0 = (b.to(tl.int64) * m_chunks + tl.maximum(c, 0)) * S
+    w = tl.where(c >= 0, tl.load(Weight + slot).to(tl.float32), 0.0)
+    return chunk_row0, tl.where(c >= 0, S, 0), w
 
 
 @triton.jit
@@ -110,40 +124,38 @@ def _fwd_rows(
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
         slot = bt * N_SLOTS + j
-        c = tl.load(Index + slot)
-        if c >= 0:  # empty slots (-1) add nothing: skip their loads and math entirely
-            w = tl.load(Weight + slot).to(tl.float32)
-            chunk_row0 = (b.to(tl.int64) * m_chunks + c) * S
-            # Online softmax over the chunk's S rows. softmax_1 has an extra logit fixed at 0:
-            # start as if it had been seen (running max 0, running sum exp(0 - 0) = 1), which
-            # also keeps the running max >= 0 as numerical stability requires.
-            if SOFTMAX_ONE:
-                m_i = tl.zeros([ROWS], dtype=tl.float32)
-                l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
-            else:
-                m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-                l_i = tl.zeros([ROWS], dtype=tl.float32)
-            o_j = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-            for s0 in range(0, S, BLOCK_S):
-                k_t, v_t, s_ok = _key_tile(
-                    K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
-                )
-                scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
-                scores = tl.where(s_ok[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, 1))
-                # A row with no real key so far (plain softmax, masked keys) keeps max -inf:
-                # shift by 0 there so that no exp sees -inf - -inf.
-                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - shift)
-                p = tl.exp(scores - shift[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                o_j = o_j * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=DOT_PRECISION)
-                m_i = m_new
-            # A slot whose keys are all masked (plain softmax) reads nothing: l = 0, o = 0.
-            has_keys = l_i > 0
-            acc += w * (o_j / tl.where(has_keys, l_i, 1.0)[:, None])
-            lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), 0.0)
-            tl.store(Lse + (slot * H + h) * Lq + rows, lse, mask=row_ok)
+        chunk_row0, n_keys, w = _slot(Index, Weight, slot, b, m_chunks, S)
+        # Online softmax over the chunk's S rows. softmax_1 has an extra logit fixed at 0:
+        # start as if it had been seen (running max 0, running sum exp(0 - 0) = 1), which
+        # also keeps the running max >= 0 as numerical stability requires.
+        if SOFTMAX_ONE:
+            m_i = tl.zeros([ROWS], dtype=tl.float32)
+            l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
+        else:
+            m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([ROWS], dtype=tl.float32)
+        o_j = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, S, BLOCK_S):
+            k_t, v_t, s_ok = _key_tile(
+                K, V, KeyMask, chunk_row0, n_keys, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+            )
+            scores = tl.dot(q, tl.trans(k_t), input_precision=DOT_PRECISION) * scale
+            scores = tl.where(s_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            # A row with no real key so far (plain softmax; masked keys or an empty slot) keeps
+            # max -inf: shift by 0 there so that no exp sees -inf - -inf.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - shift)
+            p = tl.exp(scores - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            o_j = o_j * alpha[:, None] + tl.dot(p.to(v_t.dtype), v_t, input_precision=DOT_PRECISION)
+            m_i = m_new
+        # A slot with no real key (plain softmax) reads nothing: l = 0, o = 0; an empty slot
+        # has o = 0 and w = 0 either way.
+        has_keys = l_i > 0
+        acc += w * (o_j / tl.where(has_keys, l_i, 1.0)[:, None])
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), 0.0)
+        tl.store(Lse + (slot * H + h) * Lq + rows, lse, mask=row_ok)
     store_rows(Out, q_base, row0, row0 + n_rows, D, row_stride, acc, ROWS, BLOCK_D)
 
 
@@ -302,10 +314,10 @@ def _gca_bwd_kernel(
     row_ok = rows < main_rows
     q = load_rows(Q, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
     do = load_rows(dO, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
-    has_tail = False
     if TAIL > 0:
-        has_tail = q_block == tl.num_programs(1) - 1
-        t_end = tl.where(has_tail, Lq, main_rows)  # no tail rows in the other blocks
+        # The tail rows belong to the last block; elsewhere they are empty (no loads, no stores,
+        # zero contributions), so the slot loop needs no branch.
+        t_end = tl.where(q_block == tl.num_programs(1) - 1, Lq, main_rows)
         t_rows = main_rows + tl.arange(0, TAIL)
         t_row_ok = t_rows < t_end
         tq = load_rows(Q, q_base, main_rows, t_end, D, row_stride, TAIL, BLOCK_D)
@@ -314,66 +326,61 @@ def _gca_bwd_kernel(
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
         slot = bt * N_SLOTS + j
-        c = tl.load(Index + slot)
-        if c >= 0:
-            w = tl.load(Weight + slot).to(tl.float32)
-            chunk_row0 = (b.to(tl.int64) * m_chunks + c) * S
-            lse_base = (slot * H + h) * Lq
-            lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
-            if ONE_TILE:
-                # One tile holds the chunk: read it once, take r = rowsum(P * dP) from it.
+        chunk_row0, n_keys, w = _slot(Index, Weight, slot, b, m_chunks, S)
+        lse_base = (slot * H + h) * Lq
+        lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
+        if ONE_TILE:
+            # One tile holds the chunk: read it once, take r = rowsum(P * dP) from it.
+            k_t, v_t, s_ok = _key_tile(
+                K, V, KeyMask, chunk_row0, n_keys, slot, 0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+            )
+            p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
+            r = tl.sum(p * dp, 1)  # rowsum(dO * o_j): dweight's share of these rows
+            ds = (w * scale) * p * (dp - r[:, None])  # gradient of the unscaled q.k products
+            dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
+            dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            dw = tl.sum(r, 0)
+            if TAIL > 0:
+                t_lse = tl.load(Lse + lse_base + t_rows, mask=t_row_ok, other=0.0)
+                tp = _probabilities(tq, k_t, t_lse, t_row_ok, s_ok, scale, DOT_PRECISION)
+                tdp = tl.dot(tdo, tl.trans(v_t), input_precision=DOT_PRECISION)
+                tr = tl.sum(tp * tdp, 1)
+                tds = (w * scale) * tp * (tdp - tr[:, None])
+                tdq += tl.dot(tds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
+                dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
+                dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
+                dw += tl.sum(tr, 0)
+            add_rows(dV, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
+            add_rows(dK, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
+        else:
+            # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
+            r = tl.zeros([BLOCK_Q], dtype=tl.float32)
+            for s0 in range(0, S, BLOCK_S):
                 k_t, v_t, s_ok = _key_tile(
-                    K, V, KeyMask, chunk_row0, slot, 0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                    K, V, KeyMask, chunk_row0, n_keys, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
+                )
+                p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
+                r += tl.sum(p * tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION), 1)
+            dw = tl.sum(r, 0)
+            # Pass 2: this slot's output gradient is w * dO.
+            for s0 in range(0, S, BLOCK_S):
+                k_t, v_t, s_ok = _key_tile(
+                    K, V, KeyMask, chunk_row0, n_keys, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                 )
                 p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
                 dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
-                r = tl.sum(p * dp, 1)  # rowsum(dO * o_j): dweight's share of these rows
-                ds = (w * scale) * p * (dp - r[:, None])  # gradient of the unscaled q.k products
+                ds = (w * scale) * p * (dp - r[:, None])
                 dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
                 dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
                 dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-                dw = tl.sum(r, 0)
-                if TAIL > 0:
-                    if has_tail:
-                        t_lse = tl.load(Lse + lse_base + t_rows, mask=t_row_ok, other=0.0)
-                        tp = _probabilities(tq, k_t, t_lse, t_row_ok, s_ok, scale, DOT_PRECISION)
-                        tdp = tl.dot(tdo, tl.trans(v_t), input_precision=DOT_PRECISION)
-                        tr = tl.sum(tp * tdp, 1)
-                        tds = (w * scale) * tp * (tdp - tr[:, None])
-                        tdq += tl.dot(tds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-                        dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
-                        dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
-                        dw += tl.sum(tr, 0)
-                add_rows(dV, chunk_row0 * row_stride + h * D, 0, S, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
-                add_rows(dK, chunk_row0 * row_stride + h * D, 0, S, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
-            else:
-                # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
-                r = tl.zeros([BLOCK_Q], dtype=tl.float32)
-                for s0 in range(0, S, BLOCK_S):
-                    k_t, v_t, s_ok = _key_tile(
-                        K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
-                    )
-                    p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
-                    r += tl.sum(p * tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION), 1)
-                dw = tl.sum(r, 0)
-                # Pass 2: this slot's output gradient is w * dO.
-                for s0 in range(0, S, BLOCK_S):
-                    k_t, v_t, s_ok = _key_tile(
-                        K, V, KeyMask, chunk_row0, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
-                    )
-                    p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
-                    dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
-                    ds = (w * scale) * p * (dp - r[:, None])
-                    dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-                    dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                    dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-                    add_rows(dV, chunk_row0 * row_stride + h * D, s0, S, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
-                    add_rows(dK, chunk_row0 * row_stride + h * D, s0, S, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
-            tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + q_block, dw)
+                add_rows(dV, chunk_row0 * row_stride + h * D, s0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
+                add_rows(dK, chunk_row0 * row_stride + h * D, s0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
+        tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + q_block, dw)
     store_rows(dQ, q_base, row0, main_rows, D, row_stride, dq, BLOCK_Q, BLOCK_D)
-    if TAIL > 0:
-        if has_tail:
-            store_rows(dQ, q_base, main_rows, Lq, D, row_stride, tdq, TAIL, BLOCK_D)
+    if TAIL > 0:  # rows past t_end (every row outside the last block) are not stored
+        store_rows(dQ, q_base, main_rows, t_end, D, row_stride, tdq, TAIL, BLOCK_D)
 
 
 _TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
