@@ -29,8 +29,8 @@ from farsight.eval.efficiency import format_table
 
 # argument name -> Triton type, per kernel family; other scalars are i32
 POINTER_DTYPE_ARGS = ("QU", "KU", "VU", "QC", "KC", "VC", "Snap", "dO", "dQU", "dKC", "dVC", "Q", "K", "V", "Out", "dQ")
-FP32_ARGS = ("Dsum", "Lse", "Acc", "M", "L", "Delta", "dQC", "dVU", "dKU", "Weight", "dK", "dV", "dWPart")
-INT64_ARGS = ("KeyMask", "Index")
+FP32_ARGS = ("Dsum", "Lse", "Acc", "M", "L", "Delta", "dQC", "dVU", "dKU", "Weight", "dK", "dV", "dWPart", "RowTerm")
+INT64_ARGS = ("KeyMask", "Index", "Slots", "Offsets")
 
 
 def signature(fn, dtype: str, constexprs: dict) -> dict:
@@ -90,7 +90,9 @@ def cases(dim: int) -> list[tuple[str, object, dict, list[tuple[int, int]]]]:
         ("castle forward: diagonal", castle_kernels._castle_fwd_diag_kernel, castle, [(4, 1)]),
         ("castle backward", castle_kernels._castle_bwd_kernel, castle_backward, [(4, 1), (8, 1)]),
         ("gca forward", gca_kernels._gca_fwd_kernel, {**gca, "SOFTMAX_ONE": True}, [(4, 2), (8, 2)]),
-        ("gca backward", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True}, [(4, 2), (8, 1)]),
+        ("gca backward, atomic", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True, "KEY_GRADS": True}, [(4, 2)]),
+        ("gca backward, rows", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True, "KEY_GRADS": False}, [(8, 2)]),
+        ("gca backward, dk/dv", gca_kernels._gca_bwd_kv_kernel, gca, [(8, 2)]),
     ]
 
 

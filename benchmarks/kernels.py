@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import farsight.ops.castle.triton as castle_triton
+import farsight.ops.gca.triton as gca_kernels
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, time_fn, write_json
 from farsight.ops.castle import castle_attention
 from farsight.ops.gca import gca
@@ -236,15 +237,18 @@ def run_gca(plan: dict, quick: bool) -> list[dict]:
             [q, k, v, weight],
         )
         print(f"  gca B={batch} T={steps}: triton vs torch path rel. RMS {error:.2e}", flush=True)
-        for backend in ("triton", "torch"):
+        for impl in ("triton-split", "triton-atomic", "torch"):
+            backend, _, layout = impl.partition("-")
+            if layout:
+                gca_kernels.BACKWARD = layout
             result = measure(partial(gca, q, k, v, index, weight, backend=backend), [q, k, v, weight], quick)
-            row = {"case": f"B={batch} T={steps}", "impl": backend, **rates(result, fwd_f, fb_f)}
+            row = {"case": f"B={batch} T={steps}", "impl": impl, **rates(result, fwd_f, fb_f)}
             row["sdpa f+b TF/s"] = sdpa["f+b TF/s"]
             row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
+            row["vs torch path"] = error if impl == "triton-split" else None
             rows.append(row)
-            print(
-                f"  gca {row['case']} {backend}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
-            )
+            print(f"  gca {row['case']} {impl}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True)
+        gca_kernels.BACKWARD = "split"
         del q, k, v, weight, index
     return rows
 

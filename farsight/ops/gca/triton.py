@@ -22,9 +22,11 @@ next slot's chunk. Two layouts matter for speed:
   than a second BLOCK_Q-row block holding one real row, the last block carries a TAIL-row tile
   for the rows past the last full block and reuses the block's key tiles for it.
 
-dk/dv are accumulated with fp32 atomics (one add per slot, the tail's share included) because
-any number of query chunks, or one chunk twice, may retrieve the same memory chunk; their
-summation order, and so their last bits, vary from run to run on GPU.
+Any number of query chunks, or one chunk twice, may retrieve the same memory chunk, so dk/dv
+gather contributions from many programs. By default (`BACKWARD = "split"`) a second, key-major
+kernel walks the inverted index and writes each chunk's dk/dv once (deterministic); the
+"atomic" layout adds them with fp32 atomics from the query-major kernel instead, whose
+summation order, and so last bits, vary from run to run on GPU.
 
 This module needs triton; `farsight.ops.gca` imports it on first use only. For CPU tensors set
 TRITON_INTERPRET=1 before importing it (the kernels are created at import).
@@ -277,6 +279,7 @@ def _gca_bwd_kernel(
     dK,
     dV,
     dWPart,
+    RowTerm,
     n_chunks,
     m_chunks,
     Lq,
@@ -293,9 +296,12 @@ def _gca_bwd_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ONE_TILE: tl.constexpr,
+    KEY_GRADS: tl.constexpr,
 ):
     """dQ like Q; dK/dV [B, m, S, H, D] fp32, zero-initialised, accumulated atomically;
     dWPart [B, n, N_SLOTS, H, n_query_blocks] fp32, zero-initialised: per-program parts of dweight.
+    Without KEY_GRADS (only with ONE_TILE) dK/dV are left to `_gca_bwd_kv_kernel` and the row
+    term r = rowsum(P * dP) it needs goes to RowTerm [B, n, N_SLOTS, H, Lq] fp32.
 
     No softmax_one flag: the saved logsumexp already includes the zero logit, so
     P = exp(scores - lse) is the right probability either way, and softmax_1 has softmax's
@@ -339,9 +345,12 @@ def _gca_bwd_kernel(
             r = tl.sum(p * dp, 1)  # rowsum(dO * o_j): dweight's share of these rows
             ds = (w * scale) * p * (dp - r[:, None])  # gradient of the unscaled q.k products
             dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-            dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
             dw = tl.sum(r, 0)
+            if KEY_GRADS:
+                dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+                dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+            else:
+                tl.store(RowTerm + lse_base + rows, r, mask=row_ok)
             if TAIL > 0:
                 t_lse = tl.load(Lse + lse_base + t_rows, mask=t_row_ok, other=0.0)
                 tp = _probabilities(tq, k_t, t_lse, t_row_ok, s_ok, scale, DOT_PRECISION)
@@ -349,11 +358,15 @@ def _gca_bwd_kernel(
                 tr = tl.sum(tp * tdp, 1)
                 tds = (w * scale) * tp * (tdp - tr[:, None])
                 tdq += tl.dot(tds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-                dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
-                dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
                 dw += tl.sum(tr, 0)
-            add_rows(dV, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
-            add_rows(dK, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
+                if KEY_GRADS:
+                    dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
+                    dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
+                else:
+                    tl.store(RowTerm + lse_base + t_rows, tr, mask=t_row_ok)
+            if KEY_GRADS:
+                add_rows(dV, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
+                add_rows(dK, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
         else:
             # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
             r = tl.zeros([BLOCK_Q], dtype=tl.float32)
@@ -383,9 +396,111 @@ def _gca_bwd_kernel(
         store_rows(dQ, q_base, main_rows, t_end, D, row_stride, tdq, TAIL, BLOCK_D)
 
 
+@triton.jit
+def _kv_rows(
+    Q, dO, Lse, RowTerm, k_t, v_t, s_ok, w, q_base, lse_base, row0, end, D, row_stride, scale,
+    DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """(dk, dv) [BLOCK_S, BLOCK_D] of one retrieval from its query rows [row0, end) in one tile."""
+    rows = row0 + tl.arange(0, ROWS)
+    row_ok = rows < end
+    q = load_rows(Q, q_base, row0, end, D, row_stride, ROWS, BLOCK_D)
+    do = load_rows(dO, q_base, row0, end, D, row_stride, ROWS, BLOCK_D)
+    lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
+    r = tl.load(RowTerm + lse_base + rows, mask=row_ok, other=0.0)
+    p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
+    dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
+    ds = (w * scale) * p * (dp - r[:, None])
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
+    dv = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _gca_bwd_kv_kernel(
+    Q,
+    K,
+    V,
+    KeyMask,
+    Weight,
+    Lse,
+    RowTerm,
+    dO,
+    dK,
+    dV,
+    Slots,
+    Offsets,
+    m_chunks,
+    Lq,
+    main_rows,
+    S,
+    H,
+    D,
+    N_SLOTS,
+    scale,
+    HAS_KEY_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TAIL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """dK/dV of memory chunk pid0 (b * m + c) and head pid1, owned by this program alone (no
+    atomics, the same bits every run): it walks the slots that retrieved the chunk,
+    Slots[Offsets[c] : Offsets[c + 1]] (global slot ids (b * n + t) * N_SLOTS + j), and adds each
+    one's share from its query rows, with the row term r the query-major kernel stored.
+    dK/dV [B, m, S, H, D] in the input dtype; one tile holds the chunk (S <= BLOCK_S)."""
+    bc = tl.program_id(0)
+    h = tl.program_id(1)
+    row_stride = H * D
+    base = bc.to(tl.int64) * S * row_stride + h * D
+    k_t = load_rows(K, base, 0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    v_t = load_rows(V, base, 0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    tile = tl.arange(0, BLOCK_S)
+    dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for e in range(tl.load(Offsets + bc), tl.load(Offsets + bc + 1)):
+        slot = tl.load(Slots + e)
+        w = tl.load(Weight + slot).to(tl.float32)
+        s_ok = tile < S
+        if HAS_KEY_MASK:
+            s_ok = s_ok & (tl.load(KeyMask + slot * S + tile, mask=s_ok, other=0) != 0)
+        q_base = (slot // N_SLOTS) * Lq * row_stride + h * D
+        lse_base = (slot * H + h) * Lq
+        for row0 in range(0, main_rows, BLOCK_Q):
+            dk_r, dv_r = _kv_rows(
+                Q, dO, Lse, RowTerm, k_t, v_t, s_ok, w, q_base, lse_base, row0, main_rows, D, row_stride, scale,
+                DOT_PRECISION, BLOCK_Q, BLOCK_D,
+            )  # fmt: skip
+            dk += dk_r
+            dv += dv_r
+        if TAIL > 0:
+            dk_r, dv_r = _kv_rows(
+                Q, dO, Lse, RowTerm, k_t, v_t, s_ok, w, q_base, lse_base, main_rows, Lq, D, row_stride, scale,
+                DOT_PRECISION, TAIL, BLOCK_D,
+            )  # fmt: skip
+            dk += dk_r
+            dv += dv_r
+    store_rows(dK, base, 0, S, D, row_stride, dk, BLOCK_S, BLOCK_D)
+    store_rows(dV, base, 0, S, D, row_stride, dv, BLOCK_S, BLOCK_D)
+
+
 _TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
 _gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(8, 2))
-_gca_bwd_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
+# The query-major backward in each layout, and the key-major one; launch settings from
+# `benchmarks/kernel_resources.py` (Triton 3.6, d=64, S=64): with its dk/dv products and atomics
+# the query-major kernel spills 0.9-1.1 KB per thread at 4 warps (0.4 at 8, which ran slower on an
+# H200); without them 48 bytes at 8 warps; the key-major kernel none at 8 warps.
+_gca_bwd_atomic_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
+_gca_bwd_rows_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(8, 2))
+_gca_bwd_kv_kernel = autotuned(_gca_bwd_kv_kernel, _TILES, default=(8, 2))
+
+# The backward's layout: "split" (the query-major kernel stores the row term, and a key-major
+# kernel over the inverted index writes each chunk's dk/dv once: no atomics, the same bits every
+# run, two more products per slot) or "atomic" (the query-major kernel adds each slot's dk/dv
+# with fp32 atomics). "split" needs a chunk in one key tile (S <= 64 by default); other shapes
+# take "atomic".
+BACKWARD = "split"
 
 
 def row_layout(lq: int, block_q: int | None) -> tuple[int, int, int]:
@@ -447,22 +562,46 @@ class _GCATriton(torch.autograd.Function):
         q, k, v, index, weight, mask, lse = ctx.saved_tensors
         batch, n, lq, heads, dim = q.shape
         m, s, n_slots = k.shape[1], k.shape[2], index.shape[2]
+        one_tile = s <= ctx.meta["BLOCK_S"]
+        split = BACKWARD == "split" and one_tile
         do = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros_like(q)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dk = torch.zeros(k.shape, dtype=k.dtype if split else torch.float32, device=k.device)
         dv = torch.zeros_like(dk)
         dw_part = torch.zeros(batch, n, n_slots, heads, ctx.grid[1], dtype=torch.float32, device=q.device)
+        row_term = torch.empty_like(lse) if split else lse  # unused by the atomic layout
         if m > 0 and q.numel() > 0:
             with torch.cuda.device_of(q):  # launch on q's GPU (no-op on CPU)
-                _gca_bwd_kernel[ctx.grid](
-                    q, k, v, mask, index, weight, lse, do, dq, dk, dv, dw_part,
+                kernel = _gca_bwd_rows_kernel if split else _gca_bwd_atomic_kernel
+                kernel[ctx.grid](
+                    q, k, v, mask, index, weight, lse, do, dq, dk, dv, dw_part, row_term,
                     n, m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale,
-                    ONE_TILE=s <= ctx.meta["BLOCK_S"], **ctx.meta,
+                    ONE_TILE=one_tile, KEY_GRADS=not split, **ctx.meta,
                 )  # fmt: skip
+                if split:
+                    slots, offsets = _retrievals_by_chunk(index, m)
+                    _gca_bwd_kv_kernel[(batch * m, heads)](
+                        q, k, v, mask, weight, lse, row_term, do, dk, dv, slots, offsets,
+                        m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale, **ctx.meta,
+                    )  # fmt: skip
         q_dtype, k_dtype, v_dtype, w_dtype = ctx.dtypes
-        # Empty slots were never written, so their weight gradient is exactly zero.
+        # Empty slots add nothing to dweight (their probabilities are 0), so theirs is exactly zero.
         dw = dw_part.sum(dim=(3, 4))
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, dw.to(w_dtype), None, None, None, None
+
+
+def _retrievals_by_chunk(index: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverted index: global slot ids ((b * n + t) * K + j) sorted by the chunk (b * m + c)
+    they retrieve, and offsets [B * m + 1] so that chunk c's slots are slots[offsets[c]:offsets[c + 1]]."""
+    batch, n, n_slots = index.shape
+    flat = index.reshape(batch, n * n_slots)
+    valid = flat >= 0
+    chunk = (torch.arange(batch, device=index.device)[:, None] * m + flat)[valid]
+    slot = torch.arange(batch * n * n_slots, device=index.device).reshape(batch, -1)[valid]
+    order = torch.argsort(chunk, stable=True)
+    offsets = torch.zeros(batch * m + 1, dtype=torch.long, device=index.device)
+    offsets[1:] = torch.cumsum(torch.bincount(chunk, minlength=batch * m), 0)
+    return slot[order].contiguous(), offsets
 
 
 def gca_triton(
