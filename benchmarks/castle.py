@@ -8,7 +8,8 @@ reports wall times (median of a few runs; one run from T=8192 on) and the peak-m
 of one call. Training cases use B=1, H=1, d=64 so that the memory columns show the scaling in
 T; "fwd" runs under no_grad, "f+b" is one forward and one backward. The speed-target cases use
 one fixed shape (B=1, H=4, d=64, T=2048 and 4096, fp32 and bf16) and also count the matrix-
-product FLOPs of one CASTLE f+b (torch's FlopCounterMode) against causal SDPA's 7 products
+product FLOPs of one CASTLE f+b (torch's FlopCounterMode inside the custom op:
+farsight.ops.library.count_flops) against causal SDPA's 7 products
 (forward QK^T, PV; backward QK^T again, dV, dP, dQ, dK) over the T(T+1)/2 causal pairs: the
 ratio of work that no unfused implementation can go below. The decoding cases time one token against
 a cache of t tokens (B=1, H=8, d=64): castle_decode with its UQ-KV cache vs a standard
@@ -26,7 +27,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from farsight.eval.efficiency import (
     format_table,
@@ -37,6 +37,7 @@ from farsight.eval.efficiency import (
     write_json,
 )
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_parallel_reference, inference
+from farsight.ops.library import count_flops
 
 FULL_STEPS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_STEPS = [256, 512, 1024, 2048]
@@ -97,9 +98,7 @@ def _train_case(case: dict) -> dict:
         if impl == "sdpa":
             result["matmul_flop"] = SDPA_CAUSAL_PRODUCTS * 2 * HEAD_DIM * heads * steps * (steps + 1) // 2
         else:
-            with FlopCounterMode(display=False) as counter:
-                forward_backward()
-            result["matmul_flop"] = counter.get_total_flops()
+            result["matmul_flop"] = count_flops(forward_backward)
         return result
     forward_peak = measure_peak_memory(forward)
     backward_peak = measure_peak_memory(forward_backward)

@@ -7,9 +7,10 @@ and decode latency vs context length.
     d_model and window (d_model 256, 8 layers, 4 heads, W 512; DRT: S 64, K 8, G 1, 2 encoder
     layers), 16K tokens per step (--train-tokens), at T = 1K, 4K, 16K (--train-lengths), on --train-device (default
     the CPU), in each of --train-precisions (the
-    trainer's precisions, default fp32; e.g. fp32,bf16-mixed): time and peak-memory growth,
-    DRT/BaseLM, and the ratio of the matrix-product FLOPs the two steps execute (torch's
-    FlopCounterMode).
+    trainer's precisions, default fp32; e.g. fp32,bf16-mixed), compiled with --train-compile:
+    time and peak-memory growth, DRT/BaseLM, and the ratio of the matrix-product FLOPs the two
+    steps execute (torch's FlopCounterMode, inside farsight's custom ops too:
+    farsight.ops.library.count_flops).
 (b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M; one session per
@@ -47,7 +48,6 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import farsight.ops.retrieval
 from farsight.data.token_files import load_token_dataset
@@ -62,6 +62,7 @@ from farsight.eval.efficiency import (
 )
 from farsight.eval.needle import format_length, parse_length
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerForCausalLM, load_model
+from farsight.ops.library import count_flops
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes
 from farsight.train.config import PRECISIONS
 
@@ -86,18 +87,19 @@ def _train_model(name: str) -> torch.nn.Module:
 def _train_case(case: dict) -> dict:
     device = torch.device(case["device"])
     ids = torch.randint(0, 256, (max(1, case["tokens"] // case["length"]), case["length"]))
-    step = training_step(_train_model(case["model"]).to(device), ids.to(device), case["precision"])
-    # The step's matrix-product FLOPs. Triton kernels and FlexAttention are opaque to (or refuse)
-    # FlopCounterMode, so on a GPU they are counted on the CPU path for one sequence, times the rows.
-    with FlopCounterMode(display=False) as flops:
-        if device.type == "cpu":
-            step()
-        else:
-            training_step(_train_model(case["model"]), ids[:1], "fp32")()
-    rows = 1 if device.type == "cpu" else ids.shape[0]
+    model = _train_model(case["model"]).to(device)
+    step = training_step(model, ids.to(device), case["precision"], compile=case.get("compile", False))
+    # The step's matrix-product FLOPs (count_flops: FlopCounterMode seeing inside farsight's
+    # custom ops). Triton kernels and FlexAttention are opaque to (or refuse) the counter, so on
+    # a GPU they are counted on the CPU path for one sequence, times the rows.
+    if device.type == "cpu":
+        flops = count_flops(step)  # also the first step, which holds a compilation
+    else:
+        step()
+        flops = count_flops(training_step(_train_model(case["model"]), ids[:1], "fp32")) * ids.shape[0]
     peak = measure_peak_memory(step, device)
     seconds = time_fn(step, device, warmup=1 if device.type == "cuda" else 0, repeat=case["repeat"])
-    return {"step_s": seconds, "peak_mb": peak / 2**20, "gflop": flops.get_total_flops() * rows / 1e9}
+    return {"step_s": seconds, "peak_mb": peak / 2**20, "gflop": flops / 1e9}
 
 
 def _stream_model() -> DRTForCausalLM:
@@ -274,6 +276,9 @@ def main() -> None:
         help="parts (b) and (d) also under glibc's default malloc settings (no tune_malloc)",
     )
     parser.add_argument("--train-device", default="cpu", help="device of part (a), e.g. cuda (default cpu)")
+    parser.add_argument(
+        "--train-compile", action="store_true", help="part (a) with the blocks and loss compiled (train.compile)"
+    )
     parser.add_argument("--train-lengths", help="sequence lengths of part (a) (default 1k,4k,16k; 1k,4k with --quick)")
     parser.add_argument(
         "--train-tokens", type=int, default=TRAIN_TOKENS, help=f"tokens per training step (default {TRAIN_TOKENS})"
@@ -313,6 +318,7 @@ def main() -> None:
                     "repeat": 1 if args.quick else 3,
                     "device": args.train_device,
                     "tokens": args.train_tokens,
+                    "compile": args.train_compile,
                 }
                 r = run_isolated(_train_case, case)
                 row[f"{name} step s"] = r.get("step_s")

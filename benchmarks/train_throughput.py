@@ -23,6 +23,26 @@ A precision written NAME:torch (e.g. bf16-mixed:torch) times NAME with torch's o
 every matrix product: on a CPU without bf16 (or fp16) matrix instructions the trainer runs those
 products as fp32 GEMMs (farsight.ops.precision.widened_matmuls), and this is the baseline that
 measures what that buys. Elsewhere the two are the same.
+
+    python benchmarks/train_throughput.py --utilisation [--models baselm,drt-x1,drt-x2,causal,castle]
+        [--d-models 256,512] [--precisions fp32,bf16-mixed] [--compile off,on] [--length 4096]
+        [--tokens 16384] [--steps 3] [--flops-from JSON] [--json PATH]
+
+--utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
+measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and
+bf16). Each model (8 layers, 64-dim heads, byte vocabulary; `baselm`: sliding window 512 +
+ALiBi, the DRT paper's BaseLM; `drt-x1` / `drt-x2`: DRT with one / two retrieval groups, chunk
+64, top 8, 2 encoder layers, window 512; `causal`: full attention (SDPA) + RoPE; `castle`: CASTLE
++ RoPE) at each d_model then takes full AdamW steps as the trainer takes them
+(farsight.eval.efficiency.training_step: fused AdamW, loss-only forward, denormals flushed) on
+random tokens, --tokens per step in sequences of --length, in each precision, compiled or not
+(--compile, train.compile): tokens/s (median of --steps steps after one untimed step, which
+holds the compilation, reported as compile s), and the achieved TFLOP/s = the model's
+matrix-product FLOPs per token x tokens/s, against both peaks. The FLOPs per token are counted
+once per model with torch's FlopCounterMode on one fp32 sequence (farsight.ops.library.count_flops:
+what the eager step executes, inside farsight's custom ops too, SDPA counted over the causal
+pairs), and serve every precision and compile setting; --flops-from takes them from an earlier
+JSON instead (to time an older farsight, which cannot count them, against the same FLOPs).
 """
 
 from __future__ import annotations
@@ -103,6 +123,164 @@ def _loss_case(case: dict) -> dict:
     last = [loss for _, loss in result.losses[-10:]]
     val = [r["val_loss"] for r in read_metrics(Path(case["out_dir"]) / "metrics.jsonl") if "val_loss" in r]
     return {"train_loss": sum(last) / len(last), "val_loss": val[-1], "seconds": seconds}
+
+
+UTIL_MODELS = ("baselm", "drt-x1", "drt-x2", "causal", "castle")
+UTIL_LAYERS = 8
+HEAD_DIM = 64
+PEAK_SIZES = (2048, 4096)
+
+
+def util_model(name: str, d_model: int) -> torch.nn.Module:
+    """The benchmark's model `name` at `d_model` (see the module doc), seeded."""
+    from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {"vocab_size": 260, "d_model": d_model, "n_layers": UTIL_LAYERS, "n_heads": d_model // HEAD_DIM}
+    if name in ("baselm", "drt-x1", "drt-x2"):
+        groups = 2 if name == "drt-x2" else 1
+        config = DRTConfig(**sizes, chunk_size=64, window=512, top_k=8, groups=groups, encoder_layers=2)
+        return DRTForCausalLM(config) if name.startswith("drt") else TransformerForCausalLM(config.block_config())
+    return TransformerForCausalLM(TransformerConfig(**sizes, attention=name))
+
+
+def _peak_case(case: dict) -> dict:
+    """The best matmul TFLOP/s of fp32 and bf16 over PEAK_SIZES (and each size's), repeated."""
+    peaks = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for n in PEAK_SIZES:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            seconds = time_fn(lambda a=a, b=b: a @ b, warmup=2, repeat=case["repeat"])
+            peaks[f"{name} {n}^2"] = 2 * n**3 / seconds / 1e12
+        peaks[name] = max(peaks[f"{name} {n}^2"] for n in PEAK_SIZES)
+    return peaks
+
+
+def _flops_case(case: dict) -> dict:
+    """Matrix-product FLOPs per token of one fp32 eager training step on one sequence."""
+    from farsight.ops.library import count_flops
+
+    model = util_model(case["model"], case["d_model"])
+    ids = torch.randint(0, 256, (1, case["length"]))
+    step = training_step(model, ids, "fp32")
+    return {"flops_per_token": count_flops(step) / ids.numel()}
+
+
+def _util_case(case: dict) -> dict:
+    """Time the trainer's step of one model in one precision, compiled or not."""
+    import statistics
+
+    model = util_model(case["model"], case["d_model"])
+    length = case["length"]
+    ids = torch.randint(0, 256, (max(1, case["tokens"] // length), length))
+    # uncompiled, the call an older farsight takes too (the baseline run, with --flops-from)
+    options = {"compile": True} if case["compile"] else {}
+    step = training_step(model, ids, case["precision"], **options)
+    compile_s = 0.0
+    start = time.perf_counter()
+    if case["compile"]:
+        from farsight.train.compile import CompileClock
+
+        with CompileClock() as clock:
+            step()
+        compile_s = clock.seconds
+    else:
+        step()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(case["steps"]):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    return {"step_s": seconds, "tokens_per_s": ids.numel() / seconds, "first_step_s": first, "compile_s": compile_s}
+
+
+def utilisation(
+    models: list[str],
+    d_models: list[int],
+    precisions: list[str],
+    compile_settings: list[bool],
+    length: int,
+    tokens: int,
+    steps: int,
+    flops_from: str | None,
+) -> dict:
+    import json
+
+    start = time.perf_counter()
+    peaks = run_isolated(_peak_case, {"repeat": 5})
+    print(f"  peaks: fp32 {peaks.get('fp32', 0):.3f}, bf16 {peaks.get('bf16', 0):.3f} TFLOP/s", flush=True)
+    known = {}
+    if flops_from:
+        for row in json.loads(Path(flops_from).read_text())["utilisation_rows"]:
+            known[(row["model"], row["d_model"])] = row.get("MFLOP/token")
+    rows = []
+    for d_model in d_models:
+        for model in models:
+            mflop = known.get((model, d_model))
+            if mflop is None and not flops_from:
+                counted = run_isolated(_flops_case, {"model": model, "d_model": d_model, "length": length})
+                mflop = counted["flops_per_token"] / 1e6 if "flops_per_token" in counted else None
+            for precision in precisions:
+                for compiled in compile_settings:
+                    case = {
+                        "model": model,
+                        "d_model": d_model,
+                        "precision": precision,
+                        "compile": compiled,
+                        "length": length,
+                        "tokens": tokens,
+                        "steps": steps,
+                    }
+                    result = run_isolated(_util_case, case, timeout=3600)
+                    row = {
+                        "model": model,
+                        "d_model": d_model,
+                        "precision": precision,
+                        "compile": "on" if compiled else "off",
+                        "MFLOP/token": mflop,
+                    }
+                    if "error" in result:
+                        row["error"] = result["error"]
+                    else:
+                        row |= {
+                            "tok/s": result["tokens_per_s"],
+                            "step s": result["step_s"],
+                            "compile s": result["compile_s"] if compiled else None,
+                        }
+                        if mflop:
+                            achieved = mflop * 1e6 * result["tokens_per_s"] / 1e12
+                            row["TFLOP/s"] = achieved
+                            row["% bf16 peak"] = 100 * achieved / peaks["bf16"] if peaks.get("bf16") else None
+                            row["% fp32 peak"] = 100 * achieved / peaks["fp32"] if peaks.get("fp32") else None
+                    rows.append(row)
+                    print(
+                        f"  {model} d{d_model} {precision} compile {row['compile']}: "
+                        f"{row.get('tok/s', 0):.0f} tok/s ({time.perf_counter() - start:.0f}s)",
+                        flush=True,
+                    )
+    for row in rows:  # compile's speedup over the same case uncompiled
+        off = next(
+            (
+                r
+                for r in rows
+                if r["compile"] == "off"
+                and (r["model"], r["d_model"], r["precision"]) == (row["model"], row["d_model"], row["precision"])
+            ),
+            None,
+        )
+        if row["compile"] == "on" and off and off.get("tok/s") and row.get("tok/s"):
+            row["compile speedup"] = row["tok/s"] / off["tok/s"]
+    columns = ["model", "d_model", "precision", "compile", "tok/s", "step s", "compile s", "MFLOP/token"]
+    columns += ["TFLOP/s", "% bf16 peak", "% fp32 peak", "compile speedup"]
+    columns += ["error"] if any("error" in r for r in rows) else []
+    print(
+        f"\nTraining utilisation, {UTIL_LAYERS} layers, {HEAD_DIM}-dim heads, {tokens} tokens/step at T={length}, "
+        f"{torch.get_num_threads()} threads; peaks: fp32 {peaks.get('fp32', 0):.3f}, bf16 {peaks.get('bf16', 0):.3f} TFLOP/s"
+    )
+    print(format_table(rows, columns))
+    return {"peaks_tflops": peaks, "length": length, "tokens_per_step": tokens, "utilisation_rows": rows}
 
 
 def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
@@ -223,8 +401,36 @@ def main() -> None:
         help="instead of timing, compare the losses after N training steps",
     )
     parser.add_argument("--seeds", type=int, default=3, help="with --loss-steps: train seeds 0..N-1 (default 3)")
+    parser.add_argument(
+        "--utilisation", action="store_true", help="tokens/s and TFLOP/s against the host's matmul peaks"
+    )
+    parser.add_argument(
+        "--models", default=",".join(UTIL_MODELS), help=f"with --utilisation (default {','.join(UTIL_MODELS)})"
+    )
+    parser.add_argument("--d-models", default="256,512", help="with --utilisation: model widths (default 256,512)")
+    parser.add_argument("--compile", default="off,on", help="with --utilisation: off, on or off,on (default)")
+    parser.add_argument("--length", type=int, default=4096, help="with --utilisation: sequence length (default 4096)")
+    parser.add_argument("--tokens", type=int, default=16384, help="with --utilisation: tokens per step (default 16384)")
+    parser.add_argument("--steps", type=int, default=3, help="with --utilisation: timed steps per case (default 3)")
+    parser.add_argument("--flops-from", help="with --utilisation: FLOPs per token from this earlier --json")
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args()
+    if args.utilisation:
+        precisions = _names(args.precisions, PRECISIONS, "precisions")
+        settings = [{"off": False, "on": True}[x] for x in _names(args.compile, ("off", "on"), "compile")]
+        payload = {"benchmark": "train_utilisation", "machine": machine_description()}
+        payload |= utilisation(
+            _names(args.models, UTIL_MODELS, "models"),
+            [int(x) for x in args.d_models.split(",")],
+            precisions,
+            settings,
+            args.length,
+            args.tokens,
+            args.steps,
+            args.flops_from,
+        )
+        write_json(args.json, payload)
+        return
     kinds = _names(args.kinds, KINDS, "kinds")
     precisions = _names(args.precisions, PRECISIONS + tuple(f"{p}:torch" for p in PRECISIONS), "precisions")
     payload = {"benchmark": "train_throughput", "machine": machine_description()}

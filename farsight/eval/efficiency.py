@@ -23,7 +23,7 @@ from torch import nn
 
 from farsight.files import atomic_write, new_folders_for, reported_write
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss, tune_malloc
-from farsight.train.precision import resolve_precision
+from farsight.train.precision import flush_denormals, resolve_precision
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -53,31 +53,39 @@ def time_fn(
 
 
 def training_step(
-    model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True
+    model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True, compile: bool = False
 ) -> Callable[[], None]:
-    """One AdamW step (lr 1e-4) of `model` on `ids` [B, T] as their own labels, in the trainer's
-    precision `precision` (train.precision.MODES): parameters cast, autocast around the forward,
-    loss scaling for fp16, and, with `widen`, the bf16/fp16 products of a CPU without matrix
-    instructions for them run as fp32 GEMMs as the trainer runs them (widen=False keeps torch's
-    own kernels: the baseline that measures what widening buys). The optimizer state is
-    allocated on the first call."""
+    """One AdamW step (lr 1e-4) of `model` on `ids` [B, T] as their own labels, as the trainer
+    takes it: in precision `precision` (train.precision.MODES: parameters cast, autocast around
+    the forward, loss scaling for fp16), a loss-only forward (the chunked loss for large
+    vocabularies), AdamW's fused kernel on a CPU, denormals flushed on a CPU
+    (`flush_denormals`) and, with `compile`, the blocks and the loss compiled
+    (`farsight.train.compile`; on the first call). With `widen` the bf16/fp16 products of a CPU
+    without matrix instructions for them run as fp32 GEMMs as the trainer runs them
+    (widen=False keeps torch's own kernels: the baseline that measures what widening buys). The
+    optimizer state is allocated on the first call."""
+    from farsight.train.compile import compile_model
+
     device = ids.device
     mode = resolve_precision(precision, device)
     mode.cast_parameters(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kernel = {"fused": True} if device.type == "cpu" else {"foreach": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **kernel)
     scaler = mode.grad_scaler(device)
+    if compile:
+        compile_model(model)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with mode.matmuls(device) if widen else contextlib.nullcontext():
+        with flush_denormals(device), mode.matmuls(device) if widen else contextlib.nullcontext():
             with mode.autocast(device):
-                loss = model(ids, labels=ids).loss
+                loss = model(ids, labels=ids, return_logits=False).loss
             (loss if scaler is None else scaler.scale(loss)).backward()
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
+            if scaler is None:
+                optimizer.step()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
 
     return step
 

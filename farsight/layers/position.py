@@ -36,16 +36,22 @@ class RotaryEmbedding(nn.Module):
         # no buffers: model.to(bf16) would round the frequencies (and the angles with them)
         self._cos = self._sin = None
 
+    def _angles(self, size: int, device: torch.device) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=device) * 2 / self.head_dim
+        return torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
+
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            # a compiled block computes its tables in its graph: no cached state to guard on
+            # (the first call would otherwise compile the block twice, before and after the cache)
+            angles = self._angles(length, device)
+            return angles.cos(), angles.sin()
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
             size = max(length, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             # plain tensors even when first built inside a session's inference mode: a later
             # training forward must be able to save them for backward
             with torch.inference_mode(False):
-                exponents = torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=device) * 2 / self.head_dim
-                angles = (
-                    torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
-                )
+                angles = self._angles(size, device)
                 self._cos, self._sin = angles.cos(), angles.sin()
         return self._cos, self._sin
 

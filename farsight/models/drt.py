@@ -39,7 +39,7 @@ from farsight.layers import (
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss
+from farsight.models.lm import CausalLMOutput, PretrainedLM
 from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
@@ -495,6 +495,7 @@ class DRTForCausalLM(PretrainedLM):
         loss_weights: torch.Tensor | None = None,
         return_retrieval: bool = False,
         attention_mask: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
 
@@ -503,7 +504,8 @@ class DRTForCausalLM(PretrainedLM):
         masks the padding out of every attention and of retrieval; the chunk grid starts at the
         first column either way, and the logits at padding positions are meaningless. With
         return_retrieval, `retrieval` is a RetrievalInfo (row t of each group: the chunks
-        retrieved by chunk t's landmark, used by chunk t+1).
+        retrieved by chunk t's landmark, used by chunk t+1). return_logits=False (with labels):
+        the loss alone, logits None (`logits_and_loss`).
         """
         input_ids = self.check_input_ids(input_ids)
         length = input_ids.shape[1]
@@ -513,8 +515,7 @@ class DRTForCausalLM(PretrainedLM):
         record = RetrievalInfo([], []) if return_retrieval else None
         state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record, pad=pad)
         h = self.run_span(self.to_slots(input_ids), state)
-        logits = self.lm_head(self.norm(self.real_rows(h, length)))
-        loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
+        logits, loss = self.logits_and_loss(self.real_rows(h, length), labels, loss_weights, return_logits)
         return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
 
     def reserved_ids(self) -> dict[str, int]:

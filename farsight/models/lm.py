@@ -35,7 +35,7 @@ class CausalLMOutput:
     """loss: mean next-token cross-entropy (None without labels); logits [B, T, V] for real tokens."""
 
     loss: torch.Tensor | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when the forward was asked for the loss alone (return_logits=False)
     retrieval: Any = None
 
 
@@ -45,18 +45,98 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     weights [B, T] (optional) scale each target token's loss (weights[t + 1] for the prediction made
     at t); the loss is the weighted mean, so answer tokens can count more than context tokens.
     """
-    if labels.shape != logits.shape[:2]:
-        raise InputError(f"labels must have shape {list(logits.shape[:2])} (batch, tokens), got {list(labels.shape)}")
-    targets = labels[:, 1:]
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none")
-    valid = (targets != -100).flatten().to(ce.dtype)
+    targets, valid = _loss_targets(labels, weights, logits.shape, torch.float32)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="none")
+    return (ce * valid).sum() / valid.sum().clamp(min=1e-8)
+
+
+# From this vocabulary size on a loss-only forward (return_logits=False, what the trainer asks
+# for) takes the chunked cross-entropy: a GPT-2-sized head (50257 ids) over 16K tokens would
+# otherwise hold [tokens, vocab] logits in fp32 (3.3 GB) and their gradient. Below it the
+# plain loss is faster (one GEMM, one fused log-softmax).
+CHUNKED_LOSS_MIN_VOCAB = 8192
+# Rows (tokens) per chunk: [rows, vocab] logits in fp32 are about 400 MB at 50257 ids.
+CHUNKED_LOSS_ROWS = 2048
+
+
+def _loss_targets(
+    labels: torch.Tensor, weights: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets [N], per-row loss weights [N] in `dtype`: 0 for ignored labels) of the predictions
+    at positions 0..T-2 for logits of `shape` [B, T, ...]."""
+    if labels.shape != shape[:2]:
+        raise InputError(f"labels must have shape {list(shape[:2])} (batch, tokens), got {list(labels.shape)}")
+    targets = labels[:, 1:].flatten()
+    valid = (targets != -100).to(dtype)
     if weights is not None:
         if weights.shape != labels.shape:
             raise InputError(
                 f"loss weights must have the shape of labels {list(labels.shape)}, got {list(weights.shape)}"
             )
-        valid = valid * weights[:, 1:].flatten().to(ce.dtype)
-    return (ce * valid).sum() / valid.sum().clamp(min=1e-8)
+        valid = valid * weights[:, 1:].flatten().to(dtype)
+    return targets, valid
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(h_i W^T, t_i) over row chunks, never holding more than one chunk's logits.
+
+    The backward recomputes each chunk's logits from the saved hidden rows and the per-row
+    logsumexp. Products in the inputs' dtype (autocast's, cast by the caller), softmax and
+    statistics in fp32, the head weight's gradient summed over the chunks in fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, row_weights, rows):  # type: ignore[override]
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        safe = targets.clamp(min=0)
+        for start in range(0, hidden.shape[0], rows):
+            stop = min(start + rows, hidden.shape[0])
+            logits = (hidden[start:stop] @ weight.t()).float()
+            lse[start:stop] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe[start:stop, None])[:, 0]
+            total += ((lse[start:stop] - picked) * row_weights[start:stop]).sum()
+        ctx.save_for_backward(hidden, weight, safe, row_weights, lse)
+        ctx.rows = rows
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):  # type: ignore[override]
+        hidden, weight, safe, row_weights, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.rows):
+            stop = min(start + ctx.rows, hidden.shape[0])
+            logits = (hidden[start:stop] @ weight.t()).to(lse.dtype)
+            grad = logits.sub_(lse[start:stop, None]).exp_()
+            grad.scatter_add_(1, safe[start:stop, None], grad.new_full((stop - start, 1), -1.0))
+            grad = grad.mul_((row_weights[start:stop] * grad_total)[:, None]).to(hidden.dtype)
+            grad_hidden[start:stop] = grad @ weight
+            grad_weight += grad.t() @ hidden[start:stop]
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def chunked_causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    rows: int = CHUNKED_LOSS_ROWS,
+) -> torch.Tensor:
+    """`causal_lm_loss(hidden @ weight.T, labels, weights)` without the [B, T, V] logits.
+
+    hidden [B, T, D] (the final norm's output), weight [V, D] (the LM head's). Under autocast the
+    products run in the autocast dtype, as the head's nn.Linear would; the loss and the softmax
+    are fp32, as in `causal_lm_loss`. Equal to the plain loss up to the order of fp32 sums.
+    """
+    targets, row_weights = _loss_targets(labels, weights, hidden.shape, torch.float32)
+    device_type = hidden.device.type
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False):
+        flat = hidden[:, :-1].reshape(-1, hidden.shape[-1]).to(dtype)
+        total = _ChunkedCrossEntropy.apply(flat, weight.to(dtype), targets, row_weights, rows)
+    return total / row_weights.sum().clamp(min=1e-8)
 
 
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, forbidden: dict[str, int] | None = None) -> torch.Tensor:
@@ -102,6 +182,24 @@ class PretrainedLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def logits_and_loss(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None,
+        loss_weights: torch.Tensor | None,
+        return_logits: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The final norm, the LM head and the loss over final hidden states [B, T, D]: (logits
+        [B, T, V] or None, loss or None). A loss-only call (return_logits=False, with labels) of a
+        model with at least CHUNKED_LOSS_MIN_VOCAB ids takes `chunked_causal_lm_loss`.
+        `farsight.train.compile` compiles this method for training."""
+        normed = self.norm(hidden)
+        if not return_logits and labels is not None and self.config.vocab_size >= CHUNKED_LOSS_MIN_VOCAB:
+            return None, chunked_causal_lm_loss(normed, self.lm_head.weight, labels, loss_weights)
+        logits = self.lm_head(normed)
+        loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
+        return (logits if return_logits or labels is None else None), loss
 
     def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] or [T] token ids -> [B, T] long; refuses ids the model does not take."""

@@ -17,7 +17,7 @@ from torch import nn
 from farsight.config import ConfigBase, require
 from farsight.errors import InputError
 from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, swiglu_hidden_size
-from farsight.models.lm import CausalLMOutput, PretrainedLM, causal_lm_loss, check_input_ids
+from farsight.models.lm import CausalLMOutput, PretrainedLM, check_input_ids
 from farsight.models.session import Session
 
 POSITIONS = ("rope", "alibi", "none")
@@ -117,14 +117,15 @@ class TransformerForCausalLM(PretrainedLM):
         labels: torch.Tensor | None = None,
         loss_weights: torch.Tensor | None = None,
         caches: list[Any] | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
-        """input_ids [B, T] -> logits [B, T, V]; with `caches` the ids continue the cached sequence."""
+        """input_ids [B, T] -> logits [B, T, V]; with `caches` the ids continue the cached sequence.
+        return_logits=False (with labels): the loss alone, logits None (`logits_and_loss`)."""
         input_ids = check_input_ids(input_ids, self.config.vocab_size)
         h = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             h = block(h, None if caches is None else caches[i])
-        logits = self.lm_head(self.norm(h))
-        loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
+        logits, loss = self.logits_and_loss(h, labels, loss_weights, return_logits)
         return CausalLMOutput(loss=loss, logits=logits)
 
     def new_session(

@@ -180,8 +180,10 @@ def test_backward_keeps_no_gathered_copy() -> None:
 
     assert gathered in saved_sizes(gca_reference)  # the hook sees what the naive path keeps
     sizes = saved_sizes(gca_recompute)
-    # Only the inputs themselves and the logsumexp per (slot, batch, chunk, head, row).
-    allowed = {x.numel() for x in (q, k, v, index, weight)} | {n_slots * batch * n * heads * (s + 1)}
+    # Only the inputs themselves and the probabilities per (batch, chunk, head, row, slot, key
+    # and softmax_1's zero key): linear in the sequence like the inputs, without the d factor.
+    lq = q.shape[2]
+    allowed = {x.numel() for x in (q, k, v, index, weight)} | {batch * n * heads * lq * n_slots * (s + 1)}
     assert gathered not in sizes and set(sizes) <= allowed
 
 

@@ -18,6 +18,28 @@ def token_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def sft_dir(tmp_path_factory):
+    """Supervised examples (data.kind: sft) of 24 to about 100 byte tokens, prompt/completion and chat records."""
+    import json
+
+    from farsight.data.sft import prepare_sft
+
+    root = tmp_path_factory.mktemp("sft")
+    records = []
+    for i in range(30):
+        words = " ".join(["fox", "dog", "jumps", "lazy"][(i + j) % 4] for j in range(3 + i % 17))
+        if i % 3:
+            records.append({"prompt": f"{words}. Count {i}:", "completion": f" {i % 7}"})
+        else:
+            messages = [{"role": "user", "content": words}, {"role": "assistant", "content": f"{i % 5} words"}]
+            records.append({"messages": messages})
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = root / "tokens"
+    prepare_sft([root / "train.jsonl"], load_tokenizer("byte"), out, val_fraction=0.2, progress=False)
+    return out
+
+
 def tiny_config(token_dir, out_dir, **train):
     from farsight.train.config import TrainConfig
 
@@ -37,4 +59,13 @@ def tiny_config(token_dir, out_dir, **train):
             **train,
         },
     }
+    return TrainConfig.from_dict(raw)
+
+
+def tiny_sft_config(sft_dir, out_dir, **train):
+    """tiny_config on supervised examples (data.kind: sft)."""
+    from farsight.train.config import TrainConfig
+
+    raw = tiny_config(sft_dir, out_dir, **train).to_dict()
+    raw["data"] = {"kind": "sft", "path": str(sft_dir), "seq_len": 128, "batch_tokens": 256}
     return TrainConfig.from_dict(raw)

@@ -38,16 +38,18 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from farsight.ops.checks import compute_dtype
-from farsight.ops.precision import amp_function
+from farsight.ops.library import custom_op
+from farsight.ops.precision import software_matmul_dtypes
 
 # Tuned on a 2-core AVX-512 CPU (benchmarks/castle.py): fewer, larger key blocks cut Python
 # overhead; a 64-row sub-block balances the diagonal term against the prefix sums.
 DEFAULT_BLOCK_SIZE = 128
 ROW_SUB_BLOCK = 64
-_SCAN_GROUP = 16
+# Up to this many sub-blocks a prefix sum is one matmul with a triangular 0/1 matrix (at 30 it
+# took 0.25 ms where groups of 16 and their padding took 0.72, [4, 30, 8192] fp32, AMX Xeon).
+_SCAN_GROUP = 64
 
 
 @dataclass(frozen=True)
@@ -117,19 +119,30 @@ def lookahead_mask(rows: int, cols: int, window: int | None, device: torch.devic
 
 def _masks(plan: _Plan, dtype: torch.dtype, device: torch.device) -> _Masks:
     # Relative to the start of key block J, the lookahead condition only depends on c - b,
-    # so one mask serves every key block.
+    # so one mask serves every key block. The 0/1 masks of the products are in the operands'
+    # dtype (exact), the scan's in the compute dtype (the prefix sums are accumulators).
+    work = compute_dtype(dtype)
     lookahead = lookahead_mask(plan.block, plan.near_subs(0) * plan.sub, plan.window, device).to(dtype)
     above = torch.ones(plan.block, plan.block, dtype=torch.bool, device=device).triu(1)
     tril = torch.ones(plan.sub, plan.sub, dtype=dtype, device=device).tril()
-    lower = torch.ones(_SCAN_GROUP, _SCAN_GROUP, dtype=dtype, device=device).tril(-1)
+    lower = torch.ones(_SCAN_GROUP, _SCAN_GROUP, dtype=work, device=device).tril(-1)
     return _Masks(lookahead, above, tril, lower, lower.t().contiguous())
 
 
+def operand_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the matrix products of inputs in `dtype` take: fp16/bf16 themselves where the
+    device multiplies them in hardware, else the compute dtype (fp32; fp64 for fp64)."""
+    if dtype in (torch.float16, torch.bfloat16) and dtype not in software_matmul_dtypes(device):
+        return dtype
+    return compute_dtype(dtype)
+
+
 def _pack(x: torch.Tensor, plan: _Plan, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, H, d] -> zero-padded [B * H, T_padded, d] in the compute dtype."""
+    """[B, T, H, d] -> zero-padded [B * H, T_padded, d] in `dtype`."""
     batch, steps, heads, dim = x.shape
-    out = x.new_zeros(batch, heads, plan.padded, dim, dtype=dtype)
+    out = x.new_empty(batch, heads, plan.padded, dim, dtype=dtype)
     out[:, :, :steps] = x.transpose(1, 2)
+    out[:, :, steps:] = 0
     return out.view(batch * heads, plan.padded, dim)
 
 
@@ -182,13 +195,17 @@ def _exclusive_scan(y: torch.Tensor, masks: _Masks, reverse: bool = False) -> to
 
 
 class _KeyBlock(NamedTuple):
-    """Everything about key block j that both passes need (all O(T * block) or O(T d))."""
+    """Everything about key block j that both passes need (all O(T * block) or O(T d)).
+    p and s_u are in the operands' dtype, the sums D in the compute dtype and, as operands of
+    the products that read them, rounded to the operands' (d_excl_op, d_total_op)."""
 
     near: int  # row sub-blocks from start(J) that can hold lookahead tokens of block j
     p: torch.Tensor  # [N, near, block_b, sub_c] lookahead weights P[J, I]
     d_excl: torch.Tensor  # [N, near, block_b, d] D_J^(I) for the near row sub-blocks
     d_total: torch.Tensor  # [N, block_b, d] sum over all c: D_J for rows beyond, and U[J]
     s_u: torch.Tensor  # [N, rows from start(J), block_b] S^U column block
+    d_excl_op: torch.Tensor
+    d_total_op: torch.Tensor
 
 
 def _key_block(
@@ -203,6 +220,7 @@ def _key_block(
 ) -> _KeyBlock:
     """Lookahead weights, D and S^U of key block j (qu and qc pre-scaled)."""
     n, _, dim = qu.shape
+    op, work = qu.dtype, compute_dtype(qu.dtype)
     bk, sub = plan.block, plan.sub
     near, s0 = plan.near_subs(j), j * bk // sub
     c0, c1 = j * bk, j * bk + near * sub
@@ -213,23 +231,25 @@ def _key_block(
     else:
         p_flat.mul_(masks.lookahead[:, : c1 - c0])
     p = p_flat.view(n, bk, near, sub).transpose(1, 2).contiguous()
-    y = torch.matmul(p, _subs(vu, plan)[:, s0 : s0 + near])  # [N, near, block_b, d]
+    y = torch.matmul(p, _subs(vu, plan)[:, s0 : s0 + near]).to(work)  # [N, near, block_b, d]
     d_excl = _exclusive_scan(y.view(n, near, bk * dim), masks).view(n, near, bk, dim)
     d_total = d_excl[:, -1] + y[:, -1]
+    d_excl_op, d_total_op = d_excl.to(op), d_total.to(op)
     s_near = torch.matmul(gram[:, s0 : s0 + near], p.transpose(-1, -2))  # [N, near, sub_a, block_b]
-    s_near += torch.matmul(_subs(qc, plan)[:, s0 : s0 + near], d_excl.transpose(-1, -2))
+    s_near += torch.matmul(_subs(qc, plan)[:, s0 : s0 + near], d_excl_op.transpose(-1, -2))
     s_near = s_near.view(n, near * sub, bk)
     if c1 < plan.padded:
-        s_u = torch.cat([s_near, torch.bmm(qc[:, c1:], d_total.transpose(1, 2))], dim=1)
+        s_u = torch.cat([s_near, torch.bmm(qc[:, c1:], d_total_op.transpose(1, 2))], dim=1)
     else:
         s_u = s_near
-    return _KeyBlock(near, p, d_excl, d_total, s_u)
+    return _KeyBlock(near, p, d_excl, d_total, s_u, d_excl_op, d_total_op)
 
 
 def _scores(j: int, kb: _KeyBlock, qc: torch.Tensor, kc: torch.Tensor, plan: _Plan, masks: _Masks) -> torch.Tensor:
-    """Score column block A[rows >= start(J), J]: [N, rows, block], -inf above the diagonal."""
+    """Score column block A[rows >= start(J), J] in the compute dtype: [N, rows, block], -inf
+    above the diagonal."""
     bk = plan.block
-    score = torch.bmm(qc[:, j * bk :], kc[:, j * bk : (j + 1) * bk].transpose(1, 2))
+    score = torch.bmm(qc[:, j * bk :], kc[:, j * bk : (j + 1) * bk].transpose(1, 2)).to(compute_dtype(qc.dtype))
     score -= F.silu(kb.s_u)
     score[:, :bk].masked_fill_(masks.above_diagonal, float("-inf"))
     return score
@@ -245,19 +265,21 @@ def _forward(
     plan: _Plan,
     want_lookahead: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Packed inputs [N, T_padded, d], qu and qc pre-scaled -> (o, lse [N, T_padded], U or None).
+    """Packed inputs [N, T_padded, d] (the operands' dtype), qu and qc pre-scaled -> (o, lse
+    [N, T_padded], U or None), all in the compute dtype.
 
     Online softmax over key blocks (column-outer): running max, sum and output for all rows.
     U [N, T_padded, d] (the lookahead keys after the whole sequence) when `want_lookahead`.
     """
     n, tp, dim = qu.shape
+    op, work = qu.dtype, compute_dtype(qu.dtype)
     bk = plan.block
-    masks = _masks(plan, qu.dtype, qu.device)
+    masks = _masks(plan, op, qu.device)
     gram = _diagonal_gram(qc, vu, plan, masks)
-    row_max = qu.new_full((n, tp), float("-inf"))
-    row_sum = qu.new_zeros(n, tp)
-    acc = qu.new_zeros(n, tp, dim)
-    lookahead = qu.new_empty(n, tp, dim) if want_lookahead else None
+    row_max = qu.new_full((n, tp), float("-inf"), dtype=work)
+    row_sum = qu.new_zeros(n, tp, dtype=work)
+    acc = qu.new_zeros(n, tp, dim, dtype=work)
+    lookahead = qu.new_empty(n, tp, dim, dtype=work) if want_lookahead else None
     for j in range(plan.n_blocks):
         r0, r1 = j * bk, (j + 1) * bk
         kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks)
@@ -269,7 +291,10 @@ def _forward(
         rescale = (m_old - m_new).exp_()
         weights = score.sub_(m_new.unsqueeze(-1)).exp_()
         row_sum[:, r0:].mul_(rescale).add_(weights.sum(dim=-1))
-        acc[:, r0:].mul_(rescale.unsqueeze(-1)).baddbmm_(weights, vc[:, r0:r1])
+        if op == work:
+            acc[:, r0:].mul_(rescale.unsqueeze(-1)).baddbmm_(weights, vc[:, r0:r1])
+        else:
+            acc[:, r0:].mul_(rescale.unsqueeze(-1)).add_(torch.bmm(weights.to(op), vc[:, r0:r1]))
         m_old.copy_(m_new)
     out = acc.div_(row_sum.unsqueeze(-1))
     lse = row_max.add_(row_sum.log_())
@@ -288,18 +313,23 @@ def _backward(
     grad_out: torch.Tensor,
     plan: _Plan,
 ) -> tuple[torch.Tensor, ...]:
-    """Gradients w.r.t. the six packed inputs as `_forward` saw them (qu, qc pre-scaled).
+    """Gradients (compute dtype) w.r.t. the six packed inputs as `_forward` saw them (qu, qc
+    pre-scaled); out and grad_out packed like them.
 
     Every block is recomputed. The S^U branch carries the NEGATED gradient
-    (-dS^U = dA * SiLU'(S^U), one fused silu_backward), so its accumulations subtract.
+    (-dS^U = dA * SiLU'(S^U), one fused silu_backward), so its accumulations subtract. The
+    products take the operands' dtype; the gradient sums, the softmax's and D's in the compute
+    dtype.
     """
     n, tp, dim = qu.shape
+    op, work = qu.dtype, compute_dtype(qu.dtype)
+    same = op == work
     bk, sub = plan.block, plan.sub
-    masks = _masks(plan, qu.dtype, qu.device)
+    masks = _masks(plan, op, qu.device)
     gram = _diagonal_gram(qc, vu, plan, masks)
-    neg_grad_gram = torch.zeros_like(gram)
-    delta = (grad_out * out).sum(dim=-1)
-    dqu, dku, dvu, dqc, dkc, dvc = (torch.zeros_like(qu) for _ in range(6))
+    neg_grad_gram = torch.zeros(gram.shape, dtype=work, device=gram.device)
+    delta = (grad_out.to(work) * out.to(work)).sum(dim=-1)
+    dqu, dku, dvu, dqc, dkc, dvc = (torch.zeros(qu.shape, dtype=work, device=qu.device) for _ in range(6))
     dqc_subs, dvu_subs = _subs(dqc, plan), _subs(dvu, plan)
     qc_subs, vu_subs = _subs(qc, plan), _subs(vu, plan)
     for j in range(plan.n_blocks):
@@ -309,66 +339,128 @@ def _backward(
         near_subs = slice(s0, s0 + near)
         # Softmax and causal-key part, as in flash attention.
         probs = _scores(j, kb, qc, kc, plan, masks).sub_(lse[:, r0:].unsqueeze(-1)).exp_()
-        dvc[:, r0:r1] = torch.bmm(probs.transpose(1, 2), grad_out[:, r0:])
-        grad_score = torch.bmm(grad_out[:, r0:], vc[:, r0:r1].transpose(1, 2))
+        probs_op = probs if same else probs.to(op)
+        dvc[:, r0:r1] = torch.bmm(probs_op.transpose(1, 2), grad_out[:, r0:])
+        grad_score = torch.bmm(grad_out[:, r0:], vc[:, r0:r1].transpose(1, 2)).to(work)
         grad_score.sub_(delta[:, r0:].unsqueeze(-1)).mul_(probs)
-        del probs
-        dqc[:, r0:].baddbmm_(grad_score, kc[:, r0:r1])
-        dkc[:, r0:r1] = torch.bmm(grad_score.transpose(1, 2), qc[:, r0:])
-        neg_grad_su = torch.ops.aten.silu_backward(grad_score, kb.s_u)
-        del grad_score
+        del probs, probs_op
+        grad_score_op = grad_score if same else grad_score.to(op)
+        if same:
+            dqc[:, r0:].baddbmm_(grad_score, kc[:, r0:r1])
+        else:
+            dqc[:, r0:].add_(torch.bmm(grad_score_op, kc[:, r0:r1]))
+        dkc[:, r0:r1] = torch.bmm(grad_score_op.transpose(1, 2), qc[:, r0:])
+        neg_grad_su = torch.ops.aten.silu_backward(grad_score, kb.s_u.to(work))
+        del grad_score, grad_score_op
+        if not same:
+            neg_grad_su = neg_grad_su.to(op)
         neg_near = neg_grad_su[:, : near * sub].view(n, near, sub, bk)
         # D term of the near row sub-blocks, and of all rows beyond (which see the total).
-        dqc_subs[:, near_subs] -= neg_near @ kb.d_excl
-        neg_grad_d = neg_near.transpose(-1, -2) @ qc_subs[:, near_subs]  # [N, near, block_b, d]
+        dqc_subs[:, near_subs].sub_(neg_near @ kb.d_excl_op)  # sub_, not -=: no write-back copy
+        neg_grad_d = (neg_near.transpose(-1, -2) @ qc_subs[:, near_subs]).to(work)  # [N, near, block_b, d]
         # D_J^(I) = sum_{I' < I} Y_I'  =>  dY_I' = sum_{I > I'} dD_J^(I) (+ the rows beyond):
         # a reverse exclusive scan, which like the forward only adds.
         neg_grad_y = _exclusive_scan(neg_grad_d.view(n, near, bk * dim), masks, reverse=True).view(n, near, bk, dim)
         if c1 < tp:
             neg_far = neg_grad_su[:, near * sub :]
-            dqc[:, c1:].baddbmm_(neg_far, kb.d_total, alpha=-1)
+            if same:
+                dqc[:, c1:].baddbmm_(neg_far, kb.d_total, alpha=-1)
+            else:
+                dqc[:, c1:].sub_(torch.bmm(neg_far, kb.d_total_op))
             neg_grad_y += torch.bmm(neg_far.transpose(1, 2), qc[:, c1:]).unsqueeze(1)
+        neg_grad_y_op = neg_grad_y if same else neg_grad_y.to(op)
         # Y_I = P[J, I] VU_I and the diagonal term G_I P[J, I]^T.
-        neg_grad_p = neg_grad_y @ vu_subs[:, near_subs].transpose(-1, -2)  # [N, near, block_b, sub_c]
+        neg_grad_p = neg_grad_y_op @ vu_subs[:, near_subs].transpose(-1, -2)  # [N, near, block_b, sub_c]
         neg_grad_p += neg_near.transpose(-1, -2) @ gram[:, near_subs]
-        dvu_subs[:, near_subs] -= kb.p.transpose(-1, -2) @ neg_grad_y
-        neg_grad_gram[:, near_subs] += neg_near @ kb.p
+        dvu_subs[:, near_subs].sub_(kb.p.transpose(-1, -2) @ neg_grad_y_op)
+        neg_grad_gram[:, near_subs].add_(neg_near @ kb.p)
         # P = sigmoid(Z) * mask: P is 0 wherever the mask is, so P (1 - P) carries the mask.
         neg_grad_z = torch.ops.aten.sigmoid_backward(neg_grad_p, kb.p).transpose(1, 2).reshape(n, bk, near * sub)
         dqu[:, r0:r1] = torch.bmm(neg_grad_z, ku[:, r0:c1]).neg_()
-        dku[:, r0:c1].baddbmm_(neg_grad_z.transpose(1, 2), qu[:, r0:r1], alpha=-1)
+        if same:
+            dku[:, r0:c1].baddbmm_(neg_grad_z.transpose(1, 2), qu[:, r0:r1], alpha=-1)
+        else:
+            dku[:, r0:c1].sub_(torch.bmm(neg_grad_z.transpose(1, 2), qu[:, r0:r1]))
     neg_grad_gram.mul_(masks.tril)
+    neg_grad_gram = neg_grad_gram if same else neg_grad_gram.to(op)
     dqc_subs -= neg_grad_gram @ vu_subs
     dvu_subs -= neg_grad_gram.transpose(-1, -2) @ qc_subs
     return dqu, dku, dvu, dqc, dkc, dvc
 
 
-class _CastleAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qu, ku, vu, qc, kc, vc, window, scale, block_size):  # type: ignore[override]
-        plan = _Plan.make(qu.shape[1], block_size, window, scale)
-        dtype = compute_dtype(qu.dtype)
-        out, lse, _ = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, dtype), plan)
-        ctx.save_for_backward(qu, ku, vu, qc, kc, vc, out, lse)
-        ctx.plan = plan
-        return _unpack(out, plan, qu.shape, qu.dtype)
+# The training path is a pair of custom ops (torch.library): torch.compile keeps them as they
+# are, so a compiled CASTLE block runs the same kernels as an eager one.
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):  # type: ignore[override]
-        qu, ku, vu, qc, kc, vc, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        dtype = out.dtype
-        packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, dtype)
-        grads = _backward(*packed, out, lse, _pack(grad_out, plan, dtype), plan)
-        # The packed qu and qc were pre-scaled, so their gradients carry one more factor.
-        grads[0].mul_(plan.scale)
-        grads[3].mul_(plan.scale)
-        result = [
-            _unpack(g, plan, qu.shape, qu.dtype) if needed else None
-            for g, needed in zip(grads, ctx.needs_input_grad[:6])
-        ]
-        return (*result, None, None, None)
+
+@custom_op("castle_attention")
+def castle_attention_forward(
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    window: int | None,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [B, T, H, d] in the inputs' dtype, logsumexp [B * H, T_padded] in the compute dtype)."""
+    plan = _Plan.make(qu.shape[1], block_size, window, scale)
+    out, lse, _ = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, operand_dtype(qu.dtype, qu.device)), plan)
+    return _unpack(out, plan, qu.shape, qu.dtype), lse
+
+
+@castle_attention_forward.register_fake
+def _(qu, ku, vu, qc, kc, vc, window, scale, block_size):
+    plan = _Plan.make(qu.shape[1], block_size, window, scale)
+    batch, _, heads, _ = qu.shape
+    return qu.new_empty(qu.shape), qu.new_empty(batch * heads, plan.padded, dtype=compute_dtype(qu.dtype))
+
+
+@custom_op("castle_attention_backward")
+def castle_attention_backward(
+    grad_out: torch.Tensor,
+    qu: torch.Tensor,
+    ku: torch.Tensor,
+    vu: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    window: int | None,
+    scale: float,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `castle_attention_forward` w.r.t. its six inputs, in their dtype."""
+    plan = _Plan.make(qu.shape[1], block_size, window, scale)
+    dtype = operand_dtype(qu.dtype, qu.device)
+    packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, dtype)
+    grads = _backward(*packed, _pack(out, plan, dtype), lse, _pack(grad_out, plan, dtype), plan)
+    # The packed qu and qc were pre-scaled, so their gradients carry one more factor.
+    grads[0].mul_(plan.scale)
+    grads[3].mul_(plan.scale)
+    return tuple(_unpack(g, plan, qu.shape, qu.dtype) for g in grads)
+
+
+@castle_attention_backward.register_fake
+def _(grad_out, qu, ku, vu, qc, kc, vc, out, lse, window, scale, block_size):
+    return tuple(qu.new_empty(qu.shape) for _ in range(6))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:6], *output)
+    ctx.plan = inputs[6:]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_rule(ctx, grad_out, _grad_lse):
+    qu, ku, vu, qc, kc, vc, out, lse = ctx.saved_tensors
+    grads = castle_attention_backward(grad_out, qu, ku, vu, qc, kc, vc, out, lse, *ctx.plan)
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:6])), None, None, None)
+
+
+castle_attention_forward.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 def castle_attention(
@@ -386,13 +478,15 @@ def castle_attention(
 
     All six inputs are [B, T, H, d] with one dtype and device, assumed valid and autocast off
     (`farsight.ops.castle.castle_attention` checks them, resolves `scale` and handles autocast);
-    returns o [B, T, H, d] in the input dtype. fp64 computes in fp64, everything else in fp32:
-    the running max / sum, the logsumexp and the lookahead sums D are fp32 (gradients come back
-    in the input dtype). O(T^2 d) time and O(T d + T * block_size) memory
-    in forward and backward. `block_size` is a speed knob (clipped to T); results do not depend
-    on it beyond rounding.
+    returns o [B, T, H, d] in the input dtype. fp64 computes in fp64 and fp32 in fp32. fp16/bf16
+    inputs take their own dtype for every matrix product where the device multiplies it in
+    hardware (bf16 on AVX512-BF16/AMX CPUs), with fp32 everywhere else: the running max / sum,
+    the logsumexp, the lookahead sums D and the gradient sums are fp32; without those
+    instructions everything is fp32. Gradients come back in the input dtype. O(T^2 d) time and
+    O(T d + T * block_size) memory in forward and backward. `block_size` is a speed knob
+    (clipped to T); results do not depend on it beyond rounding.
     """
-    return amp_function(_CastleAttention, qu.device.type).apply(qu, ku, vu, qc, kc, vc, window, scale, block_size)
+    return castle_attention_forward(qu, ku, vu, qc, kc, vc, window, scale, block_size)[0]
 
 
 def forward_with_lookahead_keys(

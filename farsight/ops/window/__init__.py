@@ -148,6 +148,8 @@ def _sliding_window_attention(
         return sliding_window_attention_sdpa(q, k, v, window, alibi_slopes, scale, key_padding_mask)
     if backend == "reference":
         return sliding_window_attention_reference(q, k, v, window, alibi_slopes, scale, key_padding_mask)
-    if key_padding_mask is None and q.device.type == "cpu":
+    # the banded CPU kernels take no key padding and no gradient for the slopes
+    trainable_slopes = alibi_slopes is not None and alibi_slopes.requires_grad
+    if key_padding_mask is None and q.device.type == "cpu" and not trainable_slopes:
         return sliding_window_attention_banded(q, k, v, window, alibi_slopes, scale, block_size)
     return sliding_window_attention_blockwise(q, k, v, window, alibi_slopes, scale, key_padding_mask, block_size)

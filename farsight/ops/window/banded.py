@@ -31,9 +31,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from farsight.ops.checks import compute_dtype
+from farsight.ops.library import custom_op
 from farsight.ops.precision import software_matmul_dtypes
 
 # Tuned on a 2-core AMX Xeon (W = 512, d = 64, bf16 f+b): 128-row blocks cut the band's unused
@@ -99,54 +99,116 @@ class _Geometry:
         self.start = self.pad_left + self.offset - self.nwin * block
         # blocks whose window reaches keys before position 0 (padding, to be masked)
         self.padded_blocks = min(self.n_blocks, -(-self.pad_left // block)) if self.pad_left else 0
+        # Without cached keys (training) every window starts nwin blocks before its own block,
+        # and the first nwin blocks of a sequence see only masked padding there: the windows of
+        # consecutive sequences (and heads) can be folded as one flat run of blocks.
+        self.flat = self.offset == 0
 
-    def queries(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        """[B, Tq, H, d] -> scale * x as [H, B * n_blocks, block, d] (one copy)."""
-        batch, _, heads, dim = x.shape
-        out = x.new_zeros(heads, batch, self.n_blocks * self.block, dim)
-        torch.mul(x.permute(2, 0, 1, 3), scale, out=out[:, :, : self.tq])
-        return out.view(heads, batch * self.n_blocks, self.block, dim)
+    def _heads_first(self, x: torch.Tensor, left: int) -> torch.Tensor:
+        """[B, T, H, d] -> [H, B, left + T + pad_right, d], zeros in the pads (one copy)."""
+        batch, steps, heads, dim = x.shape
+        out = x.new_empty(heads, batch, left + steps + self.pad_right, dim)
+        if left:
+            out[:, :, :left].zero_()
+        if self.pad_right:
+            out[:, :, left + steps :].zero_()
+        out[:, :, left : left + steps].copy_(x.permute(2, 0, 1, 3))
+        return out
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Tq, H, d] -> [H, B * n_blocks, block, d]."""
+        heads, dim = x.shape[2], x.shape[3]
+        return self._heads_first(x, 0).view(heads, -1, self.block, dim)
 
     def windows(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, Tk, H, d] -> key windows [H, B * n_blocks, span, d] (one copy)."""
-        batch, _, heads, dim = x.shape
-        padded = F.pad(x.permute(2, 0, 1, 3), (0, 0, self.pad_left, self.pad_right))[:, :, self.start :]
+        """[B, Tk, H, d] -> key windows [H, B * n_blocks, span, d] (contiguous)."""
+        heads, dim = x.shape[2], x.shape[3]
+        padded = self._heads_first(x, self.pad_left)[:, :, self.start :]
         windows = padded.unfold(2, self.span, self.block)[:, :, : self.n_blocks].transpose(-1, -2)
-        return windows.reshape(heads, batch * self.n_blocks, self.span, dim).contiguous()
+        return windows.reshape(heads, -1, self.span, dim).contiguous()
 
-    def rows(self, x: torch.Tensor, batch: int) -> torch.Tensor:
-        """[H, B * n_blocks, block, d] -> [B, Tq, H, d] (a view)."""
+    def rows(self, x: torch.Tensor, batch: int, scale: float = 1.0) -> torch.Tensor:
+        """scale * x [H, B * n_blocks, block, d] -> [B, Tq, H, d] (contiguous, one pass)."""
         heads, dim = x.shape[0], x.shape[-1]
-        return x.view(heads, batch, self.n_blocks * self.block, dim)[:, :, : self.tq].permute(1, 2, 0, 3)
+        rows = x.view(heads, batch, self.n_blocks * self.block, dim)[:, :, : self.tq].permute(1, 2, 0, 3)
+        out = x.new_empty(batch, self.tq, heads, dim)
+        return out.copy_(rows) if scale == 1.0 else torch.mul(rows, scale, out=out)
 
-    def fold(self, windows: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
-        """Key-window gradients [H, B * n_blocks, span, d] -> per key [B, Tk, H, d] in `dtype`,
-        summed in the compute dtype."""
+    def fold(self, windows: torch.Tensor, batch: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+        """Key-window gradients [H, B * n_blocks, span, d] -> scale * their sum per key, [B, Tk, H,
+        d] in `dtype` (contiguous), summed in the compute dtype."""
         heads, dim, nb, block = windows.shape[0], windows.shape[-1], self.n_blocks, self.block
         parts = windows.view(heads, batch, nb, self.nwin + 1, block, dim)
-        work = compute_dtype(windows.dtype)
-        total = windows.new_zeros(heads, batch, self.pad_left + self.tk + self.pad_right, dim, dtype=work)
-        # window j of block i covers the padded positions start + (i + j) * block ...
-        covered = total[:, :, self.start : self.start + (nb + self.nwin) * block].view(
-            heads, batch, nb + self.nwin, block, dim
+        total = windows.new_empty(
+            heads, batch, self.pad_left + self.tk + self.pad_right, dim, dtype=compute_dtype(windows.dtype)
         )
-        for j in range(self.nwin + 1):
-            covered[:, :, j : j + nb] += parts[:, :, :, j]
-        return total[:, :, self.pad_left : self.pad_left + self.tk].permute(1, 2, 0, 3).to(dtype)
+        total[:, :, : self.start].zero_()  # keys no query block reaches
+        # window j of block i covers the padded positions start + (i + j) * block ...
+        covered = total[:, :, self.start :].view(heads, batch, nb + self.nwin, block, dim)
+        covered[:, :, :nb].copy_(parts[:, :, :, 0])
+        covered[:, :, nb:].zero_()
+        for j in range(1, self.nwin + 1):
+            covered[:, :, j : j + nb].add_(parts[:, :, :, j])  # add_, not +=: no write-back copy
+        keys = total[:, :, self.pad_left : self.pad_left + self.tk].permute(1, 2, 0, 3)
+        out = torch.empty(keys.shape, dtype=dtype, device=keys.device)
+        return out.copy_(keys) if scale == 1.0 else torch.mul(keys, scale, out=out)
+
+
+def _fold_product(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    geo: _Geometry,
+    batch: int,
+    heads: int,
+    dtype: torch.dtype,
+    gemm: torch.dtype,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Key-window gradients a @ b ([G, span, block] @ [G, block, d], G = H * B * n_blocks) folded
+    onto the keys: scale * their sum per key, [B, Tk, H, d] in `dtype`.
+
+    In the flat case the products are written into a buffer with nwin zero blocks after the
+    last, and key block g sums part nwin - t of query block g + t (t = 0..nwin) through one
+    strided view: a single reduction pass (accumulating in the compute dtype, rounded to the
+    inputs' dtype once) instead of nwin + 1 converting adds. Parts that cross into the next sequence (or head) are those of its first blocks'
+    masked padding, exactly zero."""
+    g, dim = a.shape[0], b.shape[-1]
+    if not geo.flat:
+        return geo.fold(_bmm(a, b, gemm).view(heads, -1, geo.span, dim), batch, dtype, scale)
+    buffer = a.new_empty(g + geo.nwin, geo.span, dim)
+    buffer[g:].zero_()
+    if gemm == a.dtype:
+        torch.bmm(a, b, out=buffer[:g])
+    else:
+        buffer[:g] = _bmm(a, b, gemm)
+    per_block, per_part = geo.span * dim, geo.block * dim
+    view = buffer.as_strided(
+        (g, geo.nwin + 1, geo.block, dim), (per_block, per_block - per_part, dim, 1), geo.nwin * per_part
+    )
+    summed = view.sum(dim=1)  # accumulated in the compute dtype, rounded once
+    keys = summed.view(heads, batch, geo.n_blocks * geo.block, dim)[:, :, : geo.tk].permute(1, 2, 0, 3)
+    out = torch.empty(keys.shape, dtype=dtype, device=keys.device)
+    return out.copy_(keys) if scale == 1.0 else torch.mul(keys, scale, out=out)
 
 
 def _scores(
-    qb: torch.Tensor, kw: torch.Tensor, addend: torch.Tensor, geo: _Geometry, batch: int, gemm: torch.dtype
+    qb: torch.Tensor,
+    kw: torch.Tensor,
+    addend: torch.Tensor,
+    scale: float,
+    geo: _Geometry,
+    batch: int,
+    gemm: torch.dtype,
 ) -> torch.Tensor:
-    """addend + qb kw^T per head: [H, B * n_blocks, block, span], keys before 0 masked."""
+    """addend + scale * qb kw^T per head: [H, B * n_blocks, block, span], keys before 0 masked."""
     heads = qb.shape[0]
     scores = qb.new_empty(heads, qb.shape[1], geo.block, geo.span)
     for h in range(heads):
         bias = addend[h].expand(qb.shape[1], -1, -1)
         if gemm == qb.dtype:
-            torch.baddbmm(bias, qb[h], kw[h].transpose(1, 2), out=scores[h])
+            torch.baddbmm(bias, qb[h], kw[h].transpose(1, 2), alpha=scale, out=scores[h])
         else:
-            scores[h] = torch.baddbmm(bias.to(gemm), qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm))
+            scores[h] = torch.baddbmm(bias.to(gemm), qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm), alpha=scale)
     if geo.padded_blocks:
         cols = torch.arange(geo.span, device=qb.device)
         first = geo.offset - geo.nwin * geo.block + torch.arange(geo.padded_blocks, device=qb.device) * geo.block
@@ -156,7 +218,7 @@ def _scores(
     return scores
 
 
-@torch.library.custom_op("farsight::banded_attention", mutates_args=())
+@custom_op("banded_attention")
 def banded_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -173,11 +235,11 @@ def banded_attention_forward(
     gemm = _gemm_dtype(q)
     values = None if slopes is None else tuple(float(s) for s in slopes.tolist())
     addend = _addend(values, heads, block, window, q.dtype, q.device)
-    scores = _scores(geo.queries(q, scale), geo.windows(k), addend, geo, batch, gemm)
+    scores = _scores(geo.queries(q), geo.windows(k), addend, scale, geo, batch, gemm)
     probs = torch.softmax(scores.view(-1, geo.block, geo.span), dim=-1)
     del scores
     out = _bmm(probs, geo.windows(v).view(-1, geo.span, dim), gemm)
-    return geo.rows(out.view(heads, -1, geo.block, dim), batch).contiguous(), probs
+    return geo.rows(out.view(heads, -1, geo.block, dim), batch), probs
 
 
 @banded_attention_forward.register_fake
@@ -187,7 +249,7 @@ def _(q, k, v, slopes, window, block, scale):
     return q.new_empty(q.shape), q.new_empty(heads * batch * geo.n_blocks, block, geo.span)
 
 
-@torch.library.custom_op("farsight::banded_attention_backward", mutates_args=())
+@custom_op("banded_attention_backward")
 def banded_attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -202,20 +264,19 @@ def banded_attention_backward(
     batch, tq, heads, dim = q.shape
     geo = _Geometry(tq, k.shape[1], window, block)
     gemm = _gemm_dtype(q)
-    go = geo.queries(grad_out.to(q.dtype), 1.0).view(-1, block, dim)
+    go = geo.queries(grad_out.to(q.dtype)).view(-1, block, dim)
     kw, vw = geo.windows(k).view(-1, geo.span, dim), geo.windows(v).view(-1, geo.span, dim)
     grad_probs = _bmm(go, vw.transpose(1, 2), gemm)
     del vw
     grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
     del grad_probs
-    dq = _bmm(grad_scores, kw, gemm).mul_(scale)
+    dq = _bmm(grad_scores, kw, gemm)
     del kw
-    dk_windows = _bmm(grad_scores.transpose(1, 2), geo.queries(q, scale).view(-1, block, dim), gemm)
-    del grad_scores
-    dv_windows = _bmm(probs.transpose(1, 2), go, gemm)
-    dq = geo.rows(dq.view(heads, -1, block, dim), batch).contiguous()
-    dk = geo.fold(dk_windows.view(heads, -1, geo.span, dim), batch, k.dtype)
-    dv = geo.fold(dv_windows.view(heads, -1, geo.span, dim), batch, v.dtype)
+    dq = geo.rows(dq.view(heads, -1, block, dim), batch, scale)
+    qb = geo.queries(q).view(-1, block, dim)
+    dk = _fold_product(grad_scores.transpose(1, 2), qb, geo, batch, heads, k.dtype, gemm, scale)
+    del grad_scores, qb
+    dv = _fold_product(probs.transpose(1, 2), go, geo, batch, heads, v.dtype, gemm)
     return dq, dk, dv
 
 
