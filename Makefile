@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6
+.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6 summarize
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,12 @@ demo-train: $(STAMP)
 # configs/README.md lists the configs each one trains.
 r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
 	bash experiments/$@.sh
+
+# The summarization stand-in (experiments/summarize.sh): Python modules of 2K-64K byte tokens in,
+# their docstring's summary line out; fine-tunes the pre-trained drt-x1, drt-x2, baselm and baselm-2l
+# (configs/lm/summarize/) and scores their greedy answers with ROUGE by input length.
+summarize: $(STAMP)
+	bash experiments/summarize.sh
 
 bench: $(STAMP)
 	$(BIN)/farsight eval bench

@@ -1,4 +1,4 @@
-"""`farsight data prepare|info`: tokenize text sources into token files, and show a prepared dataset."""
+"""`farsight data prepare|prepare-sft|info`: tokenize text sources (or supervised examples) into token files, and show a prepared dataset."""
 
 from __future__ import annotations
 
@@ -20,11 +20,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "shakespeare, hf:NAME[:CONFIG][@SPLIT], jsonl:PATH or *.jsonl, a text file or a folder.",
     )
     prepare.add_argument("--source", action="append", required=True, help="a text source (repeatable)")
-    prepare.add_argument(
-        "--tokenizer",
-        default="byte",
-        help="byte, gpt2, a directory/file with tokenizer.json, or a training run (its newest checkpoint's tokenizer)",
-    )
+    prepare.add_argument("--tokenizer", default="byte", help=prepare_tokenizer_help())
     prepare.add_argument("--out", required=True, help="output directory")
     prepare.add_argument(
         "--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)"
@@ -35,6 +31,41 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="comma-separated extensions of the files read from a folder source (default: .txt,.md,.rst,.py)",
     )
     prepare.set_defaults(func=_prepare)
+    sft = actions.add_parser(
+        "prepare-sft",
+        help="tokenize supervised examples (prompt -> completion) into token files with loss masks",
+        description='Tokenize JSONL records {"prompt": ..., "completion": ...} or {"messages": [...]} into '
+        "train/val token files whose loss covers the completions only (data.kind: sft; docs/training.md).",
+    )
+    sft.add_argument("--source", action="append", required=True, help="a JSONL file of training examples (repeatable)")
+    sft.add_argument(
+        "--val",
+        action="append",
+        default=[],
+        help="a JSONL file of held-out examples (repeatable; default: --val-fraction of the --source records)",
+    )
+    sft.add_argument("--tokenizer", default="byte", help=prepare_tokenizer_help())
+    sft.add_argument("--out", required=True, help="output directory")
+    sft.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="fraction of the --source records held out, by a hash of FILE:LINE (default 0.05; not with --val)",
+    )
+    sft.add_argument("--seed", type=int, default=0, help="seed of the record split (0 to 2**63 - 1)")
+    sft.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="the most tokens an example may hold (prompt, completion and eos); longer ones are bad records",
+    )
+    sft.add_argument(
+        "--skip-bad-records",
+        action="store_true",
+        help="leave out bad records (invalid JSON, missing fields, empty completions, longer than --max-len) and "
+        "count them, instead of stopping at the first",
+    )
+    sft.set_defaults(func=_prepare_sft)
     info = actions.add_parser("info", help="print a prepared dataset's metadata")
     info.add_argument("path")
     info.set_defaults(func=_info)
@@ -43,7 +74,6 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     from farsight.data.corpora import resolve_source
     from farsight.data.token_files import prepare_corpus
-    from farsight.data.tokenizers import load_tokenizer
     from farsight.errors import InputError
 
     check_output_folder(args.out, "--out")
@@ -64,11 +94,59 @@ def _prepare(args: argparse.Namespace) -> int:
             )
         for i in folders:
             sources[i] = resolve_source(sources[i], extensions=extensions)
-    run = Path(args.tokenizer)
-    is_model = (run / "checkpoints").is_dir() or (run / "config.json").is_file()  # a run, or a model directory
-    tokenizer = model_tokenizer(args.tokenizer) if is_model else load_tokenizer(args.tokenizer)
-    meta = prepare_corpus(sources, tokenizer, args.out, val_fraction=args.val_fraction, seed=args.seed)
+    meta = prepare_corpus(sources, _tokenizer(args.tokenizer), args.out, val_fraction=args.val_fraction, seed=args.seed)
     print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
+    return 0
+
+
+def prepare_tokenizer_help() -> str:
+    return "byte, gpt2, a directory/file with tokenizer.json, or a training run (its newest checkpoint's tokenizer)"
+
+
+def _tokenizer(spec: str):
+    """The tokenizer --tokenizer names: byte, gpt2, a tokenizer.json (or its folder), or a run or model directory's."""
+    from farsight.data.tokenizers import load_tokenizer
+
+    run = Path(spec)
+    is_model = (run / "checkpoints").is_dir() or (run / "config.json").is_file()  # a run, or a model directory
+    return model_tokenizer(spec) if is_model else load_tokenizer(spec)
+
+
+def _prepare_sft(args: argparse.Namespace) -> int:
+    from farsight.data.sft import prepare_sft
+    from farsight.errors import InputError
+
+    check_output_folder(args.out, "--out")
+    check_at_least(args, {"--seed": 0, "--max-len": 2})
+    if args.val and args.val_fraction is not None:
+        raise InputError(
+            f"--val-fraction {args.val_fraction} splits the --source records, but --val gives the held-out records; pass one of the two"
+        )
+    args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
+    check_number(args, "--val-fraction", 0, 1, open_low=True)
+    if args.val_fraction >= 1:
+        raise InputError(
+            f"--val-fraction must be below 1 so that some examples are trained on, got {args.val_fraction}"
+        )
+    meta = prepare_sft(
+        args.source,
+        _tokenizer(args.tokenizer),
+        args.out,
+        val_sources=args.val,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        max_len=args.max_len,
+        skip_bad_records=args.skip_bad_records,
+    )
+    splits = meta["splits"]
+    print(
+        f"wrote {args.out}: "
+        + ", ".join(
+            f"{s} {splits[s]['documents']:,} examples ({splits[s]['tokens']:,} tokens, {splits[s]['loss_tokens']:,} "
+            f"in the loss, the longest {splits[s]['longest']:,})"
+            for s in splits
+        )
+    )
     return 0
 
 

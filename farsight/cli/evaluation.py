@@ -1,4 +1,4 @@
-"""`farsight eval ...`: needle tasks, perplexity vs length, DRT retrieval, comparison tables, run summaries, benchmarks."""
+"""`farsight eval ...`: needle tasks, perplexity vs length, generated answers, DRT retrieval, comparison tables, run summaries, benchmarks."""
 
 from __future__ import annotations
 
@@ -72,6 +72,37 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_json_output_argument(ppl)
     ppl.add_argument("--plot", help="write perplexity vs length as a PNG")
     ppl.set_defaults(func=_perplexity)
+
+    generate = evaluations.add_parser(
+        "generate",
+        help="generated answers to held-out prompts, scored with ROUGE and exact match",
+        description="Greedy answers to the prompts of a JSONL file of supervised examples (prompt/completion or "
+        "messages, as `farsight data prepare-sft` reads them), through the model's session, scored against the "
+        "references with ROUGE-1/2/L (rouge-score) and exact match, overall and by prompt length.",
+    )
+    add_model_argument(generate)
+    generate.add_argument("--data", required=True, help="a JSONL file of held-out examples")
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=64, help="the most tokens an answer may have (default 64)"
+    )
+    generate.add_argument(
+        "--stop-at-newline", action="store_true", help="end an answer at its first newline (always at eos)"
+    )
+    generate.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
+    generate.add_argument(
+        "--buckets",
+        help="comma-separated prompt-length bucket edges, e.g. 2k,4k,8k,16k,32k,64k (default: powers of two)",
+    )
+    generate.add_argument(
+        "--skip-bad-records", action="store_true", help="leave out bad records (counted) instead of stopping"
+    )
+    add_memory_argument(generate)
+    add_dtype_argument(generate)
+    add_json_output_argument(generate)
+    generate.add_argument(
+        "--show", type=int, default=3, help="print the first N answers beside their references (default 3)"
+    )
+    generate.set_defaults(func=_generate)
 
     retrieval = evaluations.add_parser(
         "retrieval",
@@ -338,6 +369,60 @@ def _ppl_cell(row: dict) -> str:
     from farsight.eval.perplexity import format_error
 
     return f"{row['ppl']:.4g} ({row['nll']:.4f} ± {format_error(row['nll_sem'])})"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from farsight.data.sft import SkippedRecords, check_jsonl_file, read_examples
+    from farsight.eval.answers import answers_table, evaluate_answers, rouge_scorer
+    from farsight.eval.efficiency import write_json
+    from farsight.eval.needle import parse_length
+
+    check_output_file(args.out, "--out")
+    check_at_least(args, {"--max-new-tokens": 1, "--limit": 1, "--show": 0})
+    buckets = parse_list(args.buckets, parse_length, "--buckets", "lengths") if args.buckets else None
+    check_jsonl_file(args.data)
+    rouge_scorer()  # a missing package is reported before the model loads
+    skipped = SkippedRecords() if args.skip_bad_records else None
+    examples = []
+    for example in read_examples(args.data, skipped):
+        if args.limit is not None and len(examples) >= args.limit:
+            break
+        examples.append(example)
+    if skipped is not None and skipped.total:
+        print(f"note: {skipped.summary()}", file=sys.stderr)
+    if not examples:
+        raise InputError(
+            f"{args.data} holds no usable example; pass a JSONL file of prompt/completion or messages records"
+        )
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+    summary = evaluate_answers(
+        model,
+        tokenizer,
+        examples,
+        max_new_tokens=args.max_new_tokens,
+        stop_at_newline=args.stop_at_newline,
+        memory=args.memory,
+        kv_dtype=args.kv_dtype,
+        buckets=buckets,
+    )
+    for answer in summary["answers"][: args.show]:
+        print(f"{answer['where']} ({answer['prompt_tokens']:,} prompt tokens, stopped at {answer['stop']})")
+        print(f"  reference: {answer['reference']!r}")
+        print(f"  answer:    {answer['prediction']!r}")
+    print(answers_table(summary))
+    summary = {
+        "model": str(args.model),
+        "data": str(args.data),
+        "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
+        "memory": args.memory,
+        "max_new_tokens": args.max_new_tokens,
+        "stop_at_newline": args.stop_at_newline,
+        "skipped": dict(skipped.counts) if skipped is not None else {},
+        **summary,
+    }
+    write_json(args.out, summary)
+    return 0
 
 
 def _retrieval(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
     tokens   random windows of a prepared token directory (farsight.data.token_batches)
     needle   synthetic needle tasks with a length curriculum (farsight.data.tasks.training)
+    sft      supervised examples, the loss on their completions, batched by length (farsight.data.sft_batches)
 
 A new kind is a config class and a `factory(config, seed, model_spec)` returning a `BatchSource`,
 added to DATA_KINDS below.
@@ -14,12 +15,14 @@ from typing import Any
 
 from farsight.config import ConfigBase, ConfigError
 from farsight.data.batch_source import BatchSource
+from farsight.data.sft_batches import SFTBatchConfig, SFTBatches
 from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
 from farsight.data.token_batches import TokenBatchConfig, TokenBatches
 
 DATA_KINDS: dict[str, tuple[type[ConfigBase], Callable[[Any, int, dict[str, Any]], BatchSource]]] = {
     "tokens": (TokenBatchConfig, TokenBatches),
     "needle": (NeedleBatchConfig, NeedleBatches),
+    "sft": (SFTBatchConfig, SFTBatches),
 }
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -75,28 +75,37 @@ def _farsight_version() -> str:
 
 @dataclass
 class _Pending:
-    """A tokenized document waiting to be written."""
+    """A tokenized document waiting to be written (with its loss mask, for supervised examples)."""
 
     ids: np.ndarray
     score: float
     source_index: int
+    mask: np.ndarray | None = None
 
 
 @dataclass
 class _SplitWriter:
-    """Appends documents to one split's temporary .bin and records where each starts."""
+    """Appends documents to one split's temporary .bin (and, for supervised examples, their loss
+    masks to its .mask.bin, one uint8 per token) and records where each starts."""
 
     handle: BinaryIO
     starts: list[int] = field(default_factory=list)
     tokens: int = 0
     digest: Any = field(default_factory=hashlib.sha256)  # of the bytes written, for meta.json's checksums
+    masks: BinaryIO | None = None
+    mask_digest: Any = field(default_factory=hashlib.sha256)
 
-    def write(self, ids: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.starts.append(self.tokens)
         data = ids.tobytes()
         self.handle.write(data)
         self.digest.update(data)
         self.tokens += len(ids)
+        if self.masks is not None:
+            assert mask is not None and len(mask) == len(ids)
+            data = np.asarray(mask, dtype=np.uint8).tobytes()
+            self.masks.write(data)
+            self.mask_digest.update(data)
 
 
 class _HeldBackSplitter:
@@ -138,7 +147,7 @@ class _HeldBackSplitter:
                 self._write(split, held)
 
     def _write(self, split: str, pending: _Pending) -> None:
-        self.writers[split].write(pending.ids)
+        self.writers[split].write(pending.ids, pending.mask)
         self.counts[pending.source_index][f"{split}_documents"] += 1
         self.counts[pending.source_index][f"{split}_tokens"] += len(pending.ids)
 
@@ -185,6 +194,15 @@ def prepare_corpus(
     def fill(scratch: Path) -> None:
         result["meta"] = _write_dataset(scratch, resolved, tok, dtype, val_fraction, seed, append_eos, progress)
 
+    write_dataset_directory(out, fill)
+    return result["meta"]
+
+
+def write_dataset_directory(out: Path, fill: Callable[[Path], None], extra_files: Sequence[str] = ()) -> None:
+    """Call fill(scratch) to write a dataset's files into a scratch folder, then put them in place
+    at `out`: a new `out` is the scratch folder renamed; into an existing one (a dataset to
+    replace) the files are renamed in with meta.json last (`extra_files`: names beyond the token
+    files, e.g. the loss masks of supervised examples). A failure or Ctrl-C leaves `out` as it was."""
     with new_folders_for(out), reported_write(out):
         if not out.exists():
             atomic_directory(out, fill)
@@ -192,10 +210,9 @@ def prepare_corpus(
             scratch = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out))
             try:
                 fill(scratch)
-                _commit(scratch, out)
+                _commit(scratch, out, extra_files)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-    return result["meta"]
 
 
 def _write_dataset(
@@ -312,13 +329,17 @@ def _build_meta(
     }
 
 
-def _commit(scratch: Path, out: Path) -> None:
+def _commit(scratch: Path, out: Path, extra_files: Sequence[str] = ()) -> None:
     # The old meta.json goes first, so while files are swapped the directory reads as "not
     # prepared" rather than as an old meta describing new token files.
     (out / META_FILENAME).unlink(missing_ok=True)
     for split in SPLITS:
         for name in (f"{split}.bin", f"{split}.docs.npy"):
             os.replace(scratch / name, out / name)
+        if f"{split}.mask.bin" not in extra_files:  # the loss masks of a supervised dataset replaced
+            (out / f"{split}.mask.bin").unlink(missing_ok=True)
+    for name in extra_files:
+        os.replace(scratch / name, out / name)
     os.replace(scratch / TOKENIZER_FILENAME, out / TOKENIZER_FILENAME)
     os.replace(scratch / META_FILENAME, out / META_FILENAME)
 

@@ -75,6 +75,8 @@ class RunConfig(ConfigBase):
     init_from: a model directory or training run whose weights start a fresh run (fine-tuning,
     as in the DRT paper's Appendix D); the architecture must match. A resumed run ignores it.
     precision: fp32, bf16-mixed, fp16-mixed, bf16 or auto (farsight.train.precision).
+    compile: true, false or auto: torch.compile for the model's blocks and loss
+    (farsight.train.compile; auto = on for CPU runs of at least 100 steps).
     """
 
     steps: int = 1000
@@ -88,6 +90,7 @@ class RunConfig(ConfigBase):
     keep_last: int = 3
     device: str = "auto"
     precision: str = "auto"
+    compile: bool | str = "auto"
     distributed: str = "ddp"
     tensorboard: bool = False
     progress: bool = True
@@ -104,6 +107,10 @@ class RunConfig(ConfigBase):
         )
         require(
             self.distributed in ("ddp", "fsdp"), f"train.distributed must be 'ddp' or 'fsdp', got {self.distributed!r}"
+        )
+        require(
+            isinstance(self.compile, bool) or self.compile == "auto",
+            f"train.compile must be auto, true or false, got {self.compile!r}",
         )
         require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "mps"),

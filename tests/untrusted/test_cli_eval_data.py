@@ -34,8 +34,13 @@ def paths(tmp_path_factory):
     prepare_corpus(
         [str(docs)], train_bpe_tokenizer(TEXTS * 5, vocab_size=290), root / "bpe", val_fraction=0.5, progress=False
     )
+    good = '{"prompt": "alpha beta", "completion": " gamma"}\n'
+    (root / "good.jsonl").write_text(good * 3)
+    (root / "bad.jsonl").write_text(good + '{"prompt": "alpha", "completion": ""}\n')
     return {
         "root": root,
+        "good": str(root / "good.jsonl"),
+        "bad": str(root / "bad.jsonl"),
         "drt": str(root / "drt"),
         "tf": str(root / "tf"),
         "byte": str(root / "byte"),
@@ -105,7 +110,44 @@ def out(p, name):
     return str(p["root"] / "results" / name)
 
 
+def generate(p, *extra, data="good"):
+    return ["eval", "generate", "--model", p["drt"], "--data", p[data], "--max-new-tokens", "2", *extra]
+
+
+def prepare_sft(p, *extra):
+    return ["data", "prepare-sft", "--source", p["good"], *extra]
+
+
 CASES = [
+    ("generate --out in a file", lambda p: generate(p, "--out", p["file"] + "/r.json"), "d0.txt is not a folder"),
+    (
+        "generate --data missing",
+        lambda p: generate(p, "--data", str(p["root"] / "missing.jsonl")),
+        "missing.jsonl does not exist",
+    ),
+    (
+        "generate --max-new-tokens 0",
+        lambda p: generate(p, "--max-new-tokens", "0"),
+        "--max-new-tokens must be at least 1",
+    ),
+    ("generate --buckets x", lambda p: generate(p, "--buckets", "2k,x"), "--buckets='2k,x' is not a comma-separated"),
+    ("generate a bad record", lambda p: generate(p, data="bad"), "bad.jsonl:2: empty completion"),
+    ("prepare-sft --out is a file", lambda p: prepare_sft(p, "--out", p["file"]), "d0.txt is not a folder"),
+    (
+        "prepare-sft --max-len 1",
+        lambda p: prepare_sft(p, "--out", out(p, "sft"), "--max-len", "1"),
+        "--max-len must be at least 2",
+    ),
+    (
+        "prepare-sft --val-fraction 1",
+        lambda p: prepare_sft(p, "--out", out(p, "sft"), "--val-fraction", "1"),
+        "--val-fraction must be below 1",
+    ),
+    (
+        "prepare-sft --val missing",
+        lambda p: prepare_sft(p, "--out", out(p, "sft"), "--val", str(p["root"] / "nope.jsonl")),
+        "nope.jsonl does not exist",
+    ),
     ("ppl --out in a file", lambda p: ppl(p, "--out", p["file"] + "/r.json"), "d0.txt is not a folder"),
     ("ppl --plot in a file", lambda p: ppl(p, "--plot", p["file"] + "/p.png"), "d0.txt is not a folder"),
     ("ppl --plot .txt", lambda p: ppl(p, "--plot", out(p, "p.txt")), "matplotlib cannot write .txt files; use one of"),

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Summarization stand-in for the DRT paper's long-input fine-tune (a long article in, a short
+# summary out, ROUGE): Python modules of 2K to 64K byte tokens in, the summary line of their
+# docstring out (experiments/summarize-data.py; packages held out whole). Each model pre-trained as
+# a language model (configs/lm/pretrain/, `make r3`) is fine-tuned with the loss on the answer only
+# (configs/lm/summarize/), then answers the held-out test modules greedily: ROUGE-1/2/L and exact
+# match by input length. Source text: the packages installed in .venv (not the standard library,
+# which the pre-training corpus holds); the manifest records their versions.
+# Run from the repository root: `make summarize` (trains what is missing; a finished run is reused).
+set -euo pipefail
+F=.venv/bin/farsight
+DATA=data/summarize
+OUT=results/summarize
+mkdir -p "$OUT"
+[ -f "$DATA/manifest.json" ] || .venv/bin/python experiments/summarize-data.py --source site-packages --out "$DATA"
+cp "$DATA/manifest.json" "$OUT/data-manifest.json"
+[ -f "$DATA-byte/meta.json" ] || $F data prepare-sft --source "$DATA/train.jsonl" --val "$DATA/val.jsonl" \
+    --tokenizer byte --max-len 65536 --out "$DATA-byte"
+bash experiments/lm-data.sh
+MODELS=(drt-x1 drt-x2 baselm baselm-2l)
+for model in "${MODELS[@]}"; do
+    $F train "configs/lm/pretrain/$model.yaml" --no-progress
+    $F train "configs/lm/summarize/$model.yaml" --no-progress
+done
+for model in "${MODELS[@]}"; do
+    $F eval generate --model "runs/lm/summarize/$model" --data "$DATA/test.jsonl" --max-new-tokens 200 \
+        --stop-at-newline --buckets 4k,8k,16k,32k,64k --dtype bf16 --out "$OUT/$model.json" | tee "$OUT/$model.txt"
+done
+# ROUGE-L by input length, a column per model
+.venv/bin/python - "$OUT" "${MODELS[@]}" <<'PY' | tee "$OUT/rougeL.md"
+import json, sys
+out, models = sys.argv[1], sys.argv[2:]
+results = {m: json.load(open(f"{out}/{m}.json")) for m in models}
+rows = [b["bucket"] for b in results[models[0]]["by_length"]] + ["all"]
+print("| input tokens | examples | " + " | ".join(f"{m} ROUGE-L" for m in models) + " |")
+print("|---" * (len(models) + 2) + "|")
+for row in rows:
+    cells = [r["overall"] if row == "all" else next(b for b in r["by_length"] if b["bucket"] == row) for r in results.values()]
+    print(f"| {row} | {cells[0]['examples']} | " + " | ".join(f"{100 * c['rougeL']:.1f}" for c in cells) + " |")
+PY
