@@ -17,14 +17,15 @@ cp "$DATA/manifest.json" "$OUT/data-manifest.json"
 [ -f "$DATA-byte/meta.json" ] || $F data prepare-sft --source "$DATA/train.jsonl" --val "$DATA/val.jsonl" \
     --tokenizer byte --max-len 65536 --out "$DATA-byte"
 bash experiments/lm-data.sh
-MODELS=(drt-x1 drt-x2 baselm baselm-2l)
+# The parameter-matched pair first; each model is pre-trained, fine-tuned and scored before the next
+# (30 test modules of each length bucket, spread over the test packages).
+MODELS=(drt-x1 baselm-2l drt-x2 baselm)
 for model in "${MODELS[@]}"; do
     $F train "configs/lm/pretrain/$model.yaml" --no-progress
     $F train "configs/lm/summarize/$model.yaml" --no-progress
-done
-for model in "${MODELS[@]}"; do
-    $F eval generate --model "runs/lm/summarize/$model" --data "$DATA/test.jsonl" --max-new-tokens 200 \
-        --stop-at-newline --buckets 4k,8k,16k,32k,64k --dtype bf16 --out "$OUT/$model.json" | tee "$OUT/$model.txt"
+    [ -f "$OUT/$model.json" ] || $F eval generate --model "runs/lm/summarize/$model" --data "$DATA/test.jsonl" \
+        --max-new-tokens 200 --stop-at-newline --buckets 4k,8k,16k,32k,64k --per-bucket 30 --dtype bf16 \
+        --out "$OUT/$model.json" | tee "$OUT/$model.txt"
 done
 # ROUGE-L by input length, a column per model
 .venv/bin/python - "$OUT" "${MODELS[@]}" <<'PY' | tee "$OUT/rougeL.md"

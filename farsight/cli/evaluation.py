@@ -90,6 +90,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
     generate.add_argument(
+        "--per-bucket",
+        type=int,
+        default=None,
+        metavar="N",
+        help="evaluate at most N examples of each prompt-length bucket (--buckets), spread evenly over the file",
+    )
+    generate.add_argument(
         "--buckets",
         help="comma-separated prompt-length bucket edges, e.g. 2k,4k,8k,16k,32k,64k (default: powers of two)",
     )
@@ -378,7 +385,7 @@ def _generate(args: argparse.Namespace) -> int:
     from farsight.eval.needle import parse_length
 
     check_output_file(args.out, "--out")
-    check_at_least(args, {"--max-new-tokens": 1, "--limit": 1, "--show": 0})
+    check_at_least(args, {"--max-new-tokens": 1, "--limit": 1, "--per-bucket": 1, "--show": 0})
     buckets = parse_list(args.buckets, parse_length, "--buckets", "lengths") if args.buckets else None
     check_jsonl_file(args.data)
     rouge_scorer()  # a missing package is reported before the model loads
@@ -404,6 +411,7 @@ def _generate(args: argparse.Namespace) -> int:
         memory=args.memory,
         kv_dtype=args.kv_dtype,
         buckets=buckets,
+        per_bucket=args.per_bucket,
     )
     for answer in summary["answers"][: args.show]:
         print(f"{answer['where']} ({answer['prompt_tokens']:,} prompt tokens, stopped at {answer['stop']})")
@@ -418,6 +426,7 @@ def _generate(args: argparse.Namespace) -> int:
         "memory": args.memory,
         "max_new_tokens": args.max_new_tokens,
         "stop_at_newline": args.stop_at_newline,
+        "per_bucket": args.per_bucket,
         "skipped": dict(skipped.counts) if skipped is not None else {},
         **summary,
     }

@@ -23,6 +23,8 @@ class BatchSource(Protocol):
 
     # optional: `fingerprint() -> {config key: hash}` of the files the batches are read from, which
     # a checkpoint records and a resume compares (a source without files need not have it)
+    # optional: `varying_shapes = True` where batch widths change from step to step (train.compile=auto
+    # then stays eager: each new shape would recompile)
 
 
 def batch_rng(seed: int, *stream: int) -> np.random.Generator:

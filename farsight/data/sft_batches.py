@@ -118,6 +118,9 @@ def pad_examples(examples: list[tuple[np.ndarray, np.ndarray]], pad_id: int) -> 
 
 
 class SFTBatches:
+    # each batch is as wide as its longest example: train.compile=auto stays eager
+    varying_shapes = True
+
     def __init__(self, config: SFTBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
         from farsight.data.sft import SFTSplit
 

@@ -105,6 +105,19 @@ def length_buckets(lengths: Sequence[int], edges: Sequence[int] | None = None) -
     return [(lo, hi) for lo, hi in bounds if any(lo < n and (hi is None or n <= hi) for n in lengths)]
 
 
+def spread_per_bucket(lengths: Sequence[int], edges: Sequence[int] | None, per_bucket: int) -> list[int]:
+    """Indices of at most `per_bucket` examples of each length bucket (`length_buckets`), spread
+    evenly over the bucket's examples in file order: a held-out file grouped by source gives each
+    bucket examples from all its sources, and the same file always gives the same choice."""
+    chosen: list[int] = []
+    for low, high in length_buckets(lengths, edges):
+        members = [i for i, n in enumerate(lengths) if low < n and (high is None or n <= high)]
+        if len(members) > per_bucket:
+            members = [members[int(j * len(members) / per_bucket)] for j in range(per_bucket)]
+        chosen.extend(members)
+    return sorted(chosen)
+
+
 def bucket_label(low: int, high: int | None) -> str:
     if high is None:
         return f">{format_length(low)}"
@@ -133,6 +146,7 @@ def evaluate_answers(
     memory: str = "device",
     kv_dtype: str | None = None,
     buckets: Sequence[int] | None = None,
+    per_bucket: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Generate an answer to each example's prompt (greedy, one example per session) and score it
@@ -141,10 +155,15 @@ def evaluate_answers(
     {"overall", "by_length" (by prompt tokens, see `length_buckets`), "answers"}."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if per_bucket is not None and per_bucket < 1:
+        raise InputError(f"per_bucket must be at least 1, got {per_bucket}")
     if not examples:
         raise InputError("no examples to evaluate")
     scorer = rouge_scorer()
     prompts = [prompt_ids(tokenizer, example) for example in examples]
+    if per_bucket is not None:
+        keep = spread_per_bucket([len(p) for p in prompts], buckets, per_bucket)
+        examples, prompts = [examples[i] for i in keep], [prompts[i] for i in keep]
     vocab = model.config.vocab_size
     if max(int(p.max()) for p in prompts) >= vocab:
         raise InputError("the tokenizer's ids do not fit the model's vocabulary; use the model's own tokenizer")

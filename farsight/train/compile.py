@@ -42,13 +42,14 @@ RECOMPILE_LIMIT = 32
 
 
 def resolve_compile(
-    setting: Any, device: torch.device, steps: int, sharded: bool, widened: bool
+    setting: Any, device: torch.device, steps: int, sharded: bool, widened: bool, varying_shapes: bool = False
 ) -> tuple[bool, str | None]:
     """(compile or not, why not when "auto" says no) for `train.compile=setting`.
 
-    auto: on for CPU training of at least AUTO_MIN_STEPS steps, except under FSDP and where the
+    auto: on for CPU training of at least AUTO_MIN_STEPS steps, except under FSDP, where the
     precision's products are widened to fp32 GEMMs (a dispatch mode torch.compile does not
-    trace); off on GPUs (not measured there: the GCA and CASTLE Triton kernels are launched
+    trace) and where batch widths vary from step to step (supervised examples padded to the
+    longest of their batch: every new width recompiled for about 30 s); off on GPUs (not measured there: the GCA and CASTLE Triton kernels are launched
     eagerly) and other devices.
     """
     if setting is True or setting is False:
@@ -59,6 +60,8 @@ def resolve_compile(
         return False, "not under FSDP"
     if widened:
         return False, "not with products widened to fp32 GEMMs"
+    if varying_shapes:
+        return False, "batch shapes vary from step to step, and each new shape would recompile"
     if steps < AUTO_MIN_STEPS:
         return False, f"runs of fewer than {AUTO_MIN_STEPS} steps do not amortise the compilation"
     return True, None

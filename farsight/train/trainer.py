@@ -200,7 +200,12 @@ class Trainer:
         self.precision.cast_parameters(self.model)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
         use_compile, self.compile_note = resolve_compile(
-            run.compile, self.device, run.steps, self._sharded, widens_products(self.precision, self.device)
+            run.compile,
+            self.device,
+            run.steps,
+            self._sharded,
+            widens_products(self.precision, self.device),
+            varying_shapes=getattr(self.data, "varying_shapes", False),
         )
         self.compiled: CompiledModel | None = compile_model(self.model) if use_compile else None
         self.compile_clock = CompileClock()
@@ -582,6 +587,8 @@ class Trainer:
             if self.compiled is not None:
                 how = " (train.compile=auto)" if run.compile == "auto" else ""
                 print(f"compiling the model's blocks and loss with torch.compile{how}: the first step takes longer")
+            elif self.compile_note and self.device.type == "cpu":
+                print(f"not compiling (train.compile=auto): {self.compile_note}")
         # a fresh run starts a fresh log; a resumed one continues it
         metrics = open(self.out_dir / "metrics.jsonl", "a" if resumed else "w") if self.ctx.is_main else None
         writer = self._tensorboard() if run.tensorboard and self.ctx.is_main else None

@@ -13,7 +13,7 @@ from farsight.data.sft import encode_segments, parse_record, prompt_ids
 from farsight.data.tokenizers import load_tokenizer
 from farsight.errors import MissingDependencyError
 from farsight.eval import answers
-from farsight.eval.answers import evaluate_answers, greedy_answer, length_buckets, rouge_scorer
+from farsight.eval.answers import evaluate_answers, greedy_answer, length_buckets, rouge_scorer, spread_per_bucket
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 
 TOK = load_tokenizer("byte")
@@ -139,3 +139,23 @@ def test_rouge_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "rouge_score", None)
     with pytest.raises(MissingDependencyError, match=r"pip install farsight\[rouge\]"):
         rouge_scorer()
+
+
+def test_spread_per_bucket_takes_evenly_spaced_examples_of_each_bucket():
+    lengths = [10, 20, 11, 12, 13, 30, 14, 15]
+    # buckets (8, 16]: indices 0, 2, 3, 4, 6, 7; (16, 32]: 1, 5
+    assert spread_per_bucket(lengths, [8, 16, 32], 3) == [0, 1, 3, 5, 6]
+    assert spread_per_bucket(lengths, [8, 16, 32], 10) == list(range(8))
+    assert spread_per_bucket(lengths, [8, 16, 32], 1) == [0, 1]
+
+
+def test_eval_generate_per_bucket(tmp_path, data, capsys):
+    tiny("sliding").save_pretrained(tmp_path / "model", tokenizer=TOK)
+    out = tmp_path / "answers.json"
+    argv = ["eval", "generate", "--model", str(tmp_path / "model"), "--data", str(data), "--max-new-tokens", "2"]
+    assert main([*argv, "--buckets", "16,32", "--per-bucket", "1", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["per_bucket"] == 1 and summary["overall"]["examples"] == 2
+    assert [b["examples"] for b in summary["by_length"]] == [1, 1]
+    assert main([*argv, "--per-bucket", "0"]) == 2
+    assert "--per-bucket must be at least 1" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from farsight.train.compile import AUTO_MIN_STEPS, compile_model, eager, resolve
 from farsight.train.precision import flush_denormals
 from farsight.train.trainer import Trainer, train
 from tests.tolerance import RMS_RATIO, assert_close_rms
-from tests.train.conftest import tiny_config
+from tests.train.conftest import tiny_config, tiny_sft_config
 
 CPU = torch.device("cpu")
 
@@ -91,6 +91,10 @@ def test_auto_compiles_long_cpu_runs_only():
     assert not resolve_compile("auto", CPU, 10**6, sharded=True, widened=False)[0]
     assert not resolve_compile("auto", CPU, 10**6, sharded=False, widened=True)[0]
     assert not resolve_compile("auto", torch.device("cuda", 0), 10**6, sharded=False, widened=False)[0]
+    assert resolve_compile("auto", CPU, 10**6, sharded=False, widened=False, varying_shapes=True) == (
+        False,
+        "batch shapes vary from step to step, and each new shape would recompile",
+    )
     assert resolve_compile(True, CPU, 1, sharded=True, widened=True) == (True, None)
     assert resolve_compile(False, CPU, 10**6, sharded=False, widened=False) == (False, None)
 
@@ -100,6 +104,22 @@ def test_compile_setting_is_checked(token_dir, tmp_path):
 
     with pytest.raises(ConfigError, match="train.compile must be auto, true or false"):
         tiny_config(token_dir, tmp_path, compile="yes")
+
+
+def test_auto_leaves_supervised_batches_of_varying_width_eager(sft_dir, tmp_path, capsys):
+    trainer = Trainer(tiny_sft_config(sft_dir, tmp_path / "run", steps=AUTO_MIN_STEPS, compile="auto"))
+    assert trainer.compiled is None
+    step = trainer._train_step
+
+    def step_then_ctrl_c():
+        out = step()
+        signal.raise_signal(signal.SIGINT)
+        return out
+
+    trainer._train_step = step_then_ctrl_c
+    assert trainer.fit().status == "interrupted"
+    trainer.close()
+    assert "not compiling (train.compile=auto): batch shapes vary" in capsys.readouterr().out
 
 
 def test_resume_with_compile_is_bit_identical(token_dir, tmp_path):
