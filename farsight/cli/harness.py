@@ -38,6 +38,13 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
         "--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: each task's)"
     )
     harness.add_argument("--batch-size", type=int, default=1, help="requests of equal token lengths decoded together")
+    harness.add_argument(
+        "--align-context",
+        action="store_true",
+        help="DRT: score log-likelihoods with each context aligned to end on a chunk boundary, as a session "
+        "prefill aligns a prompt (for tasks exported with --align 1; default: the stream from the context's "
+        "first token, as lm-eval's hf model scores it)",
+    )
     add_memory_argument(harness)
     add_dtype_argument(harness)
     harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
@@ -82,6 +89,7 @@ def _harness(args: argparse.Namespace) -> int:
         memory=args.memory,
         kv_dtype=args.kv_dtype,
         dtype=args.dtype,
+        align_context=args.align_context,
     )
     print(make_table(results))
     if "groups" in results:

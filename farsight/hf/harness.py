@@ -8,6 +8,12 @@ to `batch_size` rows per session; every other request runs alone, so no row is e
 DRT scores log-likelihood requests per distinct context instead: the context is fed once and
 each continuation is scored from it (the session rewinds), which a multiple-choice item with a
 long context needs most.
+
+A DRT's log-likelihoods are those of the stream from the context's first token, as training and
+`forward` lay it out (so lm-eval's own model "hf" gives the same numbers); `align_context=true`
+lays each context out to end on a chunk boundary instead, as a session's prefill aligns a prompt
+(docs/design.md §2.1), for tasks whose question may fall at any offset. Generation always starts
+from an aligned prompt, as `generate` does.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ class FarsightLM(TemplateLM):
 
     pretrained: model or training-run directory; memory/kv_dtype: DRT's chunk-memory tier and
     stored K/V dtype; dtype: "fp32" (default), "bf16", "fp16"; batch_size: rows per session;
-    device: where the model runs (default: cuda if available, else cpu).
+    device: where the model runs (default: cuda if available, else cpu); align_context: score a
+    DRT's log-likelihoods with each context aligned to end on a chunk boundary (default false:
+    the stream from the context's first token, as `forward` computes it).
     """
 
     def __init__(
@@ -48,6 +56,7 @@ class FarsightLM(TemplateLM):
         batch_size: int | str = 1,
         device: str | None = None,
         max_batch_size: int | None = None,
+        align_context: bool | str = False,
     ) -> None:
         super().__init__()
         if memory not in MEMORY_TIERS:
@@ -58,6 +67,7 @@ class FarsightLM(TemplateLM):
             raise InputError(
                 f"batch_size={batch_size!r} must be an integer >= 1 (farsight has no automatic batch size)"
             )
+        self.align_context = _flag(align_context, "align_context")
         directory = resolve_model_dir(pretrained)
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load_model(directory, map_location=self._device).eval()
@@ -188,7 +198,9 @@ class FarsightLM(TemplateLM):
         for context, indices in groups.items():
             scored = [i for i in indices if pairs[i][1]]
             with self.model.new_session(1, **self.session_options) as session:
-                session.prefill(torch.tensor([context], dtype=torch.long, device=self._device))
+                ids = torch.tensor([context], dtype=torch.long, device=self._device)  # [1, Tc]
+                # a tensor prompt is aligned to end on a chunk boundary; blocks are fed as they are
+                session.prefill(ids if self.align_context else iter([ids]))
                 scores = session.score_each(
                     [torch.tensor([pairs[i][1]], dtype=torch.long, device=self._device) for i in scored]
                 )
@@ -220,6 +232,17 @@ class FarsightLM(TemplateLM):
                     break
                 logits = session.step(token)
         return [cut_at_stop(self.tok_decode(tokens), until) for tokens in new]
+
+
+def _flag(value: bool | str, name: str) -> bool:
+    """A boolean model argument, as Python or as lm-eval's model_args string gives it."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise InputError(f"{name}={value!r} must be true or false")
 
 
 def _totals(score: ContinuationScore) -> list[tuple[float, bool]]:
@@ -339,6 +362,7 @@ def evaluate(
     dtype: str = "fp32",
     device: str | None = None,
     log_samples: bool = False,
+    align_context: bool = False,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of the farsight model directory `pretrained` on `tasks`; returns
     lm-eval's results dict (print it with lm_eval.utils.make_table)."""
@@ -353,7 +377,15 @@ def evaluate(
         raise InputError(
             f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML"
         )
-    model = FarsightLM(pretrained, memory=memory, kv_dtype=kv_dtype, dtype=dtype, batch_size=batch_size, device=device)
+    model = FarsightLM(
+        pretrained,
+        memory=memory,
+        kv_dtype=kv_dtype,
+        dtype=dtype,
+        batch_size=batch_size,
+        device=device,
+        align_context=align_context,
+    )
     return lm_eval.simple_evaluate(
         model=model,
         tasks=list(tasks),

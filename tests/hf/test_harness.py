@@ -10,6 +10,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 lm_eval = pytest.importorskip("lm_eval")
 
+import farsight.errors  # noqa: E402
 import farsight.hf  # noqa: E402,F401  (registers "farsight" with lm-eval)
 from farsight.cli import main  # noqa: E402
 from farsight.data.tokenizers import load_tokenizer  # noqa: E402
@@ -61,10 +62,12 @@ def tasks(tmp_path_factory):
     return folder
 
 
-def loglikelihood_by_hand(model, tokenizer, context, continuation):
-    """log p(continuation | context): prefill the context, score the continuation."""
+def loglikelihood_by_hand(model, tokenizer, context, continuation, align=False):
+    """log p(continuation | context): prefill the context (as blocks: fed as they are; as a
+    tensor: aligned to end on a chunk boundary), score the continuation."""
     with model.new_session(1) as session:
-        session.prefill(torch.tensor([tokenizer.encode(context)]))
+        ids = torch.tensor([tokenizer.encode(context)])
+        session.prefill(ids if align else iter([ids]))
         return float(session.score(torch.tensor([tokenizer.encode(continuation)])).sum())
 
 
@@ -77,11 +80,12 @@ def greedy_text_by_hand(model, tokenizer, context, max_new_tokens=6, until=(".",
     return min((text[: text.index(stop)] for stop in until if stop in text), key=len, default=text)
 
 
-def test_simple_evaluate_equals_the_sessions_by_hand(tiny_drt_dir, tasks):
+@pytest.mark.parametrize("align", [False, True])
+def test_simple_evaluate_equals_the_sessions_by_hand(tiny_drt_dir, tasks, align):
     names = ["farsight_passkey_mc", "farsight_passkey_gen"]
     results = lm_eval.simple_evaluate(
         model="farsight",
-        model_args=f"pretrained={tiny_drt_dir},memory=disk,batch_size=4",
+        model_args=f"pretrained={tiny_drt_dir},memory=disk,batch_size=4" + (",align_context=true" if align else ""),
         tasks=names,
         task_manager=task_manager(names, str(tasks)),
         log_samples=True,
@@ -89,7 +93,7 @@ def test_simple_evaluate_equals_the_sessions_by_hand(tiny_drt_dir, tasks):
     model, tokenizer = load_model(tiny_drt_dir).eval(), load_tokenizer(tiny_drt_dir)
     correct = 0
     for sample in results["samples"]["farsight_passkey_mc"]:
-        expected = [loglikelihood_by_hand(model, tokenizer, *pair) for pair in sample["arguments"]]
+        expected = [loglikelihood_by_hand(model, tokenizer, *pair, align=align) for pair in sample["arguments"]]
         assert [resp[0][0] for resp in sample["resps"]] == pytest.approx(expected, abs=1e-4)
         correct += expected.index(max(expected)) == DOCS[sample["doc_id"]]["answer"]
     assert results["results"]["farsight_passkey_mc"]["acc,none"] == pytest.approx(correct / len(DOCS))
@@ -129,6 +133,33 @@ def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, ta
     assert json.loads(out.read_text())["results"]["farsight_passkey_mc"] == pytest.approx(
         python["results"]["farsight_passkey_mc"]
     )
+
+
+def test_eval_harness_align_context_reaches_the_model(tiny_drt_dir, tasks, monkeypatch):
+    import farsight.hf.harness as harness
+
+    seen = []
+    monkeypatch.setattr(
+        harness.FarsightLM,
+        "_score_by_context",
+        lambda self, pairs, *a: seen.append(self.align_context) or [(0.0, True)] * len(pairs),
+    )
+    argv = [
+        "eval",
+        "harness",
+        "--model",
+        str(tiny_drt_dir),
+        "--tasks",
+        "farsight_passkey_mc",
+        "--include-path",
+        str(tasks),
+        "--limit",
+        "1",
+    ]
+    assert main(argv) == 0 and main([*argv, "--align-context"]) == 0
+    assert seen == [False, True]
+    with pytest.raises(farsight.errors.InputError, match="align_context='maybe' must be true or false"):
+        harness.FarsightLM(str(tiny_drt_dir), align_context="maybe")
 
 
 def test_farsight_eval_harness_refuses_unknown_tasks(tiny_drt_dir, tasks, capsys):
@@ -181,22 +212,24 @@ def write_tasks(folder, docs, question, max_gen_toks=16):
     return ["hf_passkey_mc", "hf_passkey_gen"]
 
 
-def test_lm_evals_hf_model_equals_farsights_own_on_chunk_aligned_prompts(drt_dir, tmp_path):
+def test_lm_evals_hf_model_equals_farsights_own(drt_dir, tmp_path):
     """simple_evaluate(model="hf") (HFLM: the Auto classes, device_map={"": "cpu"}, forward for
     log-likelihoods, generate with lm-eval's stopping criteria, batches padded) against
-    model="farsight", on the demo DRT. HFLM scores with `forward`, the training layout (the
-    stream from position 0), where "farsight" lays each context out to end on a chunk boundary
-    (docs/design.md §2.1): the two agree where a prompt is a whole number of chunks, as here
-    (the byte tokenizer: a character is a token; prompts of 2, 3 and 4 chunks)."""
+    model="farsight", on the demo DRT, with prompts of three lengths that are not whole chunks
+    (the byte tokenizer: a character is a token): both score the stream from the context's first
+    token, and both generate from an aligned prompt."""
     question = " What is the passkey? The passkey"
     chunk = load_model(drt_dir).config.chunk_size
     docs = []
     for i, doc in enumerate(DOCS):
         text = doc["context"] + " Hay hay." * (4 * i)
-        text += " " * (-(len(text) + len(question)) % chunk)
         choices = [f" {doc['passkey']}.", " 1234.", " 9090.", " 5555."]
         docs.append({"context": text, "choices": choices, "answer": 0, "passkey": doc["passkey"]})
     assert len({len(doc["context"]) for doc in docs}) == 3
+    assert all((len(doc["context"]) + len(question)) % chunk for doc in docs)
+    model, tokenizer = load_model(drt_dir).eval(), load_tokenizer(drt_dir)
+    layouts = [loglikelihood_by_hand(model, tokenizer, docs[1]["context"] + question, " 7070.", a) for a in (0, 1)]
+    assert abs(layouts[0] - layouts[1]) > 1e-3  # so the layout the two models agree on is tested
     names = write_tasks(tmp_path, docs, question)
     runs = {
         model: lm_eval.simple_evaluate(
