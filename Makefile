@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6 summarize
+.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6 summarize code-corpus
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
 # (configs/lm/summarize/) and scores their greedy answers with ROUGE by input length.
 summarize: $(STAMP)
 	bash experiments/summarize.sh
+
+# A BPE corpus of long real documents held out by package, page and book (experiments/code-corpus.sh):
+# Python source, the Python documentation and Gutenberg books, a 16K-entry BPE, token files.
+code-corpus: $(STAMP)
+	bash experiments/code-corpus.sh
 
 bench: $(STAMP)
 	$(BIN)/farsight eval bench

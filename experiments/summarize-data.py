@@ -28,44 +28,20 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.metadata
 import json
-import os
 import sys
-import sysconfig
-import tempfile
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from farsight.data.corpora import StdlibSource, decode_text
+from offline_packages import modules, package_of, package_versions, source_roots, write_text_atomic
+
+from farsight.data.corpora import decode_text
 from farsight.data.token_files import split_score
 
 QUESTION = "\n\n# The summary line of this module's docstring:\n"
-VENDORED = {"_vendor", "vendor", "_vendored", "vendored", "_vendored_packages", "extern", "_extern"}
 BUCKETS = [(1 << k, 1 << (k + 1)) for k in range(11, 16)]  # 2K-4K ... 32K-64K
 SPLITS = ("train", "val", "test")
-
-
-def source_roots(specs: list[str]) -> list[tuple[str, Path]]:
-    """(label, folder) of each --source: stdlib, site-packages (this Python's purelib) or a folder of packages."""
-    roots = []
-    for spec in specs:
-        if spec == "stdlib":
-            roots.append(("stdlib", Path(sysconfig.get_paths()["stdlib"])))
-        elif spec == "site-packages":
-            roots.append(("site-packages", Path(sysconfig.get_paths()["purelib"])))
-        else:
-            path = Path(spec)
-            if not path.is_dir():
-                sys.exit(f"error: --source {spec} is not stdlib, site-packages or a folder")
-            roots.append((path.name, path))
-    return roots
-
-
-def modules(root: Path) -> list[Path]:
-    """The .py files under root, tests skipped (as `farsight data prepare --source stdlib` does) and vendored folders too."""
-    return [path for path in StdlibSource(root).files() if not VENDORED & set(path.relative_to(root).parent.parts)]
 
 
 def summary_of(source: str) -> tuple[str, str] | str:
@@ -100,17 +76,6 @@ def summary_of(source: str) -> tuple[str, str] | str:
     return summary, cut
 
 
-def package_versions(names: set[str]) -> dict[str, str]:
-    """The installed distribution (name==version) of each top-level package name, where one is known."""
-    found = importlib.metadata.packages_distributions()
-    versions = {}
-    for name in sorted(names):
-        dists = sorted(set(found.get(name, [])))
-        if dists:
-            versions[name] = ", ".join(f"{d}=={importlib.metadata.version(d)}" for d in dists)
-    return versions
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -136,7 +101,7 @@ def main() -> int:
     for label, root in roots:
         for path in modules(root):
             relative = path.relative_to(root)
-            package = f"{label}/{relative.parts[0] if len(relative.parts) > 1 else relative.stem}"
+            package = package_of(label, relative)
             found = summary_of(decode_text(path.read_bytes())[0])
             if isinstance(found, str):
                 skipped[found] += 1
@@ -188,7 +153,7 @@ def main() -> int:
             json.dumps({"prompt": prompt, "completion": summary, "id": ident, "package": package}) + "\n"
             for package, ident, prompt, summary in splits[split]
         ]
-        _write(out / f"{split}.jsonl", "".join(lines))
+        write_text_atomic(out / f"{split}.jsonl", "".join(lines))
         lengths = [len(p.encode()) + len(s.encode()) + 1 for _, _, p, s in splits[split]]
         counts[split] = {
             "packages": len(packages[split]),
@@ -210,7 +175,7 @@ def main() -> int:
         "counts": counts,
         "skipped": dict(sorted(skipped.items())),
     }
-    _write(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     columns = ["split", "packages", "examples", "MB", *counts["train"]["by_length"]]
     print("  ".join(f"{c:>9}" for c in columns))
     for split in SPLITS:
@@ -220,14 +185,6 @@ def main() -> int:
     print("left out: " + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items(), key=lambda kv: -kv[1])))
     print(f"wrote {out}/train.jsonl, val.jsonl, test.jsonl and manifest.json")
     return 0
-
-
-def _write(path: Path, text: str) -> None:
-    """Write text atomically (a temporary file beside `path`, renamed over it)."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w", encoding="utf-8") as file:
-        file.write(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`farsight data prepare|prepare-sft|info`: tokenize text sources (or supervised examples) into token files, and show a prepared dataset."""
+"""`farsight data prepare|prepare-sft|train-tokenizer|info`: tokenize text sources (or supervised examples) into token files, train a BPE tokenizer, and show a prepared dataset."""
 
 from __future__ import annotations
 
@@ -23,7 +23,18 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--tokenizer", default="byte", help=prepare_tokenizer_help())
     prepare.add_argument("--out", required=True, help="output directory")
     prepare.add_argument(
-        "--val-fraction", type=float, default=0.05, help="fraction of documents held out (default 0.05)"
+        "--val",
+        action="append",
+        default=[],
+        metavar="SOURCE",
+        help="a source of held-out documents (repeatable): the validation split is these and nothing else, "
+        "e.g. whole packages or books kept apart (default: --val-fraction of the --source documents)",
+    )
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="fraction of the --source documents held out, by a hash of each document's id (default 0.05; not with --val)",
     )
     prepare.add_argument("--seed", type=int, default=0, help="seed of the document split (0 to 2**63 - 1)")
     prepare.add_argument(
@@ -66,6 +77,21 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "count them, instead of stopping at the first",
     )
     sft.set_defaults(func=_prepare_sft)
+    bpe = actions.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer on text sources",
+        description="Train a byte-level BPE (Hugging Face tokenizers) on the documents of text sources and write "
+        "OUT/tokenizer.json, which `data prepare --tokenizer OUT` and training configs take. Any text encodes "
+        "(the 256 bytes are in the vocabulary); the same sources give the same tokenizer.",
+    )
+    bpe.add_argument(
+        "--source", action="append", required=True, help="a text source, as data prepare takes (repeatable)"
+    )
+    bpe.add_argument("--vocab-size", type=int, default=16384, help="entries, special tokens included (default 16384)")
+    bpe.add_argument("--min-frequency", type=int, default=2, help="the fewest occurrences a merge needs (default 2)")
+    bpe.add_argument("--extensions", help="comma-separated extensions of the files read from a folder source")
+    bpe.add_argument("--out", required=True, help="output directory (tokenizer.json is written there)")
+    bpe.set_defaults(func=_train_tokenizer)
     info = actions.add_parser("info", help="print a prepared dataset's metadata")
     info.add_argument("path")
     info.set_defaults(func=_info)
@@ -78,24 +104,79 @@ def _prepare(args: argparse.Namespace) -> int:
 
     check_output_folder(args.out, "--out")
     check_at_least(args, {"--seed": 0})
+    if args.val and args.val_fraction is not None:
+        raise InputError(
+            f"--val-fraction {args.val_fraction} splits the --source documents, but --val gives the held-out documents; pass one of the two"
+        )
+    args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
     check_number(args, "--val-fraction", 0, 1, open_low=True)
     if args.val_fraction >= 1:
         raise InputError(
             f"--val-fraction must be below 1 so that some documents are trained on, got {args.val_fraction}"
         )
     sources: list = list(args.source)
+    val_sources: list = list(args.val)
     if args.extensions is not None:
         extensions = [item.strip() for item in args.extensions.split(",") if item.strip()]
-        folders = [i for i, spec in enumerate(sources) if Path(spec).is_dir() and not spec.lower().endswith(".jsonl")]
-        if not extensions or not folders:
+
+        def folders(specs: list) -> list[int]:
+            return [i for i, spec in enumerate(specs) if Path(spec).is_dir() and not spec.lower().endswith(".jsonl")]
+
+        if not extensions or not (folders(sources) or folders(val_sources)):
             raise InputError(
                 f"--extensions {args.extensions!r} names the files to read from a folder source; "
                 + ("give at least one extension, e.g. .txt,.log" if not extensions else "no --source is a folder")
             )
-        for i in folders:
-            sources[i] = resolve_source(sources[i], extensions=extensions)
-    meta = prepare_corpus(sources, _tokenizer(args.tokenizer), args.out, val_fraction=args.val_fraction, seed=args.seed)
+        for specs in (sources, val_sources):
+            for i in folders(specs):
+                specs[i] = resolve_source(specs[i], extensions=extensions)
+    meta = prepare_corpus(
+        sources,
+        _tokenizer(args.tokenizer),
+        args.out,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        val_sources=val_sources,
+    )
     print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
+    return 0
+
+
+def _train_tokenizer(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from farsight.data.corpora import resolve_source
+    from farsight.data.tokenizers import train_bpe_tokenizer
+    from farsight.errors import InputError
+    from farsight.files import new_folders_for, reported_write
+
+    check_output_folder(args.out, "--out")
+    check_at_least(args, {"--vocab-size": 260, "--min-frequency": 1})
+    out = Path(args.out)
+    if out.is_dir() and any(entry.name != "tokenizer.json" for entry in out.iterdir()):
+        raise InputError(f"--out {args.out} holds other files (a model or a dataset?); pass a new folder")
+    extensions = None
+    if args.extensions is not None:
+        extensions = [item.strip() for item in args.extensions.split(",") if item.strip()]
+        if not extensions:
+            raise InputError(f"--extensions {args.extensions!r} names no extension; give at least one, e.g. .txt,.log")
+    sources = [
+        resolve_source(spec, extensions=extensions) if extensions and Path(spec).is_dir() else resolve_source(spec)
+        for spec in args.source
+    ]
+
+    def texts():
+        with tqdm(desc="reading", unit=" docs", dynamic_ncols=True) as bar:
+            for source in sources:
+                bar.set_description_str(f"reading {source.spec}")
+                for document in source:
+                    bar.update()
+                    yield document.text
+
+    tokenizer = train_bpe_tokenizer(texts(), args.vocab_size, args.min_frequency)
+    with new_folders_for(args.out), reported_write(args.out):
+        path = tokenizer.save(args.out)
+    print(f"wrote {path}: a byte-level BPE of {tokenizer.vocab_size:,} entries")
     return 0
 
 

@@ -118,13 +118,23 @@ class _HeldBackSplitter:
     seed, so the result is deterministic.
     """
 
-    def __init__(self, writers: dict[str, _SplitWriter], counts: list[dict[str, int]], val_fraction: float) -> None:
+    def __init__(
+        self,
+        writers: dict[str, _SplitWriter],
+        counts: list[dict[str, int]],
+        val_fraction: float,
+        fixed: Sequence[str | None] = (),
+    ) -> None:
         self.writers = writers
         self.counts = counts
         self.val_fraction = val_fraction
+        self.fixed = fixed  # per source: the split all its documents go to, or None (by hash)
         self.held: dict[str, _Pending | None] = {"train": None, "val": None}
 
     def add(self, pending: _Pending) -> None:
+        if pending.source_index < len(self.fixed) and self.fixed[pending.source_index] is not None:
+            self._write(self.fixed[pending.source_index], pending)  # type: ignore[arg-type]
+            return
         split = "val" if pending.score < self.val_fraction else "train"
         held = self.held[split]
         # Train keeps its lowest score in hand, val its highest: the best candidates to move.
@@ -160,12 +170,15 @@ def prepare_corpus(
     seed: int = 0,
     append_eos: bool = True,
     progress: bool = True,
+    val_sources: Sequence[str | os.PathLike[str] | Source] = (),
 ) -> dict[str, Any]:
     """Tokenize every document of `sources` into train/val token files under `out_dir`; return the meta dict.
 
     Each document goes to val when `split_score(doc_id, seed) < val_fraction`, else to train,
     so a document never appears in both and the split does not depend on source order or on
-    the tokenizer. With two or more documents both splits get at least one. `eos_id` follows
+    the tokenizer. With two or more documents both splits get at least one. With `val_sources`,
+    the held-out split is every document of those sources and nothing else (a split made by
+    the caller, e.g. whole packages or books held out), and `val_fraction` is not used. `eos_id` follows
     every document when `append_eos`. Sources are spec strings for `resolve_source` or
     `Source` objects (to pass options such as `text_field`).
 
@@ -179,11 +192,15 @@ def prepare_corpus(
         raise TokenDataError(
             "sources must be a non-empty list of source specs, e.g. ['shakespeare'] or ['stdlib', 'notes/']"
         )
-    if not 0.0 < val_fraction < 1.0:
+    if isinstance(val_sources, (str, os.PathLike)):
+        val_sources = [val_sources]
+    if not val_sources and not 0.0 < val_fraction < 1.0:
         raise TokenDataError(
             f"val_fraction={val_fraction} must be strictly between 0 and 1 so both splits get documents"
         )
     resolved = [source if isinstance(source, Source) else resolve_source(source) for source in sources]
+    held_out = [source if isinstance(source, Source) else resolve_source(source) for source in val_sources]
+    fixed = ["train"] * len(resolved) + ["val"] * len(held_out) if held_out else []
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     out = Path(out_dir)
@@ -192,7 +209,9 @@ def prepare_corpus(
     result: dict[str, Any] = {}
 
     def fill(scratch: Path) -> None:
-        result["meta"] = _write_dataset(scratch, resolved, tok, dtype, val_fraction, seed, append_eos, progress)
+        result["meta"] = _write_dataset(
+            scratch, resolved + held_out, tok, dtype, val_fraction, seed, append_eos, progress, fixed
+        )
 
     write_dataset_directory(out, fill)
     return result["meta"]
@@ -224,14 +243,16 @@ def _write_dataset(
     seed: int,
     append_eos: bool,
     progress: bool,
+    fixed: Sequence[str | None] = (),
 ) -> dict[str, Any]:
-    """Every file of a prepared dataset, written into the folder `scratch`; returns meta.json's dict."""
+    """Every file of a prepared dataset, written into the folder `scratch`; returns meta.json's dict.
+    fixed: per source, the split all its documents go to (empty: every document by its hash)."""
     counts = [
         {"documents": 0, "train_documents": 0, "val_documents": 0, "train_tokens": 0, "val_tokens": 0} for _ in sources
     ]
     with open(scratch / "train.bin", "wb") as train_handle, open(scratch / "val.bin", "wb") as val_handle:
         writers = {"train": _SplitWriter(train_handle), "val": _SplitWriter(val_handle)}
-        splitter = _HeldBackSplitter(writers, counts, val_fraction)
+        splitter = _HeldBackSplitter(writers, counts, val_fraction, fixed)
         _tokenize_sources(sources, tok, dtype, seed, append_eos, progress, splitter, counts)
         splitter.finish()
         for handle in (train_handle, val_handle):
@@ -247,7 +268,9 @@ def _write_dataset(
         with open(scratch / f"{split}.docs.npy", "wb") as handle:
             np.save(handle, np.asarray(writers[split].starts, dtype=np.int64))
         checksums[f"{split}.docs.npy"] = sha256_file(scratch / f"{split}.docs.npy")
-    meta = _build_meta(sources, counts, writers, tok, dtype, val_fraction, seed, append_eos)
+    meta = _build_meta(sources, counts, writers, tok, dtype, None if fixed else val_fraction, seed, append_eos)
+    if fixed:
+        meta["val_sources"] = [source.spec for source, split in zip(sources, fixed) if split == "val"]
     meta["checksums"] = dict(sorted(checksums.items()))
     tok.save(scratch)
     (scratch / META_FILENAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
@@ -302,7 +325,7 @@ def _build_meta(
     writers: dict[str, _SplitWriter],
     tokenizer: Tokenizer,
     dtype: np.dtype,
-    val_fraction: float,
+    val_fraction: float | None,
     seed: int,
     append_eos: bool,
 ) -> dict[str, Any]:

@@ -430,6 +430,24 @@ def test_both_splits_get_a_document(tmp_path: Path, val_fraction: float) -> None
     )
 
 
+def test_val_sources_are_the_held_out_split_and_nothing_else(tmp_path: Path, capsys) -> None:
+    corpus, held_out = FIXTURE_SOURCES
+    meta = prepare_corpus([corpus], "byte", tmp_path / "a", val_sources=[held_out], progress=False)
+    assert sorted(_split_texts(tmp_path / "a", "train")) == sorted(d.text for d in resolve_source(corpus))
+    assert sorted(_split_texts(tmp_path / "a", "val")) == sorted(d.text for d in resolve_source(held_out))
+    assert meta["val_fraction"] is None and meta["val_sources"] == [resolve_source(held_out).spec]
+    assert [s["val_documents"] for s in meta["sources"]] == [0, 4]
+    from farsight.cli import main
+
+    argv = ["data", "prepare", "--source", corpus, "--val", held_out, "--out", str(tmp_path / "b")]
+    assert main(argv) == 0
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    capsys.readouterr()
+    assert main([*argv[:-1], str(tmp_path / "c"), "--val-fraction", "0.1"]) == 2
+    assert "--val gives the held-out documents; pass one of the two" in capsys.readouterr().err
+
+
 def test_prepare_without_eos_and_with_bpe(tmp_path: Path) -> None:
     bpe = train_bpe_tokenizer([d.text for d in _all_documents()] * 5, vocab_size=300)
     meta = prepare_corpus(FIXTURE_SOURCES, bpe, tmp_path, append_eos=False, progress=False)
@@ -558,3 +576,37 @@ def test_prepare_with_gpt2(tmp_path: Path) -> None:
     start, end = data.documents()[0]
     assert data.tokens[end - 1] == 50256
     assert data.tokenizer.decode(data.tokens[start : end - 1]) in {d.text for d in _all_documents()}
+
+
+def test_cli_train_tokenizer_is_deterministic_and_feeds_prepare(tmp_path: Path, capsys) -> None:
+    from farsight.cli import main
+    from farsight.data.tokenizers import load_tokenizer
+
+    argv = ["data", "train-tokenizer", "--vocab-size", "300", *[x for s in FIXTURE_SOURCES for x in ("--source", s)]]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0 and main([*argv, "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+    bpe = load_tokenizer(tmp_path / "a")
+    assert bpe.kind == "bpe" and 260 < bpe.vocab_size <= 300
+    text = _all_documents()[0].text
+    assert bpe.decode(bpe.encode(text)) == text and len(bpe.encode(text)) < len(text.encode())
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                "--source",
+                FIXTURE_SOURCES[0],
+                "--tokenizer",
+                str(tmp_path / "a"),
+                "--out",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 0
+    )
+    assert load_token_dataset(tmp_path / "d", "train").tokenizer.to_spec() == bpe.to_spec()
+    capsys.readouterr()
+    assert main([*argv[:2], "--vocab-size", "100", "--source", FIXTURE_SOURCES[0], "--out", str(tmp_path / "e")]) == 2
+    assert "--vocab-size must be at least 260" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "d")]) == 2
+    assert "holds other files" in capsys.readouterr().err
