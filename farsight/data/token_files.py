@@ -123,17 +123,17 @@ class _HeldBackSplitter:
         writers: dict[str, _SplitWriter],
         counts: list[dict[str, int]],
         val_fraction: float,
-        fixed: Sequence[str | None] = (),
+        fixed: Sequence[str] = (),
     ) -> None:
         self.writers = writers
         self.counts = counts
         self.val_fraction = val_fraction
-        self.fixed = fixed  # per source: the split all its documents go to, or None (by hash)
+        self.fixed = fixed  # per source, the split all its documents go to (empty: by hash)
         self.held: dict[str, _Pending | None] = {"train": None, "val": None}
 
     def add(self, pending: _Pending) -> None:
-        if pending.source_index < len(self.fixed) and self.fixed[pending.source_index] is not None:
-            self._write(self.fixed[pending.source_index], pending)  # type: ignore[arg-type]
+        if self.fixed:
+            self._write(self.fixed[pending.source_index], pending)
             return
         split = "val" if pending.score < self.val_fraction else "train"
         held = self.held[split]
@@ -200,6 +200,7 @@ def prepare_corpus(
         )
     resolved = [source if isinstance(source, Source) else resolve_source(source) for source in sources]
     held_out = [source if isinstance(source, Source) else resolve_source(source) for source in val_sources]
+    _check_apart(resolved, held_out)
     fixed = ["train"] * len(resolved) + ["val"] * len(held_out) if held_out else []
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
@@ -215,6 +216,28 @@ def prepare_corpus(
 
     write_dataset_directory(out, fill)
     return result["meta"]
+
+
+def _source_path(source: Source) -> Path | None:
+    """The file or folder a source reads, where it reads one."""
+    where = getattr(source, "path", None) or getattr(source, "root", None)
+    return Path(where).resolve() if where is not None else None
+
+
+def _check_apart(train: Sequence[Source], held_out: Sequence[Source]) -> None:
+    """Refuse a held-out source that is, holds or lies inside a training source: its documents
+    would be trained on and held out at once."""
+    for val in held_out:
+        for source in train:
+            a, b = _source_path(val), _source_path(source)
+            same = val.spec == source.spec or (
+                a is not None and b is not None and (a == b or a.is_relative_to(b) or b.is_relative_to(a))
+            )
+            if same:
+                raise TokenDataError(
+                    f"the held-out source {val.spec} overlaps the training source {source.spec}; "
+                    "pass held-out documents that are not among the training ones"
+                )
 
 
 def write_dataset_directory(out: Path, fill: Callable[[Path], None], extra_files: Sequence[str] = ()) -> None:
@@ -243,7 +266,7 @@ def _write_dataset(
     seed: int,
     append_eos: bool,
     progress: bool,
-    fixed: Sequence[str | None] = (),
+    fixed: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Every file of a prepared dataset, written into the folder `scratch`; returns meta.json's dict.
     fixed: per source, the split all its documents go to (empty: every document by its hash)."""

@@ -57,9 +57,9 @@ def resolve_compile(
     if device.type != "cpu":
         return False, f"not on {device.type}"
     if sharded:
-        return False, "not under FSDP"
+        return False, "FSDP runs are not compiled"
     if widened:
-        return False, "not with products widened to fp32 GEMMs"
+        return False, "this CPU runs the precision's products as fp32 GEMMs, which torch.compile does not trace"
     if varying_shapes:
         return False, "batch shapes vary from step to step, and each new shape would recompile"
     if steps < AUTO_MIN_STEPS:

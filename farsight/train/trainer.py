@@ -37,7 +37,15 @@ from farsight.train.checkpoint import (
     save_checkpoint,
     write_text_atomically,
 )
-from farsight.train.compile import CompileClock, CompiledModel, compile_model, eager, failure_note, resolve_compile
+from farsight.train.compile import (
+    AUTO_MIN_STEPS,
+    CompileClock,
+    CompiledModel,
+    compile_model,
+    eager,
+    failure_note,
+    resolve_compile,
+)
 from farsight.train.config import TrainConfig, dump_train_config
 from farsight.train.metrics import read_metrics
 from farsight.train.precision import flush_denormals, precision_note, resolve_precision, widens_products
@@ -587,7 +595,7 @@ class Trainer:
             if self.compiled is not None:
                 how = " (train.compile=auto)" if run.compile == "auto" else ""
                 print(f"compiling the model's blocks and loss with torch.compile{how}: the first step takes longer")
-            elif self.compile_note and self.device.type == "cpu":
+            elif self.compile_note and self.device.type == "cpu" and run.steps >= AUTO_MIN_STEPS:
                 print(f"not compiling (train.compile=auto): {self.compile_note}")
         # a fresh run starts a fresh log; a resumed one continues it
         metrics = open(self.out_dir / "metrics.jsonl", "a" if resumed else "w") if self.ctx.is_main else None

@@ -437,6 +437,11 @@ def test_val_sources_are_the_held_out_split_and_nothing_else(tmp_path: Path, cap
     assert sorted(_split_texts(tmp_path / "a", "val")) == sorted(d.text for d in resolve_source(held_out))
     assert meta["val_fraction"] is None and meta["val_sources"] == [resolve_source(held_out).spec]
     assert [s["val_documents"] for s in meta["sources"]] == [0, 4]
+    inside = next(p for p in sorted(Path(corpus).rglob("*")) if p.is_file())
+    for overlapping in (corpus, str(inside)):
+        with pytest.raises(TokenDataError, match="overlaps the training source"):
+            prepare_corpus([corpus], "byte", tmp_path / "x", val_sources=[overlapping], progress=False)
+    assert not (tmp_path / "x").exists()
     from farsight.cli import main
 
     argv = ["data", "prepare", "--source", corpus, "--val", held_out, "--out", str(tmp_path / "b")]
@@ -610,3 +615,6 @@ def test_cli_train_tokenizer_is_deterministic_and_feeds_prepare(tmp_path: Path, 
     assert "--vocab-size must be at least 260" in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "d")]) == 2
     assert "holds other files" in capsys.readouterr().err
+    (tmp_path / "blank.jsonl").write_text('{"text": " "}\n')
+    assert main([*argv[:2], "--source", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "f")]) == 2
+    assert "hold no text to learn merges from" in capsys.readouterr().err and not (tmp_path / "f").exists()
