@@ -97,6 +97,24 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     info.set_defaults(func=_info)
 
 
+def _check_val_split(args: argparse.Namespace, what: str) -> None:
+    """--val and --val-fraction are one choice of held-out split; --val-fraction defaults to 0.05
+    and must leave something to train on. `what`: the --source items it splits."""
+    from farsight.errors import InputError
+
+    if args.val and args.val_fraction is not None:
+        raise InputError(
+            f"--val-fraction {args.val_fraction} splits the --source {what}, but --val gives the held-out {what}; pass one of the two"
+        )
+    args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
+    check_number(args, "--val-fraction", 0, 1, open_low=True)
+    if args.val_fraction >= 1:
+        trained = "documents" if what == "documents" else "examples"
+        raise InputError(
+            f"--val-fraction must be below 1 so that some {trained} are trained on, got {args.val_fraction}"
+        )
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from farsight.data.corpora import resolve_source
     from farsight.data.token_files import prepare_corpus
@@ -104,16 +122,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
     check_output_folder(args.out, "--out")
     check_at_least(args, {"--seed": 0})
-    if args.val and args.val_fraction is not None:
-        raise InputError(
-            f"--val-fraction {args.val_fraction} splits the --source documents, but --val gives the held-out documents; pass one of the two"
-        )
-    args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
-    check_number(args, "--val-fraction", 0, 1, open_low=True)
-    if args.val_fraction >= 1:
-        raise InputError(
-            f"--val-fraction must be below 1 so that some documents are trained on, got {args.val_fraction}"
-        )
+    _check_val_split(args, "documents")
     sources: list = list(args.source)
     val_sources: list = list(args.val)
     if args.extensions is not None:
@@ -211,20 +220,10 @@ def _tokenizer(spec: str):
 
 def _prepare_sft(args: argparse.Namespace) -> int:
     from farsight.data.sft import prepare_sft
-    from farsight.errors import InputError
 
     check_output_folder(args.out, "--out")
     check_at_least(args, {"--seed": 0, "--max-len": 2})
-    if args.val and args.val_fraction is not None:
-        raise InputError(
-            f"--val-fraction {args.val_fraction} splits the --source records, but --val gives the held-out records; pass one of the two"
-        )
-    args.val_fraction = 0.05 if args.val_fraction is None else args.val_fraction
-    check_number(args, "--val-fraction", 0, 1, open_low=True)
-    if args.val_fraction >= 1:
-        raise InputError(
-            f"--val-fraction must be below 1 so that some examples are trained on, got {args.val_fraction}"
-        )
+    _check_val_split(args, "records")
     meta = prepare_sft(
         args.source,
         _tokenizer(args.tokenizer),

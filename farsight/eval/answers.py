@@ -94,6 +94,11 @@ def greedy_answer(
     return decode(written), len(written), "length"
 
 
+def in_bucket(length: int, low: int, high: int | None) -> bool:
+    """Whether `length` falls in the (low, high] bucket (no upper edge for high=None)."""
+    return low < length and (high is None or length <= high)
+
+
 def length_buckets(lengths: Sequence[int], edges: Sequence[int] | None = None) -> list[tuple[int, int | None]]:
     """The (low, high] prompt-length buckets: between consecutive `edges` (and above the last), or
     by default between powers of two (up to the longest length). Only buckets holding a length are kept."""
@@ -102,7 +107,7 @@ def length_buckets(lengths: Sequence[int], edges: Sequence[int] | None = None) -
         edges = [1 << k for k in range(max(1, math.ceil(math.log2(max(top, 2)))) + 1)]
     edges = sorted(set(edges))
     bounds = [(0, edges[0])] + list(zip(edges[:-1], edges[1:])) + [(edges[-1], None)]
-    return [(lo, hi) for lo, hi in bounds if any(lo < n and (hi is None or n <= hi) for n in lengths)]
+    return [(lo, hi) for lo, hi in bounds if any(in_bucket(n, lo, hi) for n in lengths)]
 
 
 def spread_per_bucket(lengths: Sequence[int], edges: Sequence[int] | None, per_bucket: int) -> list[int]:
@@ -111,7 +116,7 @@ def spread_per_bucket(lengths: Sequence[int], edges: Sequence[int] | None, per_b
     bucket examples from all its sources, and the same file always gives the same choice."""
     chosen: list[int] = []
     for low, high in length_buckets(lengths, edges):
-        members = [i for i, n in enumerate(lengths) if low < n and (high is None or n <= high)]
+        members = [i for i, n in enumerate(lengths) if in_bucket(n, low, high)]
         if len(members) > per_bucket:
             members = [members[int(j * len(members) / per_bucket)] for j in range(per_bucket)]
         chosen.extend(members)
@@ -197,7 +202,7 @@ def evaluate_answers(
     bar.close()
     by_length = []
     for low, high in length_buckets([a.prompt_tokens for a in answers], buckets):
-        rows = [a for a in answers if low < a.prompt_tokens and (high is None or a.prompt_tokens <= high)]
+        rows = [a for a in answers if in_bucket(a.prompt_tokens, low, high)]
         by_length.append({"bucket": bucket_label(low, high), "low": low, "high": high, **_scores(rows)})
     return {
         "overall": _scores(answers),
