@@ -203,3 +203,43 @@ def test_too_short_states_the_exact_minimum_for_the_shift_of_the_question(align)
     niah.sample(needed, 0.5, rng(), shift=40)
     with pytest.raises(InputError, match="too short"):
         niah.sample(needed - 1, 0.5, rng(), shift=40)
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+@pytest.mark.parametrize("name", ["niah_single_1", "niah_multivalue", "niah_multiquery", "niah_multikey_3", "vt"])
+def test_varied_wording_draws_every_phrasing_and_keeps_the_task_exact(tokenizer, name):
+    from farsight.data.tasks.ruler import NIAH_PHRASINGS, VT_PHRASINGS
+
+    phrasings = VT_PHRASINGS if name == "vt" else NIAH_PHRASINGS
+    task = make_ruler_tasks([name], tokenizer, 16, haystack="noise", options={"wording": "varied"})[0]
+    seen = set()
+    for seed in range(24):
+        s = task.sample(2048, 0.5, rng(seed))
+        seen.add(s.info["phrasing"])
+        assert len(s.input_ids) == 2048
+        prompt = text(tokenizer, s.prompt)
+        assert tokenizer.encode(prompt) == s.prompt.tolist(), (name, s.info["phrasing"])
+        assert split_answer(text(tokenizer, s.answer)) == s.info["references"]
+        # every evidence span is a needle's value (NIAH) or a whole assignment (vt), in the phrasing drawn
+        spans = [text(tokenizer, s.input_ids[a : a + n]) for a, n in s.evidence]
+        if name == "vt":
+            opening = phrasings[s.info["phrasing"]][0].split("{")[0]
+            assert all(span.startswith(opening) for span in spans)
+        else:
+            assert [span.strip() for span in spans] == s.info["references"]
+            head = phrasings[s.info["phrasing"]][0].split("{")[0]
+            needles = [text(tokenizer, s.input_ids[p : p + n]) for p, n in zip(s.needle_positions, s.needle_lengths)]
+            assert all(needle.startswith(head) and needle.endswith(".") for needle in needles)
+    assert seen == set(range(len(phrasings)))
+
+
+def test_ruler_wording_is_the_default_and_draws_as_before():
+    plain = make_ruler_tasks(["niah_single_1", "vt"], BYTE, 1, haystack="noise")
+    ruler = make_ruler_tasks(["niah_single_1", "vt"], BYTE, 1, haystack="noise", options={"wording": "ruler"})
+    for a, b in zip(plain, ruler):
+        x, y = a.sample(1024, 0.5, rng(3)), b.sample(1024, 0.5, rng(3))
+        assert np.array_equal(x.input_ids, y.input_ids) and x.info["phrasing"] == 0
+    with pytest.raises(InputError, match="wording must be one of"):
+        make_ruler_tasks(["vt"], BYTE, 1, haystack="noise", options={"wording": "random"})
+    with pytest.raises(InputError, match="option\\(s\\) wording not valid for the cwe task"):
+        make_ruler_tasks(["cwe"], BYTE, 1, haystack="noise", options={"wording": "varied"})

@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from farsight.config import ConfigError
 from farsight.data.tasks import CorpusFiller, RepeatedFiller, make_task
 from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
 from farsight.data.tasks.training import NeedleBatchConfig, NeedleBatches
+from farsight.data.token_files import prepare_corpus
 from farsight.data.tokenizers import load_tokenizer
 from farsight.errors import InputError
 
@@ -218,3 +220,44 @@ def test_evidence_spans_point_at_what_the_answer_copies(task):
     else:
         assert texts == [" " + s.info["passkey"]]
     assert s.evidence_chunks(32) == {p // 32 for a, n in s.evidence for p in range(a, a + n)}
+
+
+def test_training_mixes_ruler_tasks_with_the_passkey_tasks(tmp_path):
+    cfg = NeedleBatchConfig.from_dict(
+        {
+            "filler": "repeat",
+            "seq_len": 1024,
+            "batch_tokens": 1024 * 12,
+            "mix": {"passkey": 1, "niah_multikey_2": 1, "vt": 1},
+            "task_options": {"vt": {"wording": "varied", "hops": 2}},
+        },
+        "data",
+    )
+    source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
+    assert [t.name for t in source.tasks["train"]] == ["passkey", "niah_multikey_2", "vt"]
+    assert source.tasks["train"][2].wording == "varied" and source.tasks["train"][2].hops == 2
+    assert "needle tasks (passkey 1, niah_multikey_2 1, vt 1; vt wording=varied, hops=2)" in cfg.describe()
+    assert "RULER-style tasks: RULER's haystack for each" in cfg.describe()
+    batch = source.train_batch(0, 0, 0)
+    assert batch["input_ids"].shape == (12, 1024)
+    texts = [TOK.decode(row.tolist()) for row in batch["input_ids"]]
+    assert any("The passkey is" in t for t in texts) and any("special magic" in t for t in texts)
+    for row, weights in zip(batch["input_ids"], batch["loss_weights"]):
+        answer = TOK.decode(row[weights == 10].tolist())  # every row asks something, answered in the loss
+        assert answer.strip()
+    # a task that reads real text needs the corpus; an unknown name lists every task
+    with pytest.raises(ConfigError, match="niah_single_2 reads real text.*set data.corpus"):
+        NeedleBatchConfig.from_dict({"filler": "repeat", "mix": {"niah_single_2": 1}}, "data")
+    with pytest.raises(ConfigError, match="data.task 'niah' is unknown; choose from passkey, .*niah_single_1, .*fwe"):
+        NeedleBatchConfig.from_dict({"filler": "repeat", "task": "niah"}, "data")
+    # with a corpus, a real-text task reads it (its split), and the language-modelling rows too
+    fixtures = Path(__file__).parent / "fixtures"
+    prepare_corpus([str(fixtures / "corpus")], "byte", tmp_path, val_fraction=0.3, seed=1, progress=False)
+    cfg = NeedleBatchConfig.from_dict(
+        {"corpus": str(tmp_path), "seq_len": 1024, "batch_tokens": 4096, "mix": {"niah_single_2": 1}}, "data"
+    )
+    source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
+    task = source.tasks["val"][0]
+    assert task.haystack_text == "corpus" and len(task.filler.tokens) != len(source.tasks["train"][0].filler.tokens)
+    rows = [TOK.decode(row.tolist()) for row in source.eval_batch(0)["input_ids"]]
+    assert all("The special magic number for" in row and "The grass is green" not in row for row in rows)

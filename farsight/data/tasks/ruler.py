@@ -277,6 +277,68 @@ def _listing(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
+# -- wordings -----------------------------------------------------------------------------------
+# wording="ruler" keeps each family's first phrasing (RULER's own, as the evaluation asks);
+# "varied" draws one phrasing per sample, so a model fine-tuned on them learns to retrieve
+# rather than to match one template. A needle opens with a space and ends with "." (needles are
+# snapped to text boundaries); the value comes last, so its tokens are the needle's tail.
+
+WORDINGS = ("ruler", "varied")
+
+# NIAH: (needle head before the value, intro, question for one value, question for several);
+# {kind}: "number", "word" or "uuid" (plural in a question for several), {key}: the asked key(s)
+NIAH_PHRASINGS = (
+    (
+        " The special magic {kind} for {key} is:",
+        "Special magic {kind}s are hidden in the text below. Memorize them: you will be asked about them.\n",
+        "\nQuestion: What is the special magic {kind} for {key} in the text? Answer: The special magic {kind} for {key}",
+        "\nQuestion: What are all the special magic {kind} for {key} in the text? Answer: The special magic {kind} for {key}",
+    ),
+    (
+        " Remember this: the secret {kind} of {key} is",
+        "A few secret {kind}s are scattered through the following text.\n",
+        "\nWhat is the secret {kind} of {key}? The secret {kind} of {key}",
+        "\nList all the secret {kind} of {key}. The secret {kind} of {key}",
+    ),
+    (
+        " Note that {key} goes with the {kind}",
+        "Read the document below; some {kind}s in it are paired with names.\n",
+        "\nWhich {kind} goes with {key} in the document? The {kind} that goes with {key}",
+        "\nWhich {kind} go with {key} in the document? The {kind} that go with {key}",
+    ),
+    (
+        " For the record, the {kind} registered under {key} is",
+        "Some records are hidden in this text; each gives the {kind} registered under a name.\n",
+        "\nLook up the record: the {kind} registered under {key}",
+        "\nLook up the records: the {kind} registered under {key}",
+    ),
+)
+
+# variable tracking: (assignment with {var} and {value}, intro, question with {value})
+VT_PHRASINGS = (
+    (
+        " VAR {var} = {value}.",
+        "Track the chains of variable assignments hidden in the text below.\n",
+        "\nQuestion: Which variables are assigned the value {value} in the text above? Answer: The variables assigned the value {value}",
+    ),
+    (
+        " Let {var} be {value}.",
+        "The text below defines some variables, each from a value or from another variable.\n",
+        "\nWhich variables end up equal to {value}? The variables equal to {value}",
+    ),
+    (
+        " Set {var} := {value}.",
+        "Follow the assignments in this text.\n",
+        "\nName every variable that holds {value} after the assignments. The variables holding {value}",
+    ),
+)
+
+
+def _phrasing(rng: np.random.Generator, wording: str, phrasings: tuple) -> int:
+    """The phrasing of one draw: the first (RULER's) for wording="ruler", else a random one."""
+    return 0 if wording == "ruler" else int(rng.integers(len(phrasings)))
+
+
 # -- the families -------------------------------------------------------------------------------
 
 
@@ -304,6 +366,7 @@ class NIAHTask(RulerTask):
         key_kind: str = "words",
         value_kind: str = "numbers",
         haystack: str = "filler",
+        wording: str = "ruler",
     ) -> None:
         super().__init__(tokenizer, filler, align)
         self.keys = whole_option(self.name, "keys", keys, 1)
@@ -316,10 +379,11 @@ class NIAHTask(RulerTask):
         self.key_kind = _choice(self.name, "key_kind", key_kind, VALUE_KINDS)
         self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
         self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
+        self.wording = _choice(self.name, "wording", wording, WORDINGS)
 
-    def _needle(self, key: str, value: str) -> tuple[np.ndarray, int, int]:
-        """A needle's ids, and the offset and length of its value."""
-        head = self._ids(f" The special magic {NOUN[self.value_kind]} for {key} is:")
+    def _needle(self, key: str, value: str, phrasing: int = 0) -> tuple[np.ndarray, int, int]:
+        """A needle's ids in phrasing `phrasing` of NIAH_PHRASINGS, and the offset and length of its value."""
+        head = self._ids(NIAH_PHRASINGS[phrasing][0].format(kind=NOUN[self.value_kind], key=key))
         value_ids = self._ids(" " + value)
         return np.concatenate([head, value_ids, self.encode(".")]), len(head), len(value_ids)
 
@@ -333,11 +397,13 @@ class NIAHTask(RulerTask):
         keys = _distinct(rng, self.keys, make_key, used[self.key_kind], key_space, "keys")
         values = [_distinct(rng, self.values, make_value, used[self.value_kind], value_space, "values") for _ in keys]
         asked = list(range(self.queries))  # keys are random, so the first ones are a random choice
+        phrasing = _phrasing(rng, self.wording, NIAH_PHRASINGS)
+        needle_text, intro_text, single, plural_question = NIAH_PHRASINGS[phrasing]
         needles, evidence, references = [], [], []
         order = [(k, v) for k in asked for v in range(self.values)]
         order += [(k, v) for k in range(self.queries, self.keys) for v in range(self.values)]
         for k, v in order:
-            ids, offset, n = self._needle(keys[k], values[k][v])
+            ids, offset, n = self._needle(keys[k], values[k][v], phrasing)
             if k < self.queries:
                 evidence.append((len(needles), offset, n))
                 references.append(values[k][v])
@@ -345,16 +411,11 @@ class NIAHTask(RulerTask):
         kind = NOUN[self.value_kind]
         plural = kind + "s" if self.values > 1 or self.queries > 1 else kind
         asked_keys = _listing([keys[k] for k in asked])
-        intro = self.encode(
-            f"Special magic {kind}s are hidden in the text below. Memorize them: you will be asked about them.\n"
-        )
-        if plural == kind:
-            question = f"\nQuestion: What is the special magic {kind} for {asked_keys} in the text? Answer: The special magic {kind} for {asked_keys}"
-        else:
-            question = f"\nQuestion: What are all the special magic {plural} for {asked_keys} in the text? Answer: The special magic {plural} for {asked_keys}"
+        intro = self.encode(intro_text.format(kind=kind))
+        question = (single if plural == kind else plural_question).format(kind=plural, key=asked_keys)
         link = self.encode(" is" if plural == kind else " are")
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
-        info = {"keys": [keys[k] for k in asked], "values": references}
+        info = {"keys": [keys[k] for k in asked], "values": references, "phrasing": phrasing}
         return RulerDraw(intro, needles, self._ids(question), link, answer, references, evidence, info, used)
 
     def haystack(self, n: int, draw: RulerDraw, rng: np.random.Generator) -> np.ndarray:
@@ -370,7 +431,7 @@ class NIAHTask(RulerTask):
             keys = _distinct(rng, count, make_key, draw.used[self.key_kind], key_space, "keys")
             values = _distinct(rng, count, make_value, draw.used[self.value_kind], value_space, "values")
             for key, value in zip(keys, values):
-                line = self._needle(key, value)[0]
+                line = self._needle(key, value, draw.info["phrasing"])[0]
                 if used + len(line) > n:
                     return self.list_context(lines, n, rng)
                 lines.append(line)
@@ -388,9 +449,17 @@ class VariableTrackingTask(RulerTask):
     name = "vt"
 
     def __init__(
-        self, tokenizer: Any, filler: Filler, align: int = 1, chains: int = 1, hops: int = 4, digits: int = 5
+        self,
+        tokenizer: Any,
+        filler: Filler,
+        align: int = 1,
+        chains: int = 1,
+        hops: int = 4,
+        digits: int = 5,
+        wording: str = "ruler",
     ) -> None:
         super().__init__(tokenizer, filler, align)
+        self.wording = _choice(self.name, "wording", wording, WORDINGS)
         self.chains = whole_option(self.name, "chains", chains, 1)
         self.hops = whole_option(self.name, "hops", hops, 0)
         self.digits = whole_option(self.name, "digits", digits, 1)
@@ -408,20 +477,20 @@ class VariableTrackingTask(RulerTask):
         low = 10 ** (self.digits - 1)
         names = _distinct(rng, self.chains * (self.hops + 1), name, set(), 26**5, "variable names")
         values = _distinct(rng, self.chains, lambda r: str(int(r.integers(low, 10 * low))), set(), 9 * low, "values")
+        phrasing = _phrasing(rng, self.wording, VT_PHRASINGS)
+        assignment, intro_text, question_text = VT_PHRASINGS[phrasing]
         needles, evidence = [], []
         for c in range(self.chains):
             chain = names[c * (self.hops + 1) : (c + 1) * (self.hops + 1)]
             for i, var in enumerate(chain):
-                needle = self._ids(f" VAR {var} = {values[c] if i == 0 else chain[i - 1]}.")
+                needle = self._ids(assignment.format(var=var, value=values[c] if i == 0 else chain[i - 1]))
                 if c == 0:
                     evidence.append((len(needles), 0, len(needle)))
                 needles.append(needle)
         references = names[: self.hops + 1]
         value = values[0]
-        intro = self.encode("Track the chains of variable assignments hidden in the text below.\n")
-        question = self._ids(
-            f"\nQuestion: Which variables are assigned the value {value} in the text above? Answer: The variables assigned the value {value}"
-        )
+        intro = self.encode(intro_text)
+        question = self._ids(question_text.format(value=value))
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
         return RulerDraw(
             intro,
@@ -431,7 +500,7 @@ class VariableTrackingTask(RulerTask):
             answer,
             references,
             evidence,
-            {"value": value, "variables": references},
+            {"value": value, "variables": references, "phrasing": phrasing},
         )
 
     def positions(self, count: int, n: int, depth: float, rng: np.random.Generator) -> list[int]:

@@ -1,10 +1,13 @@
 """`data.kind: needle` — training batches of needle tasks with a length curriculum.
 
-Each sample is a task instance (passkey, multikey, niah2hop, or a weighted mix) of the current
-curriculum length, haystack filler from the corpus's train split (the validation batches use the
-validation split), answer tokens weighted `answer_weight` in the loss, and optionally a share of
-plain corpus windows for language modelling. Batches hold about `batch_tokens` tokens, so short
-curriculum stages use more samples per step.
+Each sample is a task instance (passkey, multikey, niah2hop, a RULER-style task of
+`farsight.data.tasks.ruler` such as niah_multikey_2 or vt, or a weighted mix of them) of the
+current curriculum length, haystack filler from the corpus's train split (the validation batches
+use the validation split), answer tokens weighted `answer_weight` in the loss, and optionally a
+share of plain corpus windows for language modelling. Batches hold about `batch_tokens` tokens,
+so short curriculum stages use more samples per step. A RULER-style task reads the haystack
+RULER gives it (noise sentences, real text from `corpus`, or distractor needles), whatever
+`filler` says; `filler` sets the passkey tasks' haystack and the language-modelling rows' text.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ import torch
 from farsight.config import ConfigBase, require
 from farsight.data.batch_source import batch_rng
 from farsight.data.tasks.filler import make_filler
-from farsight.data.tasks.needles import TASKS, make_task
+from farsight.data.tasks.needles import TASKS, NeedleTask, make_task
+from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
+
+
+def task_names() -> list[str]:
+    """Every task name `data.task` and `data.mix` take: the passkey tasks, then the RULER-style ones."""
+    return [*TASKS, *RULER_TASKS]
 
 
 @dataclass
@@ -39,13 +48,18 @@ class NeedleBatchConfig(ConfigBase):
     def validate(self) -> None:
         names = list(self.mix) if self.mix else [self.task]
         for name in names:
-            require(name in TASKS, f"data.task {name!r} is unknown; choose from {sorted(TASKS)}")
+            require(name in task_names(), f"data.task {name!r} is unknown; choose from {', '.join(task_names())}")
         if self.mix:
             require(all(w > 0 for w in self.mix.values()), "data.mix weights must be > 0")
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
         require(
             self.filler == "repeat" or bool(self.corpus),
             "data.corpus (a prepared dataset) is required for filler: corpus",
+        )
+        real_text = [n for n in names if n in RULER_TASKS and RULER_TASKS[n].text == "corpus"]
+        require(
+            not real_text or bool(self.corpus),
+            f"{', '.join(real_text)} read{'s' if len(real_text) == 1 else ''} real text (RULER's essays): set data.corpus to a prepared dataset",
         )
         require(self.seq_len >= 16, f"data.seq_len must be >= 16, got {self.seq_len}")
         require(self.batch_tokens >= self.seq_len, "data.batch_tokens must be >= data.seq_len")
@@ -82,6 +96,9 @@ class NeedleBatchConfig(ConfigBase):
             f"{name} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for name, opts in self.task_options.items()
         )
         haystack = f"text of `{self.corpus}`" if self.filler == "corpus" else "repeated filler text"
+        names = list(self.mix) if self.mix else [self.task]
+        if any(name in RULER_TASKS for name in names):
+            haystack += " (RULER-style tasks: RULER's haystack for each)"
         reached = (
             [int(n) for start, n in self.curriculum if steps is None or int(start) < steps]
             if self.curriculum
@@ -136,11 +153,18 @@ class NeedleBatches:
         weights = np.asarray([config.mix[n] for n in names] if config.mix else [1.0])
         self.weights = weights / weights.sum()
         self.tasks = {}
+        self.text = {}  # the filler of the passkey tasks and of the language-modelling rows
         for split in ("train", "val"):
-            filler = make_filler(config.filler, self.tokenizer, config.corpus, split)
-            self.tasks[split] = [
-                make_task(n, self.tokenizer, filler, align, **config.task_options.get(n, {})) for n in names
-            ]
+            self.text[split] = make_filler(config.filler, self.tokenizer, config.corpus, split)
+            self.tasks[split] = [self._task(n, align, split) for n in names]
+
+    def _task(self, name: str, align: int, split: str) -> NeedleTask:
+        options = self.config.task_options.get(name, {})
+        if name in TASKS:
+            return make_task(name, self.tokenizer, self.text[split], align, **options)
+        return make_ruler_tasks([name], self.tokenizer, align, corpus=self.config.corpus, split=split, options=options)[
+            0
+        ]
 
     def fingerprint(self) -> dict[str, str]:
         """What the batches are drawn from beyond the config: the corpus's token files, if any."""
@@ -155,7 +179,7 @@ class NeedleBatches:
         tasks = self.tasks[split]
         for i in range(n):
             if rng.random() < self.config.lm_fraction:
-                ids[i] = tasks[0].filler.take(length, rng)
+                ids[i] = self.text[split].take(length, rng)
                 continue
             task = tasks[int(rng.choice(len(tasks), p=self.weights))]
             shift = self.config.align * int(rng.integers(0, self.offsets)) if self.offsets > 1 else 0
