@@ -45,6 +45,12 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
         "prefill aligns a prompt (for tasks exported with --align 1; default: the stream from the context's "
         "first token, as lm-eval's hf model scores it)",
     )
+    harness.add_argument(
+        "--metadata",
+        help="JSON object passed to the tasks, as lm_eval's --metadata: e.g. '{\"max_seq_lengths\": [4096, 16384]}' "
+        "for lm-eval's RULER tasks (they build their items with the model's own tokenizer unless it names "
+        '"tokenizer")',
+    )
     add_memory_argument(harness)
     add_dtype_argument(harness)
     harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
@@ -69,6 +75,7 @@ def _harness(args: argparse.Namespace) -> int:
             f"--include-path {args.include_path} is not a folder; pass the folder holding the task YAML files"
         )
     tasks = parse_list(args.tasks, str.strip, "--tasks", "task names")
+    metadata = _parse_metadata(args.metadata)
     try:
         from lm_eval.utils import handle_non_serializable, make_table
     except ImportError as exc:
@@ -90,9 +97,29 @@ def _harness(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
         dtype=args.dtype,
         align_context=args.align_context,
+        metadata=metadata,
     )
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
     write_json(args.out, results, default=handle_non_serializable)
     return 0
+
+
+def _parse_metadata(text: str | None) -> dict | None:
+    """--metadata: a JSON object, or None when not given."""
+    import json
+
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"--metadata is not valid JSON ({exc.msg} at character {exc.pos}); pass an object, e.g. '{{\"max_seq_lengths\": [4096]}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise InputError(
+            f"--metadata must be a JSON object, got {type(value).__name__}; e.g. '{{\"max_seq_lengths\": [4096]}}'"
+        )
+    return value

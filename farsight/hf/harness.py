@@ -290,17 +290,18 @@ def _batches(indices: list[int], size: int) -> Iterator[list[int]]:
     return (indices[start : start + size] for start in range(0, len(indices), size))
 
 
-def task_manager(tasks: Sequence[str], include_path: str | None = None) -> Any:
+def task_manager(tasks: Sequence[str], include_path: str | None = None, metadata: dict[str, Any] | None = None) -> Any:
     """An lm-eval TaskManager that knows `tasks`: the tasks of `include_path` alone when they are
     all there (lm-eval's index of its ~15k built-in tasks takes seconds to build), else those and
-    the built-in ones."""
+    the built-in ones. `metadata` reaches every task's config and the generators of lm-eval's
+    synthetic tasks (RULER's `max_seq_lengths` and `tokenizer`)."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
-        local = TaskManager(include_path=include_path, include_defaults=False)
+        local = TaskManager(include_path=include_path, include_defaults=False, metadata=metadata)
         if all(task in local.all_tasks for task in tasks):
             return local
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, metadata=metadata)
 
 
 class _TolerantLoader(yaml.SafeLoader):
@@ -363,14 +364,19 @@ def evaluate(
     device: str | None = None,
     log_samples: bool = False,
     align_context: bool = False,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of the farsight model directory `pretrained` on `tasks`; returns
-    lm-eval's results dict (print it with lm_eval.utils.make_table)."""
+    lm-eval's results dict (print it with lm_eval.utils.make_table).
+
+    `metadata` goes to the tasks as lm-eval's `--metadata` does, e.g. {"max_seq_lengths": [4096,
+    16384]} for its RULER tasks, which build their items with the tokenizer named by
+    `tokenizer` or `pretrained` there: `pretrained` is this model's directory unless given."""
     import lm_eval
 
     if include_path is not None:
         check_task_data(include_path, tasks)
-    manager = task_manager(tasks, include_path)
+    manager = task_manager(tasks, include_path, {"pretrained": str(pretrained), **(metadata or {})})
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f"in {include_path} or " if include_path else ""

@@ -277,3 +277,30 @@ def test_lm_evals_hf_model_passes_a_64k_token_context_to_a_drt_whole(tiny_drt_di
     lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=task_manager(names, str(tmp_path)))
     assert seen["forward"] and {shape[1] for shape in seen["forward"]} == {65536 + 3 - 1}  # context + choice - 1
     assert seen["generate"] == [(1, 65536)]
+
+
+def test_eval_harness_metadata_reaches_the_tasks_with_the_models_tokenizer(tiny_drt_dir, tasks, monkeypatch, capsys):
+    """--metadata goes to lm-eval's TaskManager (RULER's max_seq_lengths), with `pretrained` naming
+    the model's directory, which RULER's generators load their tokenizer from; bad JSON is one line."""
+    import farsight.hf.harness as harness
+
+    seen = []
+    real = harness.task_manager
+    monkeypatch.setattr(harness, "task_manager", lambda *a: seen.append(a[2]) or real(*a))
+    argv = ["eval", "harness", "--model", str(tiny_drt_dir), "--tasks", "farsight_passkey_mc"]
+    argv += ["--include-path", str(tasks), "--limit", "1"]
+    assert main([*argv, "--metadata", '{"max_seq_lengths": [4096, 16384]}']) == 0
+    assert main(argv) == 0
+    assert seen == [
+        {"pretrained": str(tiny_drt_dir), "max_seq_lengths": [4096, 16384]},
+        {"pretrained": str(tiny_drt_dir)},
+    ]
+    capsys.readouterr()
+    assert main([*argv, "--metadata", "{max_seq_lengths: 4096}"]) == 2
+    assert "--metadata is not valid JSON" in capsys.readouterr().err
+    assert main([*argv, "--metadata", "[4096]"]) == 2
+    assert "--metadata must be a JSON object, got list" in capsys.readouterr().err
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_drt_dir))  # what RULER's generators do with it
+    assert tokenizer("The quick brown fox").input_ids
