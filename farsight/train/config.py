@@ -15,6 +15,9 @@ from farsight.errors import MissingFileError
 
 SECTIONS = ("model", "data", "optim", "train")
 BASE_KEY = "base"
+# the key that says what a section is, and its value when left out: naming another value in a
+# config replaces the base's section
+SECTION_KINDS = {"model": ("type", None), "data": ("kind", "tokens")}
 
 
 class _Loader(yaml.SafeLoader):
@@ -207,6 +210,17 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
     inherited = read_config_file(base_path, (*chain, path.resolve()))
     if not isinstance(inherited, dict):
         raise ConfigError(f"{path}: its base {base} is not a mapping with sections model, data, optim, train")
+    # a model of another type (a data section of another kind) shares no settings with the base's:
+    # it replaces that section whole, so a DRT's chunk_size cannot reach a transformer built from it
+    for section, (key, default) in SECTION_KINDS.items():
+        mine, theirs = raw.get(section), inherited.get(section)
+        if (
+            isinstance(mine, dict)
+            and isinstance(theirs, dict)
+            and key in mine
+            and mine[key] != theirs.get(key, default)
+        ):
+            inherited = {**inherited, section: {}}
     return merge_config(inherited, raw)
 
 

@@ -338,6 +338,18 @@ def test_a_config_with_a_base_changes_only_what_it_names(tmp_path):
     child.write_text("base: [a.yaml]\n")
     with pytest.raises(ConfigError, match="base must be the path of another config file"):
         load_train_config(child)
+    # a model of another type, a data section of another kind: the base's section is replaced whole
+    child.write_text(
+        "base: ../base.yaml\nmodel: {type: transformer, attention: sliding, window: 16, d_model: 32}\n"
+        "data: {kind: sft, path: e}\n"
+    )
+    config = load_train_config(child)
+    assert config.model == {"type": "transformer", "attention": "sliding", "window": 16, "d_model": 32}
+    assert config.data == {"kind": "sft", "path": "e"}
+    child.write_text("base: ../base.yaml\nmodel: {type: drt, d_model: 64}\ndata: {kind: tokens}\n")
+    config = load_train_config(child)  # the same type, and the kind the base has by default: merged
+    assert config.model == {"type": "drt", "d_model": 64, "chunk_size": 8}
+    assert config.data == {"kind": "tokens", "path": "d", "curriculum": [[0, 64], [5, 128]]}
 
 
 def test_sigterm_from_outside_saves_and_exits(token_dir, tmp_path):
