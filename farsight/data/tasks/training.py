@@ -25,7 +25,7 @@ from farsight.data.tasks.needles import TASKS, NeedleTask, make_task
 from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
 
 
-def task_names() -> list[str]:
+def known_tasks() -> list[str]:
     """Every task name `data.task` and `data.mix` take: the passkey tasks, then the RULER-style ones."""
     return [*TASKS, *RULER_TASKS]
 
@@ -45,10 +45,14 @@ class NeedleBatchConfig(ConfigBase):
     align: int | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
 
+    def task_names(self) -> list[str]:
+        """The tasks this run trains: those of `mix`, else `task`."""
+        return list(self.mix) if self.mix else [self.task]
+
     def validate(self) -> None:
-        names = list(self.mix) if self.mix else [self.task]
+        names = self.task_names()
         for name in names:
-            require(name in task_names(), f"data.task {name!r} is unknown; choose from {', '.join(task_names())}")
+            require(name in known_tasks(), f"data.task {name!r} is unknown; choose from {', '.join(known_tasks())}")
         if self.mix:
             require(all(w > 0 for w in self.mix.values()), "data.mix weights must be > 0")
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
@@ -96,8 +100,7 @@ class NeedleBatchConfig(ConfigBase):
             f"{name} " + ", ".join(f"{k}={v}" for k, v in opts.items()) for name, opts in self.task_options.items()
         )
         haystack = f"text of `{self.corpus}`" if self.filler == "corpus" else "repeated filler text"
-        names = list(self.mix) if self.mix else [self.task]
-        if any(name in RULER_TASKS for name in names):
+        if any(name in RULER_TASKS for name in self.task_names()):
             haystack += " (RULER-style tasks: RULER's haystack for each)"
         reached = (
             [int(n) for start, n in self.curriculum if steps is None or int(start) < steps]
@@ -149,7 +152,7 @@ class NeedleBatches:
         # sample of one length would end its question at the same offset and the model would learn
         # retrieval for that offset only (drt-x2 did)
         self.offsets = chunk // align if align < chunk else 1
-        names = list(config.mix) if config.mix else [config.task]
+        names = config.task_names()
         weights = np.asarray([config.mix[n] for n in names] if config.mix else [1.0])
         self.weights = weights / weights.sum()
         self.tasks = {}
