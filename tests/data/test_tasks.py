@@ -250,14 +250,25 @@ def test_training_mixes_ruler_tasks_with_the_passkey_tasks(tmp_path):
         NeedleBatchConfig.from_dict({"filler": "repeat", "mix": {"niah_single_2": 1}}, "data")
     with pytest.raises(ConfigError, match="data.task 'niah' is unknown; choose from passkey, .*niah_single_1, .*fwe"):
         NeedleBatchConfig.from_dict({"filler": "repeat", "task": "niah"}, "data")
-    # with a corpus, a real-text task reads it (its split), and the language-modelling rows too
+    # the noise tasks share the repeated-text filler of the passkey rows
+    assert source.tasks["train"][1].filler is source.text["train"]
+    # with a corpus, a real-text task reads it (its split), and the language-modelling rows too:
+    # one filler per split, shared by every task that reads real text
     fixtures = Path(__file__).parent / "fixtures"
     prepare_corpus([str(fixtures / "corpus")], "byte", tmp_path, val_fraction=0.3, seed=1, progress=False)
     cfg = NeedleBatchConfig.from_dict(
-        {"corpus": str(tmp_path), "seq_len": 1024, "batch_tokens": 4096, "mix": {"niah_single_2": 1}}, "data"
+        {
+            "corpus": str(tmp_path),
+            "seq_len": 1024,
+            "batch_tokens": 4096,
+            "mix": {"niah_single_2": 1, "niah_single_3": 1},
+        },
+        "data",
     )
     source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
     task = source.tasks["val"][0]
     assert task.haystack_text == "corpus" and len(task.filler.tokens) != len(source.tasks["train"][0].filler.tokens)
+    for split in ("train", "val"):
+        assert all(t.filler is source.text[split] for t in source.tasks[split])
     rows = [TOK.decode(row.tolist()) for row in source.eval_batch(0)["input_ids"]]
-    assert all("The special magic number for" in row and "The grass is green" not in row for row in rows)
+    assert all("The special magic " in row and "The grass is green" not in row for row in rows)

@@ -741,17 +741,20 @@ def make_ruler_tasks(
     corpus: str | None = None,
     split: str = "val",
     options: dict[str, Any] | None = None,
+    fillers: dict[str, Filler] | None = None,
 ) -> list[RulerTask]:
     """The tasks `names` of RULER_TASKS, each named after its entry.
 
     haystack: the filler text of every task, "noise" or "corpus"; None takes RULER's choice per
     task (real text for most NIAH tasks), which needs `corpus` (a prepared dataset whose `split`
     is read) for those. `options` go to every task on top of its entry's (e.g. {"keys": 8}); each
-    task must take them.
+    task must take them. `fillers`: haystack fillers already open for `split`, by haystack ("noise"
+    or "corpus"); the tasks share them, and the ones this call opens are added, so that callers
+    building tasks one by one open each corpus split once.
     """
     if haystack is not None and haystack not in HAYSTACKS:
         raise InputError(f"unknown haystack {haystack!r}; choose one of {list(HAYSTACKS)}")
-    fillers: dict[str, Filler] = {}
+    fillers = {} if fillers is None else fillers
     tasks = []
     for name in names:
         if name not in RULER_TASKS:

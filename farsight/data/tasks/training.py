@@ -20,7 +20,7 @@ import torch
 
 from farsight.config import ConfigBase, require
 from farsight.data.batch_source import batch_rng
-from farsight.data.tasks.filler import make_filler
+from farsight.data.tasks.filler import Filler, make_filler
 from farsight.data.tasks.needles import TASKS, NeedleTask, make_task
 from farsight.data.tasks.ruler import RULER_TASKS, make_ruler_tasks
 
@@ -159,15 +159,18 @@ class NeedleBatches:
         self.text = {}  # the filler of the passkey tasks and of the language-modelling rows
         for split in ("train", "val"):
             self.text[split] = make_filler(config.filler, self.tokenizer, config.corpus, split)
-            self.tasks[split] = [self._task(n, align, split) for n in names]
+            # one filler per haystack and split, shared by every task that reads it
+            fillers = {"corpus" if config.filler == "corpus" else "noise": self.text[split]}
+            self.tasks[split] = [self._task(n, align, split, fillers) for n in names]
 
-    def _task(self, name: str, align: int, split: str) -> NeedleTask:
+    def _task(self, name: str, align: int, split: str, fillers: dict[str, Filler]) -> NeedleTask:
         options = self.config.task_options.get(name, {})
         if name in TASKS:
             return make_task(name, self.tokenizer, self.text[split], align, **options)
-        return make_ruler_tasks([name], self.tokenizer, align, corpus=self.config.corpus, split=split, options=options)[
-            0
-        ]
+        (task,) = make_ruler_tasks(
+            [name], self.tokenizer, align, corpus=self.config.corpus, split=split, options=options, fillers=fillers
+        )
+        return task
 
     def fingerprint(self) -> dict[str, str]:
         """What the batches are drawn from beyond the config: the corpus's token files, if any."""
