@@ -29,8 +29,9 @@ measures what that buys. Elsewhere the two are the same.
         [--tokens 16384] [--steps 3] [--flops-from JSON] [--json PATH]
 
 --utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
-measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and
-bf16). Each model (8 layers, 64-dim heads, byte vocabulary; `baselm`: sliding window 512 +
+measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and, on
+a CPU with bf16 matrix instructions, bf16; elsewhere bf16-mixed multiplies as fp32 GEMMs and its
+share of the fp32 peak is the one that applies). Each model (8 layers, 64-dim heads, byte vocabulary; `baselm`: sliding window 512 +
 ALiBi, the DRT paper's BaseLM; `drt-x1` / `drt-x2`: DRT with one / two retrieval groups, chunk
 64, top 8, 2 encoder layers, window 512; `causal`: full attention (SDPA) + RoPE; `castle`: CASTLE
 + RoPE) at each d_model then takes full AdamW steps as the trainer takes them
@@ -145,9 +146,19 @@ def util_model(name: str, d_model: int) -> torch.nn.Module:
 
 
 def _peak_case(case: dict) -> dict:
-    """The best matmul TFLOP/s of fp32 and bf16 over PEAK_SIZES (and each size's), repeated."""
+    """The best matmul TFLOP/s of fp32 and bf16 over PEAK_SIZES (and each size's), repeated.
+
+    bf16 only where the CPU multiplies it in hardware: elsewhere torch's software kernel takes
+    minutes per 4096^2 product, and bf16-mixed training runs its products as fp32 GEMMs anyway
+    (farsight.ops.precision.widened_matmuls), so the fp32 peak is the one that applies."""
+    from farsight.ops.precision import software_matmul_dtypes
+
     peaks = {}
+    software = software_matmul_dtypes(torch.device("cpu"))
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if dtype in software:
+            peaks[name] = None
+            continue
         for n in PEAK_SIZES:
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             seconds = time_fn(lambda a=a, b=b: a @ b, warmup=2, repeat=case["repeat"])
@@ -196,6 +207,15 @@ def _util_case(case: dict) -> dict:
     return {"step_s": seconds, "tokens_per_s": ids.numel() / seconds, "first_step_s": first, "compile_s": compile_s}
 
 
+def _peaks_text(peaks: dict) -> str:
+    def one(name: str) -> str:
+        if name in peaks and peaks[name] is None:
+            return f"{name} none (no {name} matrix instructions: {name}-mixed multiplies as fp32 GEMMs)"
+        return f"{name} {peaks.get(name) or 0:.3f} TFLOP/s"
+
+    return ", ".join(one(name) for name in ("fp32", "bf16"))
+
+
 def utilisation(
     models: list[str],
     d_models: list[int],
@@ -210,7 +230,7 @@ def utilisation(
 
     start = time.perf_counter()
     peaks = run_isolated(_peak_case, {"repeat": 5})
-    print(f"  peaks: fp32 {peaks.get('fp32', 0):.3f}, bf16 {peaks.get('bf16', 0):.3f} TFLOP/s", flush=True)
+    print(f"  peaks: {_peaks_text(peaks)}", flush=True)
     known = {}
     if flops_from:
         for row in json.loads(Path(flops_from).read_text())["utilisation_rows"]:
@@ -277,7 +297,7 @@ def utilisation(
     columns += ["error"] if any("error" in r for r in rows) else []
     print(
         f"\nTraining utilisation, {UTIL_LAYERS} layers, {HEAD_DIM}-dim heads, {tokens} tokens/step at T={length}, "
-        f"{torch.get_num_threads()} threads; peaks: fp32 {peaks.get('fp32', 0):.3f}, bf16 {peaks.get('bf16', 0):.3f} TFLOP/s"
+        f"{torch.get_num_threads()} threads; peaks: {_peaks_text(peaks)}"
     )
     print(format_table(rows, columns))
     return {"peaks_tflops": peaks, "length": length, "tokens_per_step": tokens, "utilisation_rows": rows}
