@@ -2,18 +2,20 @@
 """The summarization stand-in's tables and figure (experiments/summarize.sh) from the models' answers.
 
     python experiments/summarize-table.py results/summarize drt-x1 baselm-2l drt-x2 baselm
+    python experiments/summarize-table.py results/summarize drt-x2 baselm-2l --figure none
 
 Reads OUT/MODEL.json (`farsight eval generate --out`) and each fine-tune's metrics.jsonl
 (runs/lm/summarize/MODEL/, else the copy in results/runs/lm/summarize/MODEL/); prints ROUGE-L by
 input length (a column per model), the overall scores with the fine-tune's last held-out loss,
 and each model against the first (ROUGE-L difference, 95% paired bootstrap over the test
-modules); draws docs/figures/summarize-rougeL.png.
+modules); draws ROUGE-L by length into --figure (default docs/figures/summarize-rougeL.png; `none`
+draws nothing, for a comparison that should leave the docs' figure as it is).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +76,7 @@ def paired_differences(results: dict[str, dict], base: str) -> list[str]:
     return lines
 
 
-def draw_figure(results: dict[str, dict], base: str) -> None:
+def draw_figure(results: dict[str, dict], base: str, figure: Path) -> None:
     try:
         import matplotlib
 
@@ -92,10 +94,10 @@ def draw_figure(results: dict[str, dict], base: str) -> None:
     ax.set_title("summary line of a Python module, 30 test modules per bucket")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
+    fig.savefig(figure, dpi=120)
 
 
-def main(out: str, models: list[str]) -> None:
+def main(out: str, models: list[str], figure: str) -> None:
     results = {m: json.loads((Path(out) / f"{m}.json").read_text()) for m in models}
     base = models[0]
     print(
@@ -103,12 +105,14 @@ def main(out: str, models: list[str]) -> None:
             [*by_length_table(results, base), "", *overall_table(results), "", *paired_differences(results, base)]
         )
     )
-    draw_figure(results, base)
+    if figure != "none":
+        draw_figure(results, base, Path(figure))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        sys.exit(
-            "usage: summarize-table.py OUT MODEL [MODEL ...]  (the first model is the one the others are compared with)"
-        )
-    main(sys.argv[1], sys.argv[2:])
+    parser = argparse.ArgumentParser(description="The summarization stand-in's tables and figure.")
+    parser.add_argument("out", help="the folder of MODEL.json answers (results/summarize)")
+    parser.add_argument("models", nargs="+", help="models, the first the one the others are compared with")
+    parser.add_argument("--figure", default=str(FIGURE), help=f"the figure's path, or none (default {FIGURE})")
+    args = parser.parse_args()
+    main(args.out, args.models, args.figure)
