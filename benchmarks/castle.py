@@ -11,7 +11,10 @@ one fixed shape (B=1, H=4, d=64, T=2048 and 4096, fp32 and bf16) and also count 
 product FLOPs of one CASTLE f+b (torch's FlopCounterMode inside the custom op:
 farsight.ops.library.count_flops) against causal SDPA's 7 products
 (forward QK^T, PV; backward QK^T again, dV, dP, dQ, dK) over the T(T+1)/2 causal pairs: the
-ratio of work that no unfused implementation can go below. The decoding cases time one token against
+ratio of work that no unfused implementation can go below. Every op runs as the trainer runs it:
+on a CPU without bf16 matrix instructions its bf16 products are fp32 GEMMs
+(farsight.ops.precision.widened_matmuls; torch's own bf16 SDPA there ran 6x slower than fp32
+and would flatter CASTLE). The decoding cases time one token against
 a cache of t tokens (B=1, H=8, d=64): castle_decode with its UQ-KV cache vs a standard
 KV-cache step (one query against t cached keys with SDPA), and full CASTLE's step once more with
 every update of U made in place (farsight.ops.castle.inference.HOLD_BACK_FROM_ROWS out of reach),
@@ -38,6 +41,7 @@ from farsight.eval.efficiency import (
 )
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_parallel_reference, inference
 from farsight.ops.library import count_flops
+from farsight.ops.precision import widened_matmuls
 
 FULL_STEPS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 QUICK_STEPS = [256, 512, 1024, 2048]
@@ -82,13 +86,14 @@ def _train_case(case: dict) -> dict:
         return castle_attention(*xs, window=window)
 
     def forward(xs: list[torch.Tensor] = inputs) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), widened_matmuls(torch.device("cpu"), dtype):
             op(xs)
 
     def forward_backward(xs: list[torch.Tensor] = inputs) -> None:
         for x in xs:
             x.grad = None
-        op(xs).sum().backward()
+        with widened_matmuls(torch.device("cpu"), dtype):
+            op(xs).sum().backward()
 
     # Load kernels and thread pools on a tiny problem so that they do not count as peak memory.
     time_axis = -2 if impl == "sdpa" else 1
