@@ -25,6 +25,7 @@ of the targets the measured figures meet; nothing here is asserted by the tests.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -85,14 +86,17 @@ def _train_case(case: dict) -> dict:
             return castle_parallel_reference(*xs, window=window)
         return castle_attention(*xs, window=window)
 
+    def as_trained() -> contextlib.AbstractContextManager:
+        return widened_matmuls(torch.device("cpu"), dtype)
+
     def forward(xs: list[torch.Tensor] = inputs) -> None:
-        with torch.no_grad(), widened_matmuls(torch.device("cpu"), dtype):
+        with torch.no_grad(), as_trained():
             op(xs)
 
     def forward_backward(xs: list[torch.Tensor] = inputs) -> None:
         for x in xs:
             x.grad = None
-        with widened_matmuls(torch.device("cpu"), dtype):
+        with as_trained():
             op(xs).sum().backward()
 
     # Load kernels and thread pools on a tiny problem so that they do not count as peak memory.

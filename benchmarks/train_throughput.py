@@ -31,8 +31,8 @@ measures what that buys. Elsewhere the two are the same.
 --utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
 measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and, on
 a CPU with bf16 matrix instructions, bf16; elsewhere bf16-mixed multiplies as fp32 GEMMs and its
-share of the fp32 peak is the one that applies). Each model (8 layers, 64-dim heads, byte vocabulary; `baselm`: sliding window 512 +
-ALiBi, the DRT paper's BaseLM; `drt-x1` / `drt-x2`: DRT with one / two retrieval groups, chunk
+share of the fp32 peak is the one that applies). Each model (8 layers, 64-dim heads, byte
+vocabulary; `baselm`: sliding window 512 + ALiBi, the DRT paper's BaseLM; `drt-x1` / `drt-x2`: DRT with one / two retrieval groups, chunk
 64, top 8, 2 encoder layers, window 512; `causal`: full attention (SDPA) + RoPE; `castle`: CASTLE
 + RoPE) at each d_model then takes full AdamW steps as the trainer takes them
 (farsight.eval.efficiency.training_step: fused AdamW, loss-only forward, denormals flushed) on

@@ -115,4 +115,9 @@ if __name__ == "__main__":
     parser.add_argument("models", nargs="+", help="models, the first the one the others are compared with")
     parser.add_argument("--figure", default=str(FIGURE), help=f"the figure's path, or none (default {FIGURE})")
     args = parser.parse_args()
+    missing = [m for m in args.models if not (Path(args.out) / f"{m}.json").is_file()]
+    if missing:
+        parser.error(
+            f"no answers for {', '.join(missing)} in {args.out}: run `farsight eval generate ... --out {args.out}/MODEL.json` first"
+        )
     main(args.out, args.models, args.figure)
