@@ -14,7 +14,12 @@ auto        see `auto_precision`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import re
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,10 +140,49 @@ def _denormals_flushed() -> bool:
     return float(torch.tensor(1e-39, dtype=torch.float32) * 1.0) == 0.0
 
 
+_THREAD_BODY = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_OPENMP_LIBRARY = re.compile(r"/lib(gomp|iomp5|omp)[-.\w]*\.so[.\d]*$")
+
+
+@functools.cache
+def _openmp_parallel_entries() -> tuple:
+    """GOMP_parallel of every OpenMP runtime mapped into this process (torch's libgomp; Intel's
+    and LLVM's runtimes export the same entry point), or () without one (another parallel
+    backend, or no /proc/self/maps)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return ()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if _OPENMP_LIBRARY.search(line.rstrip())})
+    except OSError:
+        return ()
+    entries = []
+    for path in paths:
+        entry = getattr(ctypes.CDLL(path), "GOMP_parallel", None)
+        if entry is not None:
+            entry.argtypes, entry.restype = [_THREAD_BODY, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
+            entries.append(entry)
+    return tuple(entries)
+
+
+def _on_every_cpu_thread(body: Callable[[], None]) -> None:
+    """body() on the calling thread and on every thread of torch's OpenMP pool (the threads that
+    run torch's CPU kernels, MKL's and oneDNN's among them): a parallel region of
+    torch.get_num_threads() threads, which the runtime serves from the same pool as torch's."""
+    entries = _openmp_parallel_entries()
+    if not entries:
+        body()
+        return
+    # ctypes releases the GIL for the call and takes it in each thread for `body`
+    callback = _THREAD_BODY(lambda _data: body())
+    for entry in entries:
+        entry(callback, None, torch.get_num_threads(), 0)
+
+
 @contextlib.contextmanager
 def flush_denormals(device: torch.device):
-    """CPU training with denormal numbers flushed to zero (torch.set_flush_denormal), put back
-    as found afterwards.
+    """CPU training with denormal numbers flushed to zero on every thread that computes, each
+    put back as found afterwards.
 
     Softmax probabilities and their gradients between about 1e-45 and 1e-38 (the exponentials of
     scores 87-103 below a row's maximum, which ALiBi produces at long distances) are denormal in
@@ -146,16 +190,32 @@ def flush_denormals(device: torch.device):
     ran 2.4x faster with them flushed (0.30 against 0.72 s at B=4, T=4096, H=4, d=64, W=512),
     the BaseLM step of benchmarks/drt.py 1.8x. Values that small change nothing a training run
     can see. bf16 GEMMs (AMX) flush bf16 denormals themselves. Elsewhere (GPUs) a null context.
+
+    The flag is a register of each thread (torch.set_flush_denormal sets the caller's only), so
+    it is set on the caller and on each thread of torch's OpenMP pool, which runs most of a
+    kernel's work (all but 1/threads of it). Without an OpenMP runtime to reach (another
+    parallel backend) only the caller's is set.
     """
-    if device.type != "cpu" or _denormals_flushed():
+    if device.type != "cpu":
         yield
         return
-    flushed = torch.set_flush_denormal(True)
+    unflushed: set[int] = set()
+
+    def flush() -> None:
+        if not _denormals_flushed():
+            unflushed.add(threading.get_native_id())
+            torch.set_flush_denormal(True)
+
+    def restore() -> None:
+        if threading.get_native_id() in unflushed:
+            torch.set_flush_denormal(False)
+
+    _on_every_cpu_thread(flush)
     try:
         yield
     finally:
-        if flushed:
-            torch.set_flush_denormal(False)
+        if unflushed:
+            _on_every_cpu_thread(restore)
 
 
 def software_dtype_reason(dtype: torch.dtype | None, device: torch.device) -> str | None:

@@ -202,3 +202,36 @@ def test_native_bf16_matmul_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert ops_precision.native_bf16_matmul(torch.device("cuda", 0))
     assert not ops_precision.native_bf16_matmul(torch.device("meta"))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _denormals_kept(x: torch.Tensor) -> int:
+    """How many of x's denormals survive a multiplication that torch splits over its threads."""
+    return int(((x * 1.0) != 0).sum())
+
+
+def test_flush_denormals_reaches_every_thread_and_puts_each_back(two_threads):
+    cpu = torch.device("cpu")
+    denormals = torch.full((1 << 20,), 1e-39)  # many grains: every thread of the pool takes some
+    assert _denormals_kept(denormals) == denormals.numel()
+    with precision_module.flush_denormals(cpu):
+        assert _denormals_kept(denormals) == 0
+        with precision_module.flush_denormals(cpu):  # nested: nothing to set, nothing to put back
+            assert _denormals_kept(denormals) == 0
+        assert _denormals_kept(denormals) == 0
+        assert float(torch.sum(denormals)) == 0.0  # a reduction, split over the threads too
+    assert _denormals_kept(denormals) == denormals.numel()
+
+
+def test_flush_denormals_without_an_openmp_runtime_sets_the_caller(monkeypatch):
+    monkeypatch.setattr(precision_module, "_openmp_parallel_entries", lambda: ())
+    with precision_module.flush_denormals(torch.device("cpu")):
+        assert float(torch.tensor(1e-39) * 1.0) == 0.0
+    assert float(torch.tensor(1e-39) * 1.0) != 0.0
