@@ -26,7 +26,7 @@ measures what that buys. Elsewhere the two are the same.
 
     python benchmarks/train_throughput.py --utilisation [--models baselm,drt-x1,drt-x2,causal,castle]
         [--d-models 256,512] [--precisions fp32,bf16-mixed] [--compile off,on] [--length 4096]
-        [--tokens 16384] [--steps 3] [--flops-from JSON] [--json PATH]
+        [--tokens 16384] [--steps 3] [--rounds 1] [--flops-from JSON] [--json PATH]
 
 --utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
 measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and, on
@@ -44,6 +44,10 @@ once per model with torch's FlopCounterMode on one fp32 sequence (farsight.ops.l
 what the eager step executes, inside farsight's custom ops too, SDPA counted over the causal
 pairs), and serve every precision and compile setting; --flops-from takes them from an earlier
 JSON instead (to time an older farsight, which cannot count them, against the same FLOPs).
+--rounds N times every case N times, round by round (each case once per round, each in a fresh
+process), and reports the median with the slowest and fastest round: on a shared host a model's
+speed moves between runs by more than the targets' margins. The last lines judge DRT's target: its
+step (best of the compile settings) against `baselm`'s, over its FLOP ratio, at most 1.1.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ UTIL_MODELS = ("baselm", "drt-x1", "drt-x2", "causal", "castle")
 UTIL_LAYERS = 8
 HEAD_DIM = 64
 PEAK_SIZES = (2048, 4096)
+DRT_TARGET = 1.1  # DRT's step time over BaseLM's, at most this times their FLOP ratio
 
 
 def util_model(name: str, d_model: int) -> torch.nn.Module:
@@ -216,6 +221,27 @@ def _peaks_text(peaks: dict) -> str:
     return ", ".join(one(name) for name in ("fp32", "bf16"))
 
 
+def _drt_target_lines(rows: list[dict]) -> list[str]:
+    """DRT's step against BaseLM's, best of the compile settings, over its FLOP ratio (target 1.1)."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["model"], row["d_model"], row["precision"])
+        if row.get("tok/s") and (key not in best or row["tok/s"] > best[key]["tok/s"]):
+            best[key] = row
+    lines = []
+    for (model, d_model, precision), drt in best.items():
+        base = best.get(("baselm", d_model, precision))
+        if not model.startswith("drt") or base is None or not (drt["MFLOP/token"] and base["MFLOP/token"]):
+            continue
+        time_ratio, flop_ratio = base["tok/s"] / drt["tok/s"], drt["MFLOP/token"] / base["MFLOP/token"]
+        verdict = "met" if time_ratio <= DRT_TARGET * flop_ratio else "NOT MET"
+        lines.append(
+            f"  [{verdict}] {model} d{d_model} {precision}: {time_ratio:.2f}x baselm's time for {flop_ratio:.2f}x "
+            f"its FLOPs = {time_ratio / flop_ratio:.2f}x the FLOP ratio (target <= {DRT_TARGET})"
+        )
+    return lines
+
+
 def utilisation(
     models: list[str],
     d_models: list[int],
@@ -225,8 +251,10 @@ def utilisation(
     tokens: int,
     steps: int,
     flops_from: str | None,
+    rounds: int = 1,
 ) -> dict:
     import json
+    import statistics
 
     start = time.perf_counter()
     peaks = run_isolated(_peak_case, {"repeat": 5})
@@ -235,51 +263,62 @@ def utilisation(
     if flops_from:
         for row in json.loads(Path(flops_from).read_text())["utilisation_rows"]:
             known[(row["model"], row["d_model"])] = row.get("MFLOP/token")
-    rows = []
+    mflops = {}
     for d_model in d_models:
         for model in models:
             mflop = known.get((model, d_model))
             if mflop is None and not flops_from:
                 counted = run_isolated(_flops_case, {"model": model, "d_model": d_model, "length": length})
                 mflop = counted["flops_per_token"] / 1e6 if "flops_per_token" in counted else None
-            for precision in precisions:
-                for compiled in compile_settings:
-                    case = {
-                        "model": model,
-                        "d_model": d_model,
-                        "precision": precision,
-                        "compile": compiled,
-                        "length": length,
-                        "tokens": tokens,
-                        "steps": steps,
-                    }
-                    result = run_isolated(_util_case, case, timeout=3600)
-                    row = {
-                        "model": model,
-                        "d_model": d_model,
-                        "precision": precision,
-                        "compile": "on" if compiled else "off",
-                        "MFLOP/token": mflop,
-                    }
-                    if "error" in result:
-                        row["error"] = result["error"]
-                    else:
-                        row |= {
-                            "tok/s": result["tokens_per_s"],
-                            "step s": result["step_s"],
-                            "compile s": result["compile_s"] if compiled else None,
-                        }
-                        if mflop:
-                            achieved = mflop * 1e6 * result["tokens_per_s"] / 1e12
-                            row["TFLOP/s"] = achieved
-                            row["% bf16 peak"] = 100 * achieved / peaks["bf16"] if peaks.get("bf16") else None
-                            row["% fp32 peak"] = 100 * achieved / peaks["fp32"] if peaks.get("fp32") else None
-                    rows.append(row)
-                    print(
-                        f"  {model} d{d_model} {precision} compile {row['compile']}: "
-                        f"{row.get('tok/s', 0):.0f} tok/s ({time.perf_counter() - start:.0f}s)",
-                        flush=True,
-                    )
+            mflops[(model, d_model)] = mflop
+    cases = [
+        {"model": m, "d_model": d, "precision": p, "compile": c, "length": length, "tokens": tokens, "steps": steps}
+        for d in d_models
+        for m in models
+        for p in precisions
+        for c in compile_settings
+    ]
+    # Every case once per round, in the same order: a host that slows down or speeds up during the
+    # run then touches every case's median, not only the cases timed late.
+    results: list[list[dict]] = [[] for _ in cases]
+    for round_index in range(rounds):
+        for case, got in zip(cases, results):
+            got.append(run_isolated(_util_case, case, timeout=3600))
+            print(
+                f"  round {round_index + 1}/{rounds} {case['model']} d{case['d_model']} {case['precision']} "
+                f"compile {'on' if case['compile'] else 'off'}: {got[-1].get('tokens_per_s', 0):.0f} tok/s "
+                f"({time.perf_counter() - start:.0f}s)",
+                flush=True,
+            )
+    rows = []
+    for case, got in zip(cases, results):
+        mflop = mflops[(case["model"], case["d_model"])]
+        row = {
+            "model": case["model"],
+            "d_model": case["d_model"],
+            "precision": case["precision"],
+            "compile": "on" if case["compile"] else "off",
+            "MFLOP/token": mflop,
+        }
+        timed = [r for r in got if "error" not in r]
+        if not timed:
+            row["error"] = got[-1]["error"]
+            rows.append(row)
+            continue
+        speeds = [r["tokens_per_s"] for r in timed]
+        row |= {
+            "tok/s": statistics.median(speeds),
+            "step s": statistics.median(r["step_s"] for r in timed),
+            "compile s": statistics.median(r["compile_s"] for r in timed) if case["compile"] else None,
+        }
+        if rounds > 1:
+            row |= {"tok/s min": min(speeds), "tok/s max": max(speeds), "rounds tok/s": speeds}
+        if mflop:
+            achieved = mflop * 1e6 * row["tok/s"] / 1e12
+            row["TFLOP/s"] = achieved
+            row["% bf16 peak"] = 100 * achieved / peaks["bf16"] if peaks.get("bf16") else None
+            row["% fp32 peak"] = 100 * achieved / peaks["fp32"] if peaks.get("fp32") else None
+        rows.append(row)
     for row in rows:  # compile's speedup over the same case uncompiled
         off = next(
             (
@@ -292,15 +331,25 @@ def utilisation(
         )
         if row["compile"] == "on" and off and off.get("tok/s") and row.get("tok/s"):
             row["compile speedup"] = row["tok/s"] / off["tok/s"]
-    columns = ["model", "d_model", "precision", "compile", "tok/s", "step s", "compile s", "MFLOP/token"]
-    columns += ["TFLOP/s", "% bf16 peak", "% fp32 peak", "compile speedup"]
+    columns = ["model", "d_model", "precision", "compile", "tok/s"]
+    columns += ["tok/s min", "tok/s max"] if rounds > 1 else []
+    columns += ["step s", "compile s", "MFLOP/token", "TFLOP/s", "% bf16 peak", "% fp32 peak", "compile speedup"]
     columns += ["error"] if any("error" in r for r in rows) else []
     print(
         f"\nTraining utilisation, {UTIL_LAYERS} layers, {HEAD_DIM}-dim heads, {tokens} tokens/step at T={length}, "
-        f"{torch.get_num_threads()} threads; peaks: {_peaks_text(peaks)}"
+        f"{torch.get_num_threads()} threads, median of {rounds} round(s); peaks: {_peaks_text(peaks)}"
     )
     print(format_table(rows, columns))
-    return {"peaks_tflops": peaks, "length": length, "tokens_per_step": tokens, "utilisation_rows": rows}
+    targets = _drt_target_lines(rows)
+    if targets:
+        print("\ntargets:\n" + "\n".join(targets))
+    return {
+        "peaks_tflops": peaks,
+        "length": length,
+        "tokens_per_step": tokens,
+        "rounds": rounds,
+        "utilisation_rows": rows,
+    }
 
 
 def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
@@ -433,9 +482,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="with --utilisation: tokens per step (default 16384)")
     parser.add_argument("--steps", type=int, default=3, help="with --utilisation: timed steps per case (default 3)")
     parser.add_argument("--flops-from", help="with --utilisation: FLOPs per token from this earlier --json")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --utilisation: time every case this many times, round by round, and report the median (default 1)",
+    )
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args()
     if args.utilisation:
+        if args.rounds < 1:
+            raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
         precisions = _names(args.precisions, PRECISIONS, "precisions")
         settings = [{"off": False, "on": True}[x] for x in _names(args.compile, ("off", "on"), "compile")]
         payload = {"benchmark": "train_utilisation", "machine": machine_description()}
@@ -448,6 +505,7 @@ def main() -> None:
             args.tokens,
             args.steps,
             args.flops_from,
+            args.rounds,
         )
         write_json(args.json, payload)
         return
