@@ -41,7 +41,9 @@ CPU = torch.device("cpu")
 
 @contextlib.contextmanager
 def caller_only() -> Iterator[None]:
-    """flush_denormals as torch.set_flush_denormal alone gives it: the calling thread only."""
+    """flush_denormals as torch.set_flush_denormal alone gives it: the calling thread only. The
+    training step enters flush_denormals itself, so the pool is hidden from it rather than left
+    unflushed around it."""
     entries = precision._openmp_parallel_entries
     precision._openmp_parallel_entries = lambda: ()
     try:

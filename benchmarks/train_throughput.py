@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sysconfig
 import tempfile
 import time
@@ -184,8 +185,6 @@ def _flops_case(case: dict) -> dict:
 
 def _util_case(case: dict) -> dict:
     """Time the trainer's step of one model in one precision, compiled or not."""
-    import statistics
-
     model = util_model(case["model"], case["d_model"])
     length = case["length"]
     ids = torch.randint(0, 256, (max(1, case["tokens"] // length), length))
@@ -254,7 +253,6 @@ def utilisation(
     rounds: int = 1,
 ) -> dict:
     import json
-    import statistics
 
     start = time.perf_counter()
     peaks = run_isolated(_peak_case, {"repeat": 5})
