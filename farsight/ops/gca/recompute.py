@@ -74,20 +74,23 @@ class _Slots:
         self.valid, self.key_mask = valid, key_mask
         # fp32 (fp64) whatever weight's dtype: x * w is rounded once
         self.w = torch.where(valid, weight.to(compute_dtype(q.dtype)), 0.0)
-        self.chunk = index.clamp(min=0)
         self._slot_weight = self.w[:, None, :, :, None, None]  # [B, 1, n, K, 1, 1]
+        # Row of each slot's chunk in the chunks laid out [B * H * m, S' * d], per (b, h):
+        # [B * H * n * K], in the order of the gathered [B, H, n, K, S', d]
+        batch_head = torch.arange(self.batch * self.heads, device=q.device).view(self.batch, self.heads, 1, 1)
+        self._rows = (batch_head * self.m + index.clamp(min=0)[:, None]).reshape(-1)
 
     def gathered(self, x: torch.Tensor, weighted: bool = False) -> torch.Tensor:
         """[B, m, S, H, d] -> [B, H, n, K * S', d] (times each slot's weight if `weighted`), zero
         in every chunk's extra row: one copy of x into the padded heads-outer layout, then whole
-        [S', d] blocks gathered."""
+        [S', d] blocks gathered as rows (index_select copies each row whole, faster on the CPU
+        than advanced indexing over three dimensions)."""
         batch, heads, s, dim = self.batch, self.heads, self.s, self.dim
         padded = x.new_empty(batch, heads, self.m, self.width, dim)
         padded[..., :s, :].copy_(x.permute(0, 3, 1, 2, 4))
         padded[..., s:, :].zero_()
-        rows = torch.arange(batch, device=x.device).view(batch, 1, 1, 1)
-        head = torch.arange(heads, device=x.device).view(1, heads, 1, 1)
-        out = padded[rows, head, self.chunk[:, None]]  # [B, H, n, K, S', d]
+        out = padded.view(-1, self.width * dim).index_select(0, self._rows)
+        out = out.view(batch, heads, self.n, self.n_slots, self.width, dim)
         if weighted:
             out.mul_(self._slot_weight)
         return out.view(batch, heads, self.n, self.n_slots * self.width, dim)
@@ -102,13 +105,13 @@ class _Slots:
 
     def scatter(self, grads: torch.Tensor, work: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
         """Per-slot chunk gradients [B, H, n, K * S', d] -> w times their sum per memory chunk,
-        [B, m, S, H, d] in `dtype` (summed in `work`)."""
+        [B, m, S, H, d] in `dtype` (summed in `work`). `grads` is a temporary of the caller's:
+        where it has the compute dtype already, w multiplies it in place."""
         batch, heads, m, width, dim = self.batch, self.heads, self.m, self.width, self.dim
-        per_slot = grads.view(batch, heads, self.n, self.n_slots, width, dim) * self._slot_weight
-        rows = torch.arange(batch, device=grads.device)[:, None] * heads + torch.arange(heads, device=grads.device)
-        flat = rows[:, :, None, None] * m + self.chunk[:, None]  # [B, H, n, K]
+        grads = grads.view(batch, heads, self.n, self.n_slots, width, dim)
+        per_slot = grads.mul_(self._slot_weight) if grads.dtype == work else grads * self._slot_weight
         total = torch.zeros(batch * heads * m, width * dim, dtype=work, device=grads.device)
-        total.index_add_(0, flat.reshape(-1), per_slot.reshape(-1, width * dim))
+        total.index_add_(0, self._rows, per_slot.reshape(-1, width * dim))
         keys = total.view(batch, heads, m, width, dim)[..., : self.s, :].permute(0, 2, 3, 1, 4)
         return torch.empty(keys.shape, dtype=dtype, device=keys.device).copy_(keys)
 
