@@ -4,8 +4,9 @@
 
 torch.set_flush_denormal sets a register of the calling thread, while most of a kernel's work
 runs on the other threads of torch's OpenMP pool; `farsight.train.precision.flush_denormals`
-sets it on every one of them. Each case here is timed under both, alternating call by call in
-one process (median of --repeat calls each): "caller" is torch.set_flush_denormal on the calling
+sets it on every one of them. Each case here is timed under both, taking turns call by call in
+one process (median of --repeat calls each; the speed-up is the median of the ratios of calls
+from the same round): "caller" is torch.set_flush_denormal on the calling
 thread alone, "every thread" is flush_denormals. The cases, fp32:
 
 - bmm: softmax probabilities [64, 1024, 1024] of scores with a spread of 40 (about 11% of them
@@ -25,13 +26,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 from train_throughput import util_model  # the benchmarks' folder is the script's, on sys.path
 
-from farsight.eval.efficiency import format_table, machine_description, training_step, write_json
+from farsight.eval.efficiency import (
+    format_table,
+    machine_description,
+    paired_ratio,
+    time_interleaved,
+    training_step,
+    write_json,
+)
 from farsight.ops.window import sliding_window_attention
 from farsight.process_memory import tune_malloc
 from farsight.train import precision
@@ -86,19 +93,20 @@ def step_case(model: str, d_model: int) -> Callable[[], None]:
 
 
 def measure(name: str, fn: Callable[[], None], repeat: int) -> dict:
-    """Median seconds of fn() under each mode, the modes alternating call by call."""
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for context in MODES.values():  # one untimed call each: kernels, pools, the heap
-        with context():
-            fn()
-    for _ in range(repeat):
-        for mode, context in MODES.items():
+    """Median seconds of fn() under each mode, the modes taking turns call by call
+    (time_interleaved), and the speed-up as the median of the same-round ratios."""
+
+    def under(context: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
+        def run() -> None:
             with context():
-                start = time.perf_counter()
                 fn()
-                times[mode].append(time.perf_counter() - start)
+
+        return run
+
+    # one untimed call each first: kernels, pools, the heap
+    times = time_interleaved({mode: under(context) for mode, context in MODES.items()}, warmup=1, rounds=repeat)
     row = {"case": name, **{f"{mode} ms": 1e3 * statistics.median(t) for mode, t in times.items()}}
-    row["speed-up"] = row["caller ms"] / row["every thread ms"]
+    row["speed-up"] = paired_ratio(times["caller"], times["every thread"])["median"]
     print(format_table([row], list(row)), flush=True)
     return row
 
@@ -110,6 +118,8 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     tune_malloc()
     print(f"threads: {torch.get_num_threads()}, OpenMP runtimes reached: {len(precision._openmp_parallel_entries())}")
     cases = [("bmm", bmm_case), ("window f+b", window_case)]

@@ -26,7 +26,7 @@ measures what that buys. Elsewhere the two are the same.
 
     python benchmarks/train_throughput.py --utilisation [--models baselm,drt-x1,drt-x2,causal,castle]
         [--d-models 256,512] [--precisions fp32,bf16-mixed] [--compile off,on] [--length 4096]
-        [--tokens 16384] [--steps 3] [--rounds 1] [--flops-from JSON] [--json PATH]
+        [--tokens 16384] [--steps 3] [--rounds 1] [--paired] [--flops-from JSON] [--json PATH]
 
 --utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
 measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and, on
@@ -46,8 +46,14 @@ pairs), and serve every precision and compile setting; --flops-from takes them f
 JSON instead (to time an older farsight, which cannot count them, against the same FLOPs).
 --rounds N times every case N times, round by round (each case once per round, each in a fresh
 process), and reports the median with the slowest and fastest round: on a shared host a model's
-speed moves between runs by more than the targets' margins. The last lines judge DRT's target: its
-step (best of the compile settings) against `baselm`'s, over its FLOP ratio, at most 1.1.
+speed moves between runs by more than the targets' margins. --paired times the models of one
+width, precision and compile setting in one process instead, a step of each in turn
+(farsight.eval.efficiency.time_interleaved, --steps rounds of steps), and adds each model's
+step time over `baselm`'s as the median and range of the ratios of steps from the same round:
+a slow or fast spell of the host falls on both sides of each ratio. The last lines judge DRT's
+target: its step against `baselm`'s, over its FLOP ratio, at most 1.1 (with --paired in each
+compile setting from the same-round ratios; otherwise from the best of the compile settings'
+medians).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import statistics
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,8 +73,10 @@ from farsight.eval.efficiency import (
     format_table,
     machine_description,
     measure_peak_memory,
+    paired_ratio,
     run_isolated,
     time_fn,
+    time_interleaved,
     training_step,
     write_json,
 )
@@ -183,9 +192,10 @@ def _flops_case(case: dict) -> dict:
     return {"flops_per_token": count_flops(step) / ids.numel()}
 
 
-def _util_case(case: dict) -> dict:
-    """Time the trainer's step of one model in one precision, compiled or not."""
-    model = util_model(case["model"], case["d_model"])
+def _prepared_step(case: dict, name: str) -> tuple[Callable[[], None], dict]:
+    """Model `name`'s trainer step for `case`, after its first (untimed) call, which holds the
+    compilation: (step, {"tokens", "first_step_s", "compile_s"})."""
+    model = util_model(name, case["d_model"])
     length = case["length"]
     ids = torch.randint(0, 256, (max(1, case["tokens"] // length), length))
     # uncompiled, the call an older farsight takes too (the baseline run, with --flops-from)
@@ -201,14 +211,31 @@ def _util_case(case: dict) -> dict:
         compile_s = clock.seconds
     else:
         step()
-    first = time.perf_counter() - start
+    return step, {"tokens": ids.numel(), "first_step_s": time.perf_counter() - start, "compile_s": compile_s}
+
+
+def _timed(info: dict, times: list[float]) -> dict:
+    seconds = statistics.median(times)
+    return {**info, "step_s": seconds, "tokens_per_s": info["tokens"] / seconds, "step_times": times}
+
+
+def _util_case(case: dict) -> dict:
+    """Time the trainer's step of one model in one precision, compiled or not."""
+    step, info = _prepared_step(case, case["model"])
     times = []
     for _ in range(case["steps"]):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    seconds = statistics.median(times)
-    return {"step_s": seconds, "tokens_per_s": ids.numel() / seconds, "first_step_s": first, "compile_s": compile_s}
+    return _timed(info, times)
+
+
+def _paired_case(case: dict) -> dict:
+    """Time the trainer's steps of several models in one process, one step of each in turn
+    (time_interleaved): {model: what _util_case returns}."""
+    prepared = {name: _prepared_step(case, name) for name in case["models"]}
+    times = time_interleaved({name: step for name, (step, _) in prepared.items()}, warmup=0, rounds=case["steps"])
+    return {name: _timed(info, times[name]) for name, (_, info) in prepared.items()}
 
 
 def _peaks_text(peaks: dict) -> str:
@@ -221,23 +248,38 @@ def _peaks_text(peaks: dict) -> str:
 
 
 def _drt_target_lines(rows: list[dict]) -> list[str]:
-    """DRT's step against BaseLM's, best of the compile settings, over its FLOP ratio (target 1.1)."""
+    """DRT's step against BaseLM's over its FLOP ratio (target 1.1): with --paired, the median of
+    the same-round step ratios in each compile setting; otherwise the best of the compile
+    settings' medians."""
+    lines = []
+
+    def line(name: str, time_ratio: float, flop_ratio: float, spread: str = "") -> str:
+        verdict = "met" if time_ratio <= DRT_TARGET * flop_ratio else "NOT MET"
+        return (
+            f"  [{verdict}] {name}: {time_ratio:.2f}x baselm's time{spread} for {flop_ratio:.2f}x its FLOPs "
+            f"= {time_ratio / flop_ratio:.3f}x the FLOP ratio (target <= {DRT_TARGET})"
+        )
+
+    mflop = {(r["model"], r["d_model"]): r["MFLOP/token"] for r in rows}
+    for row in rows:
+        base = mflop.get(("baselm", row["d_model"]))
+        if row.get("/ baselm step") and row["MFLOP/token"] and base and row["model"].startswith("drt"):
+            name = f"{row['model']} d{row['d_model']} {row['precision']} compile {row['compile']}"
+            spread = f" ({row['/ baselm min']:.2f}-{row['/ baselm max']:.2f} step by step)"
+            lines.append(line(name, row["/ baselm step"], row["MFLOP/token"] / base, spread))
+    if lines:
+        return lines
     best: dict[tuple, dict] = {}
     for row in rows:
         key = (row["model"], row["d_model"], row["precision"])
         if row.get("tok/s") and (key not in best or row["tok/s"] > best[key]["tok/s"]):
             best[key] = row
-    lines = []
     for (model, d_model, precision), drt in best.items():
         base = best.get(("baselm", d_model, precision))
         if not model.startswith("drt") or base is None or not (drt["MFLOP/token"] and base["MFLOP/token"]):
             continue
         time_ratio, flop_ratio = base["tok/s"] / drt["tok/s"], drt["MFLOP/token"] / base["MFLOP/token"]
-        verdict = "met" if time_ratio <= DRT_TARGET * flop_ratio else "NOT MET"
-        lines.append(
-            f"  [{verdict}] {model} d{d_model} {precision}: {time_ratio:.2f}x baselm's time for {flop_ratio:.2f}x "
-            f"its FLOPs = {time_ratio / flop_ratio:.2f}x the FLOP ratio (target <= {DRT_TARGET})"
-        )
+        lines.append(line(f"{model} d{d_model} {precision}", time_ratio, flop_ratio))
     return lines
 
 
@@ -251,6 +293,7 @@ def utilisation(
     steps: int,
     flops_from: str | None,
     rounds: int = 1,
+    paired: bool = False,
 ) -> dict:
     import json
 
@@ -276,20 +319,39 @@ def utilisation(
         for p in precisions
         for c in compile_settings
     ]
+
+    def key(case: dict) -> tuple:
+        return case["model"], case["d_model"], case["precision"], case["compile"]
+
+    def report(round_index: int, case: dict, got: dict) -> None:
+        print(
+            f"  round {round_index + 1}/{rounds} {case['model']} d{case['d_model']} {case['precision']} "
+            f"compile {'on' if case['compile'] else 'off'}: {got.get('tokens_per_s', 0):.0f} tok/s "
+            f"({time.perf_counter() - start:.0f}s)",
+            flush=True,
+        )
+
     # Every case once per round, in the same order: a host that slows down or speeds up during the
     # run then touches every case's median, not only the cases timed late.
-    results: list[list[dict]] = [[] for _ in cases]
+    results: dict[tuple, list[dict]] = {key(case): [] for case in cases}
     for round_index in range(rounds):
-        for case, got in zip(cases, results):
-            got.append(run_isolated(_util_case, case, timeout=3600))
-            print(
-                f"  round {round_index + 1}/{rounds} {case['model']} d{case['d_model']} {case['precision']} "
-                f"compile {'on' if case['compile'] else 'off'}: {got[-1].get('tokens_per_s', 0):.0f} tok/s "
-                f"({time.perf_counter() - start:.0f}s)",
-                flush=True,
-            )
+        if paired:
+            # One process per compile setting too: three d_model-512 models' freed activations
+            # already held 20 GB of heap.
+            for group in dict.fromkeys((c["d_model"], c["precision"], c["compile"]) for c in cases):
+                members = [c for c in cases if (c["d_model"], c["precision"], c["compile"]) == group]
+                together = {**members[0], "models": [c["model"] for c in members]}
+                got = run_isolated(_paired_case, together, timeout=3600 * len(members))
+                for case in members:
+                    results[key(case)].append(got.get(case["model"], got))
+                    report(round_index, case, results[key(case)][-1])
+        else:
+            for case in cases:
+                results[key(case)].append(run_isolated(_util_case, case, timeout=3600))
+                report(round_index, case, results[key(case)][-1])
     rows = []
-    for case, got in zip(cases, results):
+    for case in cases:
+        got = results[key(case)]
         mflop = mflops[(case["model"], case["d_model"])]
         row = {
             "model": case["model"],
@@ -308,6 +370,7 @@ def utilisation(
             "tok/s": statistics.median(speeds),
             "step s": statistics.median(r["step_s"] for r in timed),
             "compile s": statistics.median(r["compile_s"] for r in timed) if case["compile"] else None,
+            "step times": [t for r in timed for t in r["step_times"]],
         }
         if rounds > 1:
             row |= {"tok/s min": min(speeds), "tok/s max": max(speeds), "rounds tok/s": speeds}
@@ -317,25 +380,27 @@ def utilisation(
             row["% bf16 peak"] = 100 * achieved / peaks["bf16"] if peaks.get("bf16") else None
             row["% fp32 peak"] = 100 * achieved / peaks["fp32"] if peaks.get("fp32") else None
         rows.append(row)
-    for row in rows:  # compile's speedup over the same case uncompiled
-        off = next(
-            (
-                r
-                for r in rows
-                if r["compile"] == "off"
-                and (r["model"], r["d_model"], r["precision"]) == (row["model"], row["d_model"], row["precision"])
-            ),
-            None,
-        )
-        if row["compile"] == "on" and off and off.get("tok/s") and row.get("tok/s"):
+
+    by_case = {(r["model"], r["d_model"], r["precision"], r["compile"]): r for r in rows}
+    for case, row in zip(cases, rows):
+        model, d_model, precision, compiled = key(case)
+        off = by_case.get((model, d_model, precision, "off"))
+        if compiled and off and off.get("tok/s") and row.get("tok/s"):
             row["compile speedup"] = row["tok/s"] / off["tok/s"]
+        # --paired: the step time over baselm's from steps of the same round, same process
+        base = by_case.get(("baselm", d_model, precision, row["compile"]), {})
+        if paired and model != "baselm" and "step times" in row and "step times" in base:
+            ratio = paired_ratio(row["step times"], base["step times"])
+            row |= {"/ baselm step": ratio["median"], "/ baselm min": ratio["min"], "/ baselm max": ratio["max"]}
     columns = ["model", "d_model", "precision", "compile", "tok/s"]
     columns += ["tok/s min", "tok/s max"] if rounds > 1 else []
     columns += ["step s", "compile s", "MFLOP/token", "TFLOP/s", "% bf16 peak", "% fp32 peak", "compile speedup"]
+    columns += ["/ baselm step", "/ baselm min", "/ baselm max"] if any("/ baselm step" in r for r in rows) else []
     columns += ["error"] if any("error" in r for r in rows) else []
     print(
         f"\nTraining utilisation, {UTIL_LAYERS} layers, {HEAD_DIM}-dim heads, {tokens} tokens/step at T={length}, "
-        f"{torch.get_num_threads()} threads, median of {rounds} round(s); peaks: {_peaks_text(peaks)}"
+        f"{torch.get_num_threads()} threads, median of {rounds} round(s)"
+        f"{', models timed in turn in one process' if paired else ''}; peaks: {_peaks_text(peaks)}"
     )
     print(format_table(rows, columns))
     targets = _drt_target_lines(rows)
@@ -346,6 +411,7 @@ def utilisation(
         "length": length,
         "tokens_per_step": tokens,
         "rounds": rounds,
+        "paired": paired,
         "utilisation_rows": rows,
     }
 
@@ -486,11 +552,18 @@ def main() -> None:
         default=1,
         help="with --utilisation: time every case this many times, round by round, and report the median (default 1)",
     )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="with --utilisation: time the models of a width, precision and compile setting in one process, "
+        "a step of each in turn, and judge DRT on its step ratios to baselm's from the same round",
+    )
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args()
     if args.utilisation:
-        if args.rounds < 1:
-            raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+        if args.rounds < 1 or args.steps < 1:
+            name, value = ("--rounds", args.rounds) if args.rounds < 1 else ("--steps", args.steps)
+            raise SystemExit(f"{name} must be at least 1, got {value}")
         precisions = _names(args.precisions, PRECISIONS, "precisions")
         settings = [{"off": False, "on": True}[x] for x in _names(args.compile, ("off", "on"), "compile")]
         payload = {"benchmark": "train_utilisation", "machine": machine_description()}
@@ -504,6 +577,7 @@ def main() -> None:
             args.steps,
             args.flops_from,
             args.rounds,
+            args.paired,
         )
         write_json(args.json, payload)
         return

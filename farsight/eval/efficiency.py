@@ -52,6 +52,45 @@ def time_fn(
     return statistics.median(times)
 
 
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], device: torch.device | str = "cpu", warmup: int = 1, rounds: int = 5
+) -> dict[str, list[float]]:
+    """Wall times in seconds of every `fns` entry, round by round: {name: [round 0, round 1, ...]}.
+
+    Each round calls every function once, the order rotated by one place per round, so that a
+    shared host's slow and fast spells fall on all of them alike: the ratio of two functions'
+    times in the same round (`paired_ratio`) then holds still where their separate medians
+    move by more than the difference being measured.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            t0 = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """Median, lowest and highest of numerator[i] / denominator[i] over the rounds of
+    `time_interleaved`: {"median", "min", "max"}."""
+    if not numerator or len(numerator) != len(denominator):
+        raise ValueError(
+            f"paired_ratio needs two equally long, non-empty lists, got {len(numerator)} and {len(denominator)}"
+        )
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def training_step(
     model: nn.Module, ids: torch.Tensor, precision: str = "fp32", widen: bool = True, compile: bool = False
 ) -> Callable[[], None]:
