@@ -26,7 +26,7 @@ measures what that buys. Elsewhere the two are the same.
 
     python benchmarks/train_throughput.py --utilisation [--models baselm,drt-x1,drt-x2,causal,castle]
         [--d-models 256,512] [--precisions fp32,bf16-mixed] [--compile off,on] [--length 4096]
-        [--tokens 16384] [--steps 3] [--rounds 1] [--paired] [--flops-from JSON] [--json PATH]
+        [--tokens 16384] [--steps 3] [--rounds 1] [--paired [models|compile]] [--flops-from JSON] [--json PATH]
 
 --utilisation: how much of the CPU's matrix throughput training uses. The host's peak is
 measured first in the same run (the best of repeated 2048^2 and 4096^2 matmuls, fp32 and, on
@@ -46,12 +46,14 @@ pairs), and serve every precision and compile setting; --flops-from takes them f
 JSON instead (to time an older farsight, which cannot count them, against the same FLOPs).
 --rounds N times every case N times, round by round (each case once per round, each in a fresh
 process), and reports the median with the slowest and fastest round: on a shared host a model's
-speed moves between runs by more than the targets' margins. --paired times the models of one
-width, precision and compile setting in one process instead, a step of each in turn
-(farsight.eval.efficiency.time_interleaved, --steps rounds of steps), and adds each model's
-step time over `baselm`'s as the median and range of the ratios of steps from the same round:
-a slow or fast spell of the host falls on both sides of each ratio. The last lines judge DRT's
-target: its step against `baselm`'s, over its FLOP ratio, at most 1.1 (with --paired in each
+speed moves between runs by more than the targets' margins. --paired (or --paired models) times the
+models of one width, precision and compile setting in one process instead, a step of each in
+turn (farsight.eval.efficiency.time_interleaved, --steps rounds of steps), and adds each
+model's step time over `baselm`'s as the median and range of the ratios of steps from the same
+round: a slow or fast spell of the host falls on both sides of each ratio. --paired compile
+steps one model eager and compiled in turn instead, and its compile speedup is the median of
+the same-round ratios. The last lines judge DRT's
+target: its step against `baselm`'s, over its FLOP ratio, at most 1.1 (with --paired models in each
 compile setting from the same-round ratios; otherwise from the best of the compile settings'
 medians).
 """
@@ -192,10 +194,10 @@ def _flops_case(case: dict) -> dict:
     return {"flops_per_token": count_flops(step) / ids.numel()}
 
 
-def _prepared_step(case: dict, name: str) -> tuple[Callable[[], None], dict]:
-    """Model `name`'s trainer step for `case`, after its first (untimed) call, which holds the
+def _prepared_step(case: dict) -> tuple[Callable[[], None], dict]:
+    """The trainer's step of `case`'s model, after its first (untimed) call, which holds the
     compilation: (step, {"tokens", "first_step_s", "compile_s"})."""
-    model = util_model(name, case["d_model"])
+    model = util_model(case["model"], case["d_model"])
     length = case["length"]
     ids = torch.randint(0, 256, (max(1, case["tokens"] // length), length))
     # uncompiled, the call an older farsight takes too (the baseline run, with --flops-from)
@@ -221,7 +223,7 @@ def _timed(info: dict, times: list[float]) -> dict:
 
 def _util_case(case: dict) -> dict:
     """Time the trainer's step of one model in one precision, compiled or not."""
-    step, info = _prepared_step(case, case["model"])
+    step, info = _prepared_step(case)
     times = []
     for _ in range(case["steps"]):
         t0 = time.perf_counter()
@@ -230,11 +232,15 @@ def _util_case(case: dict) -> dict:
     return _timed(info, times)
 
 
-def _paired_case(case: dict) -> dict:
-    """Time the trainer's steps of several models in one process, one step of each in turn
-    (time_interleaved): {model: what _util_case returns}."""
-    prepared = {name: _prepared_step(case, name) for name in case["models"]}
-    times = time_interleaved({name: step for name, (step, _) in prepared.items()}, warmup=0, rounds=case["steps"])
+def _run_name(case: dict) -> str:
+    return f"{case['model']} compile {'on' if case['compile'] else 'off'}"
+
+
+def _paired_case(together: dict) -> dict:
+    """Time the trainer's steps of several cases in one process, one step of each in turn
+    (time_interleaved): {_run_name(case): what _util_case returns}."""
+    prepared = {_run_name(case): _prepared_step(case) for case in together["cases"]}
+    times = time_interleaved({name: step for name, (step, _) in prepared.items()}, warmup=0, rounds=together["steps"])
     return {name: _timed(info, times[name]) for name, (_, info) in prepared.items()}
 
 
@@ -293,7 +299,7 @@ def utilisation(
     steps: int,
     flops_from: str | None,
     rounds: int = 1,
-    paired: bool = False,
+    paired: str | None = None,
 ) -> dict:
     import json
 
@@ -323,6 +329,12 @@ def utilisation(
     def key(case: dict) -> tuple:
         return case["model"], case["d_model"], case["precision"], case["compile"]
 
+    def group_of(case: dict) -> tuple:
+        """The process a --paired case shares: one per width, precision and compile setting
+        (models) or model (compile), not one for all: three d_model-512 models' freed
+        activations already held 20 GB of heap."""
+        return key(case)[1:3] + ((case["compile"],) if paired == "models" else (case["model"],))
+
     def report(round_index: int, case: dict, got: dict) -> None:
         print(
             f"  round {round_index + 1}/{rounds} {case['model']} d{case['d_model']} {case['precision']} "
@@ -336,14 +348,11 @@ def utilisation(
     results: dict[tuple, list[dict]] = {key(case): [] for case in cases}
     for round_index in range(rounds):
         if paired:
-            # One process per compile setting too: three d_model-512 models' freed activations
-            # already held 20 GB of heap.
-            for group in dict.fromkeys((c["d_model"], c["precision"], c["compile"]) for c in cases):
-                members = [c for c in cases if (c["d_model"], c["precision"], c["compile"]) == group]
-                together = {**members[0], "models": [c["model"] for c in members]}
-                got = run_isolated(_paired_case, together, timeout=3600 * len(members))
+            for group in dict.fromkeys(group_of(c) for c in cases):
+                members = [c for c in cases if group_of(c) == group]
+                got = run_isolated(_paired_case, {"cases": members, "steps": steps}, timeout=3600 * len(members))
                 for case in members:
-                    results[key(case)].append(got.get(case["model"], got))
+                    results[key(case)].append(got.get(_run_name(case), got))
                     report(round_index, case, results[key(case)][-1])
         else:
             for case in cases:
@@ -384,12 +393,14 @@ def utilisation(
     by_case = {(r["model"], r["d_model"], r["precision"], r["compile"]): r for r in rows}
     for case, row in zip(cases, rows):
         model, d_model, precision, compiled = key(case)
-        off = by_case.get((model, d_model, precision, "off"))
-        if compiled and off and off.get("tok/s") and row.get("tok/s"):
+        off = by_case.get((model, d_model, precision, "off"), {})
+        if compiled and paired == "compile" and "step times" in off and "step times" in row:
+            row["compile speedup"] = paired_ratio(off["step times"], row["step times"])["median"]
+        elif compiled and off.get("tok/s") and row.get("tok/s"):
             row["compile speedup"] = row["tok/s"] / off["tok/s"]
-        # --paired: the step time over baselm's from steps of the same round, same process
+        # --paired models: the step time over baselm's from steps of the same round, same process
         base = by_case.get(("baselm", d_model, precision, row["compile"]), {})
-        if paired and model != "baselm" and "step times" in row and "step times" in base:
+        if paired == "models" and model != "baselm" and "step times" in row and "step times" in base:
             ratio = paired_ratio(row["step times"], base["step times"])
             row |= {"/ baselm step": ratio["median"], "/ baselm min": ratio["min"], "/ baselm max": ratio["max"]}
     columns = ["model", "d_model", "precision", "compile", "tok/s"]
@@ -400,7 +411,7 @@ def utilisation(
     print(
         f"\nTraining utilisation, {UTIL_LAYERS} layers, {HEAD_DIM}-dim heads, {tokens} tokens/step at T={length}, "
         f"{torch.get_num_threads()} threads, median of {rounds} round(s)"
-        f"{', models timed in turn in one process' if paired else ''}; peaks: {_peaks_text(peaks)}"
+        f"{f', {paired} stepped in turn in one process' if paired else ''}; peaks: {_peaks_text(peaks)}"
     )
     print(format_table(rows, columns))
     targets = _drt_target_lines(rows)
@@ -554,9 +565,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--paired",
-        action="store_true",
-        help="with --utilisation: time the models of a width, precision and compile setting in one process, "
-        "a step of each in turn, and judge DRT on its step ratios to baselm's from the same round",
+        nargs="?",
+        const="models",
+        choices=("models", "compile"),
+        help="with --utilisation: step the models of a width, precision and compile setting (models, the "
+        "default) or the compile settings of a model (compile) in turn in one process, and take DRT's step "
+        "over baselm's, or compile's speedup, from steps of the same round",
     )
     parser.add_argument("--json", help="write the figures as JSON")
     args = parser.parse_args()
