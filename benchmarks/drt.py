@@ -14,7 +14,7 @@ and decode latency vs context length.
 (b) prefill: the demo-sized DRT (d_model 128, 4 layers, S 32, W 64, K 4, 1 encoder layer) streams
     T random tokens through a session, batch 1: tokens/s and the process's peak RSS, per tier.
 (c) decode: after a prefill of t tokens (--decode-lengths, default 4K, 64K, 1M; one session per
-    length in one process, their steps timed in alternating rounds of 16), the mean latency of
+    length in one process, their steps timed in rounds of 16 that take the sessions in turn), the mean latency of
     128 single-token steps (four chunk boundaries, so four retrievals), ratio to the first
     length, and the median and slowest step (a pause shows there); peak RSS is the process's
     after each prefill (in the order given); --decode-memory picks the tier (disk for 16M),
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import tempfile
 import time
@@ -57,6 +58,7 @@ from farsight.eval.efficiency import (
     measure_peak_memory,
     run_isolated,
     time_fn,
+    time_interleaved,
     training_step,
     write_json,
 )
@@ -133,9 +135,10 @@ def _prefill_case(case: dict) -> dict:
 
 def _decode_case(case: dict) -> dict:
     """Decode latency at every length of case["lengths"] in one process: one session per
-    length, prefilled in turn, then DECODE_STEPS steps each, timed in rounds of
-    DECODE_ROUND steps that take the sessions in turn, so that the baseline and the long
-    context see the same machine (this CPU's step times move by 20% between processes)."""
+    length, prefilled in turn, then DECODE_STEPS steps each, timed step by step in rounds of
+    DECODE_ROUND steps that take the sessions in turn, the order rotated each round
+    (time_interleaved), so that the baseline and the long context see the same machine (this
+    CPU's step times move by 20% between processes)."""
     model = (load_model(case["model"]).eval() if case["model"] else _stream_model()).to(getattr(torch, case["dtype"]))
     token = torch.zeros(1, dtype=torch.long)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -150,12 +153,15 @@ def _decode_case(case: dict) -> dict:
                 session.step(token)
             sessions.append(session)
         steps_ms: list[list[float]] = [[] for _ in sessions]
-        for _ in range(DECODE_STEPS // DECODE_ROUND):
-            for session, times in zip(sessions, steps_ms):
-                for _ in range(DECODE_ROUND):
-                    start = time.perf_counter()
-                    session.step(token)
-                    times.append(1000 * (time.perf_counter() - start))
+
+        def decode_round(session, times: list[float]) -> None:
+            for _ in range(DECODE_ROUND):
+                start = time.perf_counter()
+                session.step(token)
+                times.append(1000 * (time.perf_counter() - start))
+
+        rounds = {i: functools.partial(decode_round, s, t) for i, (s, t) in enumerate(zip(sessions, steps_ms))}
+        time_interleaved(rounds, warmup=0, rounds=DECODE_STEPS // DECODE_ROUND)
     return {
         "rows": [
             {"ms_per_token": float(np.mean(times)), "median_ms": float(np.median(times)), "max_ms": max(times), **row}
