@@ -178,18 +178,23 @@ def _decode_runner(impl: str, context: int, steps: list[list[torch.Tensor]]) -> 
             for _ in range(DECODE_WARMUP + DECODE_REPEAT)
         ]
     )
-    hold_back = capacity + 1 if impl == "castle-in-place" else inference.HOLD_BACK_FROM_ROWS
 
     def run_castle() -> None:
-        cache, default = next(caches), inference.HOLD_BACK_FROM_ROWS
-        inference.HOLD_BACK_FROM_ROWS = hold_back
+        cache = next(caches)
+        for token in steps:
+            castle_decode(*token, cache)
+
+    if impl != "castle-in-place":
+        return run_castle
+
+    def run_in_place() -> None:
+        default, inference.HOLD_BACK_FROM_ROWS = inference.HOLD_BACK_FROM_ROWS, capacity + 1
         try:
-            for token in steps:
-                castle_decode(*token, cache)
+            run_castle()
         finally:
             inference.HOLD_BACK_FROM_ROWS = default
 
-    return run_castle
+    return run_in_place
 
 
 def _decode_case(case: dict) -> dict:

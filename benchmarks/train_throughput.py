@@ -390,16 +390,16 @@ def utilisation(
             row["% fp32 peak"] = 100 * achieved / peaks["fp32"] if peaks.get("fp32") else None
         rows.append(row)
 
-    by_case = {(r["model"], r["d_model"], r["precision"], r["compile"]): r for r in rows}
+    by_case = {key(case): row for case, row in zip(cases, rows)}
     for case, row in zip(cases, rows):
         model, d_model, precision, compiled = key(case)
-        off = by_case.get((model, d_model, precision, "off"), {})
+        off = by_case.get((model, d_model, precision, False), {})
         if compiled and paired == "compile" and "step times" in off and "step times" in row:
             row["compile speedup"] = paired_ratio(off["step times"], row["step times"])["median"]
         elif compiled and off.get("tok/s") and row.get("tok/s"):
             row["compile speedup"] = row["tok/s"] / off["tok/s"]
         # --paired models: the step time over baselm's from steps of the same round, same process
-        base = by_case.get(("baselm", d_model, precision, row["compile"]), {})
+        base = by_case.get(("baselm", d_model, precision, compiled), {})
         if paired == "models" and model != "baselm" and "step times" in row and "step times" in base:
             ratio = paired_ratio(row["step times"], base["step times"])
             row |= {"/ baselm step": ratio["median"], "/ baselm min": ratio["min"], "/ baselm max": ratio["max"]}
