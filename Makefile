@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install lint format test test-slow demo demo-train bench clean r1 r2 r3 r4 r5 r6 r7 summarize code-corpus
+.PHONY: install lint format test test-slow test-all demo demo-train bench clean r1 r2 r3 r4 r5 r6 r7 summarize code-corpus results
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,11 +23,17 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The default suite (every op and model checked for exactness; well within 8 minutes on two cores),
+# with its 20 slowest tests listed; test-slow runs the large shapes and long runs left out of it,
+# test-all both.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow or not slow" --durations=20
 
 # Passkey retrieval from the training length (1K) up to 1M tokens with the shipped checkpoint.
 demo: $(STAMP)
@@ -71,6 +77,12 @@ code-corpus: $(STAMP)
 # Hours per model on a 2-core CPU.
 r7: $(STAMP)
 	bash experiments/r7.sh
+
+# The tables of docs/results.md and README.md, rewritten from the records in results/ (between their
+# `<!-- table: ... -->` markers; the prose is left alone). `--check` rewrites nothing and names each
+# table that differs from its records, as tests/test_results_tables.py does.
+results: $(STAMP)
+	$(BIN)/python experiments/results_tables.py
 
 bench: $(STAMP)
 	$(BIN)/farsight eval bench

@@ -40,6 +40,11 @@ class WriteError(FarsightError, OSError):
     path, and what was being written is left as it was before."""
 
 
+class FolderInUseError(FarsightError, RuntimeError):
+    """Another process is writing the folder (a training run, a dataset being prepared, an
+    export); the message names that process and since when."""
+
+
 class StateError(FarsightError, RuntimeError):
     """An object is used in a state that does not allow it (e.g. a closed session)."""
 

@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -16,6 +17,21 @@ def _seed_and_threads():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _library_output():
+    """Each test starts with farsight's output as a fresh process has it: `farsight.cli.main`
+    attaches a terminal handler, sets the `farsight` logger's level and may turn the progress
+    bars off; all three are put back after the test."""
+    from farsight.progress import show_progress_bars
+
+    logger = logging.getLogger("farsight")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+    show_progress_bars(True)
+
+
 @pytest.fixture
 def widened_ops(monkeypatch):
     """The names of the aten ops that farsight.ops.precision.WidenedMatmuls computed in fp32, in
@@ -31,3 +47,11 @@ def widened_ops(monkeypatch):
 
     monkeypatch.setattr(precision, "_widened_call", spy)
     return calls
+
+
+@pytest.fixture
+def farsight_log(caplog):
+    """What farsight logged at INFO and above while the test ran (`.text`, `.records`); the library
+    logs through `logging` and leaves the terminal to the `farsight` command."""
+    caplog.set_level(logging.INFO, logger="farsight")
+    return caplog

@@ -1,7 +1,7 @@
 """The package's layer order: a module imports only its own layer or the layers below it, and no
 modules import each other in a circle.
 
-    errors, files, config, process_memory, ops  <  data, layers  <  models  <  train, eval  <  hf, cli
+    errors, files, readers, config, process_memory, progress, ops  <  data, layers  <  models  <  train, eval  <  hf, cli
 
 Imports inside functions count (they run too); those under `if TYPE_CHECKING:` do not. The root
 `farsight/__init__.py` is the public facade: it loads names lazily and belongs to no layer.
@@ -15,7 +15,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[1] / "farsight"
 
 LAYERS = (
-    {"errors", "files", "config", "process_memory", "ops"},
+    {"errors", "files", "readers", "config", "process_memory", "progress", "ops"},
     {"data", "layers"},
     {"models"},
     {"train", "eval"},

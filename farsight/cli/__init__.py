@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ from farsight.cli import data, demo, evaluation, model, train
 from farsight.errors import FarsightError
 from farsight.files import WRITE_FAILURES, write_failure
 from farsight.process_memory import tune_malloc
+from farsight.progress import show_progress_bars
 
 # each adds its commands to the parser, in this order in `farsight --help`
 COMMAND_GROUPS = (data, train, model, demo, evaluation)
@@ -19,10 +21,76 @@ COMMAND_GROUPS = (data, train, model, demo, evaluation)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="farsight", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
+    _add_verbosity_arguments(parser, 0)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in COMMAND_GROUPS:
         group.add_commands(commands)
+    for command in _subcommands(commands):
+        # `farsight train -q CONFIG` as well as `farsight -q train CONFIG`; SUPPRESS keeps the
+        # top-level value where the subcommand does not repeat the flag
+        _add_verbosity_arguments(command, argparse.SUPPRESS)
     return parser
+
+
+def _add_verbosity_arguments(parser: argparse.ArgumentParser, default: object) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "-q",
+        "--quiet",
+        dest="verbosity",
+        action="store_const",
+        const=-1,
+        default=default,
+        help="print errors only: no notes, no progress bars",
+    )
+    group.add_argument(
+        "-v",
+        "--verbose",
+        dest="verbosity",
+        action="store_const",
+        const=1,
+        default=default,
+        help="also print farsight's debug messages",
+    )
+
+
+def _subcommands(commands: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    """Every parser below `commands`, nested groups (`farsight data prepare`) included."""
+    found = []
+    for parser in dict.fromkeys(commands.choices.values()):  # aliases map to the same parser
+        found.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                found += _subcommands(action)
+    return found
+
+
+class _TerminalHandler(logging.Handler):
+    """Writes farsight's log records to the terminal as a command's own lines: notes (INFO,
+    DEBUG) to the current sys.stdout, warnings and errors to sys.stderr, through tqdm so that a
+    message lands on its own line above a progress bar being drawn."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            tqdm.write(self.format(record), file=stream)
+        except Exception:
+            self.handleError(record)
+
+
+def configure_output(verbosity: int) -> None:
+    """The terminal's share of farsight's logging: -1 errors only and no progress bars, 0 notes
+    and progress (the default), 1 debug messages too. Replaces what an earlier call set up."""
+    logger = logging.getLogger("farsight")
+    for handler in [h for h in logger.handlers if isinstance(h, _TerminalHandler)]:
+        logger.removeHandler(handler)
+    handler = _TerminalHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel({-1: logging.ERROR, 0: logging.INFO}.get(verbosity, logging.DEBUG))
+    show_progress_bars(verbosity >= 0)
 
 
 EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C (128 + SIGINT)
@@ -33,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     returns 2, and so does a write that fails for want of space wherever it happens; Ctrl-C prints
     `interrupted` and returns 130 (each command removes what it had half written)."""
     args = build_parser().parse_args(argv)
+    configure_output(args.verbosity)
     tune_malloc()  # the command owns the process (FARSIGHT_DEFAULT_MALLOC=1 leaves glibc's defaults)
     try:
         with _model_matmuls(args):

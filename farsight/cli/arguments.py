@@ -4,13 +4,15 @@ arguments, reading them, and the checks every command runs on them before any wo
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from farsight.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -107,10 +109,7 @@ def text_argument(text: str, flag: str) -> str:
     fixed = raw.decode("utf-8", errors="replace")
     if fixed != text:
         invalid = sum(1 for char in text if "\udc80" <= char <= "\udcff")
-        print(
-            f"note: {flag}: {invalid} byte{'s' if invalid != 1 else ''} not valid UTF-8, read as U+FFFD",
-            file=sys.stderr,
-        )
+        logger.warning(f"note: {flag}: {invalid} byte{'s' if invalid != 1 else ''} not valid UTF-8, read as U+FFFD")
     return fixed
 
 
@@ -247,6 +246,24 @@ def _check_writable_folder(folder: Path, flag: str, path: str) -> None:
         )
 
 
+def add_force_argument(parser: argparse.ArgumentParser, what: str, flag: str = "--out") -> None:
+    """--force: write `what` into the output folder `flag` names even when it holds something else
+    (a model, a tokenizer, a run, other files), which is refused without it (`claim_output`)."""
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"write {what} into {flag} even when it holds something else (a model, a tokenizer, a run, other files)",
+    )
+
+
+def claim_output(path: str, kind: str, force: bool, flag: str = "--out") -> None:
+    """Refuse, before any work starts, to write `kind` (a key of farsight.files.FOLDER_KINDS) into
+    the folder `flag` names when it holds something else and --force is not given."""
+    from farsight.files import claim_output_folder
+
+    claim_output_folder(path, kind, force, name=f"{flag} {path}")
+
+
 def model_tokenizer(path: str) -> Any:
     """The tokenizer of the model or run directory `path`, without loading the model (refused when
     it has more tokens than the model's vocabulary)."""
@@ -287,9 +304,8 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
 
     reason = software_dtype_reason(MODEL_DTYPES[dtype], torch.device("cpu"))
     if reason is not None:
-        print(
-            f"note: {reason}: --dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32",
-            file=sys.stderr,
+        logger.warning(
+            f"note: {reason}: --dtype {dtype} runs its matrix products as fp32 GEMMs, no faster than --dtype fp32"
         )
     directory = resolve_model_dir(path)
     model = load_model(directory)

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
-from farsight.cli.arguments import check_at_least, check_number, check_output_folder, model_tokenizer
+from farsight.cli.arguments import (
+    add_force_argument,
+    check_at_least,
+    check_number,
+    check_output_folder,
+    claim_output,
+    model_tokenizer,
+)
+
+logger = logging.getLogger(__name__)
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -21,7 +31,10 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     prepare.add_argument("--source", action="append", required=True, help="a text source (repeatable)")
     prepare.add_argument("--tokenizer", default="byte", help=prepare_tokenizer_help())
-    prepare.add_argument("--out", required=True, help="output directory")
+    prepare.add_argument(
+        "--out", required=True, help="output directory: a new or empty folder, or a dataset to replace"
+    )
+    add_force_argument(prepare, "the dataset")
     prepare.add_argument(
         "--val",
         action="append",
@@ -56,7 +69,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         help="a JSONL file of held-out examples (repeatable; default: --val-fraction of the --source records)",
     )
     sft.add_argument("--tokenizer", default="byte", help=prepare_tokenizer_help())
-    sft.add_argument("--out", required=True, help="output directory")
+    sft.add_argument("--out", required=True, help="output directory: a new or empty folder, or a dataset to replace")
+    add_force_argument(sft, "the dataset")
     sft.add_argument(
         "--val-fraction",
         type=float,
@@ -90,7 +104,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     bpe.add_argument("--vocab-size", type=int, default=16384, help="entries, special tokens included (default 16384)")
     bpe.add_argument("--min-frequency", type=int, default=2, help="the fewest occurrences a merge needs (default 2)")
     bpe.add_argument("--extensions", help="comma-separated extensions of the files read from a folder source")
-    bpe.add_argument("--out", required=True, help="output directory (tokenizer.json is written there)")
+    bpe.add_argument(
+        "--out",
+        required=True,
+        help="output directory (tokenizer.json is written there): a new or empty folder, or a tokenizer to replace",
+    )
+    add_force_argument(bpe, "tokenizer.json")
     bpe.set_defaults(func=_train_tokenizer)
     info = actions.add_parser("info", help="print a prepared dataset's metadata")
     info.add_argument("path")
@@ -121,6 +140,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from farsight.errors import InputError
 
     check_output_folder(args.out, "--out")
+    claim_output(args.out, "dataset", args.force)
     check_at_least(args, {"--seed": 0})
     _check_val_split(args, "documents")
     sources: list = list(args.source)
@@ -150,24 +170,24 @@ def _prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction,
         seed=args.seed,
         val_sources=val_sources,
+        overwrite=args.force,
     )
-    print(f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"]))
+    logger.info(
+        f"wrote {args.out}: " + ", ".join(f"{s} {meta['splits'][s]['tokens']:,} tokens" for s in meta["splits"])
+    )
     return 0
 
 
 def _train_tokenizer(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from farsight.data.corpora import resolve_source
     from farsight.data.tokenizers import train_bpe_tokenizer
     from farsight.errors import InputError
-    from farsight.files import new_folders_for, reported_write
+    from farsight.files import writing_folder
+    from farsight.progress import progress_bar
 
     check_output_folder(args.out, "--out")
+    claim_output(args.out, "tokenizer", args.force)
     check_at_least(args, {"--vocab-size": 260, "--min-frequency": 1})
-    out = Path(args.out)
-    if out.is_dir() and any(entry.name != "tokenizer.json" for entry in out.iterdir()):
-        raise InputError(f"--out {args.out} holds other files (a model or a dataset?); pass a new folder")
     extensions = None
     if args.extensions is not None:
         extensions = [item.strip() for item in args.extensions.split(",") if item.strip()]
@@ -187,7 +207,7 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
     def texts():
         nonlocal read
-        with tqdm(desc="reading", unit=" docs", dynamic_ncols=True) as bar:
+        with progress_bar(desc="reading", unit=" docs", dynamic_ncols=True) as bar:
             for source in sources:
                 bar.set_description_str(f"reading {source.spec}")
                 for document in source:
@@ -199,9 +219,10 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
     tokenizer = train_bpe_tokenizer(texts(), args.vocab_size, args.min_frequency)
     if not read:
         raise InputError("the sources hold no text to learn merges from; pass sources with documents")
-    with new_folders_for(args.out), reported_write(args.out):
+    what = "farsight data train-tokenizer"
+    with writing_folder(args.out, "tokenizer", what, args.force, name=f"--out {args.out}", fix="pass another --out"):
         path = tokenizer.save(args.out)
-    print(f"wrote {path}: a byte-level BPE of {tokenizer.vocab_size:,} entries")
+    logger.info(f"wrote {path}: a byte-level BPE of {tokenizer.vocab_size:,} entries")
     return 0
 
 
@@ -222,6 +243,7 @@ def _prepare_sft(args: argparse.Namespace) -> int:
     from farsight.data.sft import prepare_sft
 
     check_output_folder(args.out, "--out")
+    claim_output(args.out, "dataset", args.force)
     check_at_least(args, {"--seed": 0, "--max-len": 2})
     _check_val_split(args, "records")
     meta = prepare_sft(
@@ -233,9 +255,10 @@ def _prepare_sft(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_len=args.max_len,
         skip_bad_records=args.skip_bad_records,
+        overwrite=args.force,
     )
     splits = meta["splits"]
-    print(
+    logger.info(
         f"wrote {args.out}: "
         + ", ".join(
             f"{s} {splits[s]['documents']:,} examples ({splits[s]['tokens']:,} tokens, {splits[s]['loss_tokens']:,} "

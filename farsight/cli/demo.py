@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from farsight.cli.arguments import (
     add_dtype_argument,
+    add_force_argument,
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
     check_at_least,
     check_memory_for,
     check_output_folder,
+    claim_output,
     load_model_and_tokenizer,
     needle_grid,
 )
 from farsight.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -42,6 +47,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     add_dtype_argument(demo)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="demo-results", help="directory for passkey.json and passkey-heatmap.png")
+    add_force_argument(demo, "the results")
     demo.set_defaults(func=_demo)
 
 
@@ -53,10 +59,12 @@ def _demo(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.needle import evaluate_needle_task, format_length, question_offsets_label, results_table
     from farsight.eval.plots import needle_heatmap
+    from farsight.files import writing_folder
     from farsight.models import DRTForCausalLM
 
     start = time.perf_counter()
     check_output_folder(args.out, "--out")
+    claim_output(args.out, "results", args.force)
     check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
     lengths, depths, trials = needle_grid(args)
     check_memory_for(args, lengths, trials)
@@ -69,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not (corpus / "meta.json").is_file():
         from farsight.data.token_files import prepare_corpus
 
-        print(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
+        logger.info(f"preparing the haystack corpus (Python standard library, byte tokens) in {corpus}")
         prepare_corpus(["stdlib"], tokenizer, corpus)
     task = make_task("passkey", tokenizer, make_filler("corpus", tokenizer, str(corpus), "val"), args.align)
     print(
@@ -90,9 +98,10 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(results_table(summary))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(str(out / "passkey.json"), summary)
-    heatmap = needle_heatmap(summary, out / "passkey-heatmap.png", title=f"passkey retrieval: {args.model}")
-    print(f"wrote {heatmap}")
-    print(f"demo finished in {time.perf_counter() - start:.0f}s")
+    with writing_folder(out, "results", "farsight demo", args.force, name=f"--out {out}", fix="pass another --out"):
+        out.mkdir(exist_ok=True)
+        write_json(str(out / "passkey.json"), summary)
+        heatmap = needle_heatmap(summary, out / "passkey-heatmap.png", title=f"passkey retrieval: {args.model}")
+    logger.info(f"wrote {heatmap}")
+    logger.info(f"demo finished in {time.perf_counter() - start:.0f}s")
     return 0

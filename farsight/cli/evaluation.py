@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 
 from farsight.cli.arguments import (
     add_dtype_argument,
+    add_force_argument,
     add_json_output_argument,
     add_lengths_argument,
     add_memory_argument,
@@ -17,6 +18,7 @@ from farsight.cli.arguments import (
     check_output_file,
     check_output_folder,
     check_plot_file,
+    claim_output,
     load_model_and_tokenizer,
     model_chunk_size,
     model_tokenizer,
@@ -30,6 +32,8 @@ from farsight.cli.arguments import (
 from farsight.cli.harness import add_harness_command
 from farsight.cli.ruler import add_ruler_command
 from farsight.errors import InputError, MissingFileError
+
+logger = logging.getLogger(__name__)
 
 NEEDLE_TASKS = (
     ("passkey", "single needle: 'The passkey is: {P}.'"),
@@ -216,6 +220,7 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
         default=None,
         help="with --export-choice: choices per item (the answer and random distractors; default 4, at least 2)",
     )
+    add_force_argument(needle, "the tasks", "--export-choice")
     needle.set_defaults(func=_needle, task=task)
 
 
@@ -230,6 +235,10 @@ def _needle(args: argparse.Namespace) -> int:
     if args.choices is not None and not args.export_choice:
         raise InputError(
             f"--choices {args.choices} sets the choices per item of --export-choice; add --export-choice DIR or drop --choices"
+        )
+    if args.force and not args.export_choice:
+        raise InputError(
+            "--force lets --export-choice write into a folder that holds something else; add --export-choice DIR or drop --force"
         )
     lengths, depths, trials = needle_grid(args)
     check_memory_for(args, lengths, trials)
@@ -265,7 +274,7 @@ def _needle(args: argparse.Namespace) -> int:
     if args.plot:
         from farsight.eval.plots import needle_heatmap
 
-        print(f"wrote {needle_heatmap(summary, args.plot, title=f'{args.task}: {args.model}')}")
+        logger.info(f"wrote {needle_heatmap(summary, args.plot, title=f'{args.task}: {args.model}')}")
     return 0
 
 
@@ -276,6 +285,7 @@ def _export_choice(
     from farsight.eval.choice import export_choice_tasks
 
     check_output_folder(args.export_choice, "--export-choice")
+    claim_output(args.export_choice, "tasks", args.force, "--export-choice")
     args.choices = 4 if args.choices is None else args.choices
     check_at_least(args, {"--choices": 2})
     tokenizer = model_tokenizer(args.model)
@@ -283,12 +293,14 @@ def _export_choice(
     task = make_task(
         args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options
     )
-    names = export_choice_tasks(task, lengths, depths, trials, args.export_choice, args.choices, args.seed)
-    print(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
+    names = export_choice_tasks(
+        task, lengths, depths, trials, args.export_choice, args.choices, args.seed, overwrite=args.force
+    )
+    logger.info(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
     # a question at any offset of its chunk is scored as `eval passkey` decodes it with the
     # context aligned to end on a chunk boundary
     aligned = " --align-context" if align < model_chunk_size(args.model) else ""
-    print(
+    logger.info(
         f"run them with: farsight eval harness --model {args.model} --include-path {args.export_choice} "
         f"--tasks {','.join(names)}{aligned}"
     )
@@ -352,7 +364,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     if args.plot:
         from farsight.eval.plots import curves
 
-        print(f"wrote {curves(series, args.plot, 'perplexity', f'perplexity vs length ({args.corpus})')}")
+        logger.info(f"wrote {curves(series, args.plot, 'perplexity', f'perplexity vs length ({args.corpus})')}")
     return 0
 
 
@@ -402,7 +414,7 @@ def _generate(args: argparse.Namespace) -> int:
             break
         examples.append(example)
     if skipped is not None and skipped.total:
-        print(f"note: {skipped.summary()}", file=sys.stderr)
+        logger.warning(f"note: {skipped.summary()}")
     if not examples:
         raise InputError(
             f"{args.data} holds no usable example; pass a JSONL file of prompt/completion or messages records"
@@ -466,7 +478,7 @@ def _retrieval(args: argparse.Namespace) -> int:
 
         text, invalid = read_text_file(Path(args.text))
         if invalid:
-            print(f"note: {invalid_utf8_note(args.text, invalid)}", file=sys.stderr)
+            logger.warning(f"note: {invalid_utf8_note(args.text, invalid)}")
         ids = tokenizer.encode(text)
     else:
         data = open_corpus(args.corpus, args.split, [args.model])
@@ -484,7 +496,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             f"(chunks of {chunk} tokens) needs at least {2 * chunk}: pass a longer text"
         )
     if len(ids) > args.max_tokens:
-        print(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
+        logger.warning(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
         ids = ids[: args.max_tokens]
     ids = torch.tensor(ids, dtype=torch.long)
     model, _ = load_model_and_tokenizer(args.model)
@@ -503,10 +515,10 @@ def _retrieval(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    import json
     from pathlib import Path
 
-    from farsight.eval.needle import compare_summaries
+    from farsight.eval.needle import check_needle_summary, compare_summaries
+    from farsight.readers import read_json
 
     check_plot_file(args.plot)
     labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=False)
@@ -514,12 +526,9 @@ def _compare(args: argparse.Namespace) -> int:
     for label, path in zip(labels, args.results):
         if not Path(path).is_file():
             raise MissingFileError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
-        try:
-            summaries.append((label, json.loads(Path(path).read_text())))
-        except json.JSONDecodeError as exc:
-            raise InputError(
-                f"{path} is not valid JSON ({exc}); pass a file written by `farsight eval passkey ... --out`"
-            ) from exc
+        summary = read_json(Path(path), "pass a file written by `farsight eval passkey ... --out`", kind=object)
+        check_needle_summary(summary, path)
+        summaries.append((label, summary))
     table, series = compare_summaries(summaries, args.metric)
     print(f"{args.metric.replace('_', ' ')} %")
     print(table)
@@ -527,7 +536,7 @@ def _compare(args: argparse.Namespace) -> int:
         from farsight.eval.plots import curves
 
         title = args.title or f"{summaries[0][1].get('task', 'needle')}: {args.metric.replace('_', ' ')}"
-        print(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
+        logger.info(f"wrote {curves(series, args.plot, args.metric.replace('_', ' ') + ' %', title)}")
     return 0
 
 
@@ -550,7 +559,7 @@ def _runs(args: argparse.Namespace) -> int:
         from farsight.train.metrics import read_metrics
 
         curves = [(label, read_metrics(Path(run) / "metrics.jsonl")) for label, run in zip(labels, args.run)]
-        print(f"wrote {loss_curves(curves, args.plot, args.title, relative_to=args.relative_to)}")
+        logger.info(f"wrote {loss_curves(curves, args.plot, args.title, relative_to=args.relative_to)}")
     print(runs_table(rows))
     write_json(args.out, {"runs": rows})
     return 0

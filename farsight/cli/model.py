@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from farsight.cli.arguments import (
     add_dtype_argument,
@@ -12,6 +13,8 @@ from farsight.cli.arguments import (
     load_model_and_tokenizer,
     text_argument,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -107,7 +110,7 @@ def _export(args: argparse.Namespace) -> int:
         # reads the training chain and the results now; export_model hands it the exported model
         readme = model_card(args.source, out.resolve().name, args.results, args.sample, args.dtype, exported_to=out)
     source = export_model(args.source, out, args.dtype, readme, overwrite=args.force)
-    print(
+    logger.info(
         f"exported {source} -> {out}"
         + (f" (weights in {args.dtype})" if args.dtype else "")
         + (", with README.md" if readme else "")

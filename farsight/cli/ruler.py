@@ -4,10 +4,12 @@ words) through the needle evaluation, or written out as lm-eval tasks with --exp
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from farsight.cli.arguments import (
     add_dtype_argument,
+    add_force_argument,
     add_json_output_argument,
     add_memory_argument,
     add_model_argument,
@@ -17,6 +19,7 @@ from farsight.cli.arguments import (
     check_output_file,
     check_output_folder,
     check_plot_file,
+    claim_output,
     load_model_and_tokenizer,
     model_chunk_size,
     model_tokenizer,
@@ -24,6 +27,8 @@ from farsight.cli.arguments import (
     parse_task_options,
 )
 from farsight.errors import InputError
+
+logger = logging.getLogger(__name__)
 
 
 def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
@@ -73,6 +78,7 @@ def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
         "--export", metavar="DIR", help="write the items and lm-eval task YAMLs to DIR instead of evaluating"
     )
     ruler.add_argument("--tokenizer", help="with --export: byte, gpt2 or a tokenizer.json path (default: --model's)")
+    add_force_argument(ruler, "the tasks", "--export")
     ruler.set_defaults(func=_ruler)
 
 
@@ -92,6 +98,8 @@ def _ruler(args: argparse.Namespace) -> int:
         raise InputError("--model is required to evaluate (or pass --export DIR to write lm-eval tasks)")
     if args.tokenizer:
         raise InputError("--tokenizer only applies with --export; an evaluation uses the model's tokenizer")
+    if args.force:
+        raise InputError("--force only applies with --export; an evaluation writes no folder")
     tokenizer = model_tokenizer(args.model)
     # the tasks are checked before the model loads, so a bad option or length fails at once
     align = args.align or model_chunk_size(args.model)
@@ -134,7 +142,7 @@ def _ruler(args: argparse.Namespace) -> int:
             path = Path(args.plot)
             if len(results["tasks"]) > 1:
                 path = path.with_name(f"{path.stem}-{name}{path.suffix}")
-            print(
+            logger.info(
                 f"wrote {needle_heatmap(summary, path, title=f'{name}: string match, {args.model}', metric='string_match')}"
             )
     return 0
@@ -161,6 +169,7 @@ def _export(
     from farsight.eval.ruler import export_lm_eval
 
     check_output_folder(args.export, "--export")
+    claim_output(args.export, "tasks", args.force, "--export")
     if args.tokenizer:
         tokenizer = load_tokenizer(args.tokenizer)
     elif args.model:
@@ -171,9 +180,9 @@ def _export(
         )
     tasks = make_ruler_tasks(names, tokenizer, args.align or 1, args.haystack, args.corpus, args.split, options)
     _check_lengths(tasks, lengths)
-    written = export_lm_eval(tasks, lengths, depths, trials, args.export, seed=args.seed)
-    print(f"wrote {len(written)} lm-eval tasks to {args.export}: {', '.join(written)}")
-    print(
+    written = export_lm_eval(tasks, lengths, depths, trials, args.export, seed=args.seed, overwrite=args.force)
+    logger.info(f"wrote {len(written)} lm-eval tasks to {args.export}: {', '.join(written)}")
+    logger.info(
         f"run them with lm_eval --include_path {args.export} --tasks {written[0]} (or the tag farsight_ruler for all)"
     )
     return 0

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+
+logger = logging.getLogger(__name__)
 
 EXIT_DIVERGED = 3
 EXIT_INTERRUPTED = 130
@@ -57,5 +60,5 @@ def _train(args: argparse.Namespace) -> int:
     if result.status == "interrupted":
         return EXIT_INTERRUPTED
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
-        print(f"done: step {result.step}, checkpoint {result.checkpoint}")
+        logger.info(f"done: step {result.step}, checkpoint {result.checkpoint}")
     return 0

@@ -21,7 +21,7 @@ class BatchSource(Protocol):
 
     def eval_batch(self, index: int) -> dict[str, torch.Tensor]: ...
 
-    # optional: `fingerprint() -> {config key: hash}` of the files the batches are read from, which
+    # optional: `digests() -> {config key: hash}` of the files the batches are read from, which
     # a checkpoint records and a resume compares (a source without files need not have it)
     # optional: `varying_shapes = True` where batch widths change from step to step (train.compile=auto
     # then stays eager: each new shape would recompile)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import re
 import sys
@@ -29,10 +30,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from farsight.data.documents import UNSPECIFIED_LICENSE, CorpusError, Document, Source
 from farsight.data.shakespeare import ShakespeareSource
+
+logger = logging.getLogger(__name__)
 
 STDLIB_LICENSE = "PSF License Version 2 (Python Software Foundation License, the CPython license)"
 DEFAULT_EXTENSIONS = (".txt", ".md", ".rst", ".py")
@@ -146,7 +147,7 @@ class LocalTextSource(Source):
 
 def _note(message: str) -> None:
     # tqdm.write keeps the note on its own line while the tokenizing bar is drawn
-    tqdm.write(f"note: {message}", file=sys.stderr)
+    logger.warning(f"note: {message}")
 
 
 def _readable_inside(path: Path, root: Path) -> bool:

@@ -28,9 +28,9 @@ the loss. meta.json's "sft" section records the template, the length limit and w
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from farsight.data.tokenizers import Tokenizer, load_tokenizer
 from farsight.errors import FarsightError, MissingFileError
+from farsight.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 CHAT_TEMPLATE = "farsight-chat-v1"
 ROLES = ("system", "user", "assistant")
@@ -216,7 +218,7 @@ def read_examples(path: str | os.PathLike[str], skipped: SkippedRecords | None =
                 continue
             yield example
     if invalid:
-        tqdm.write(f"note: {invalid_utf8_note(path, invalid)}", file=sys.stderr)
+        logger.warning(f"note: {invalid_utf8_note(path, invalid)}")
 
 
 def check_jsonl_file(path: str | os.PathLike[str]) -> None:
@@ -283,6 +285,7 @@ def prepare_sft(
     max_len: int | None = None,
     skip_bad_records: bool = False,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize the supervised examples of the JSONL files `sources` into train/val token files
     with loss masks under `out_dir`; returns meta.json's dict.
@@ -292,8 +295,9 @@ def prepare_sft(
     Examples longer than `max_len` tokens (eos included) are bad records: refused with FILE:LINE,
     like records that are not JSON, lack their fields or have an empty completion, or, with
     `skip_bad_records`, left out and counted (meta.json's sft.skipped). Written like
-    `prepare_corpus`: atomically, a failure leaving an earlier dataset in `out_dir` as it was."""
-    from farsight.data.token_files import TokenDataError, token_dtype, write_dataset_directory
+    `prepare_corpus`: atomically, a failure leaving an earlier dataset in `out_dir` as it was; an
+    `out_dir` holding anything but a dataset is refused unless `overwrite`."""
+    from farsight.data.token_files import TokenDataError, check_held_out_apart, token_dtype, write_dataset_directory
 
     if isinstance(sources, (str, os.PathLike)) or not sources:
         raise SFTDataError("sources must be a non-empty list of JSONL files")
@@ -301,6 +305,7 @@ def prepare_sft(
         val_sources = [val_sources]
     for path in [*sources, *val_sources]:
         check_jsonl_file(path)
+    check_held_out_apart([(str(p), Path(p)) for p in sources], [(str(p), Path(p)) for p in val_sources])
     if not val_sources and not 0.0 < val_fraction < 1.0:
         raise SFTDataError(f"val_fraction={val_fraction} must be strictly between 0 and 1 so both splits get examples")
     if max_len is not None and max_len < 2:
@@ -318,7 +323,8 @@ def prepare_sft(
     def fill(scratch: Path) -> None:
         result["meta"] = _write_sft(scratch, plan, tok, dtype, val_fraction, seed, max_len, skip_bad_records, progress)
 
-    write_dataset_directory(out, fill, extra_files=tuple(f"{split}{MASK_SUFFIX}" for split in ("train", "val")))
+    masks = tuple(f"{split}{MASK_SUFFIX}" for split in ("train", "val"))
+    write_dataset_directory(out, fill, extra_files=masks, overwrite=overwrite, what="a supervised dataset prepare")
     return result["meta"]
 
 
@@ -357,7 +363,7 @@ def _write_sft(
             handles[split] = (open(scratch / f"{split}.bin", "wb"), open(scratch / f"{split}{MASK_SUFFIX}", "wb"))
         writers = {split: _SplitWriter(ids, masks=masks) for split, (ids, masks) in handles.items()}
         splitter = _HeldBackSplitter(writers, counts, val_fraction)
-        with tqdm(desc="tokenizing", unit=" examples", disable=not progress, dynamic_ncols=True) as bar:
+        with progress_bar(desc="tokenizing", unit=" examples", disable=not progress, dynamic_ncols=True) as bar:
 
             def flush(batch: list[Example], index: int, path: Path, split: str | None) -> None:
                 for example, (ids, mask) in zip(batch, encode_examples(tok, batch)):
@@ -469,7 +475,7 @@ def _write_sft(
         "checksums": dict(sorted(checksums.items())),
     }
     if skipped.total:
-        tqdm.write(f"note: {skipped.summary()}", file=sys.stderr)
+        logger.warning(f"note: {skipped.summary()}")
     tok.save(scratch)
     (scratch / META_FILENAME).write_text(json.dumps(meta, indent=2, ensure_ascii=False), encoding="utf-8")
     return meta
@@ -479,10 +485,12 @@ class SFTSplit:
     """One split of a dataset written by `prepare_sft`: each example's ids and loss mask."""
 
     def __init__(self, directory: str | os.PathLike[str], split: str = "train") -> None:
-        from farsight.data.token_files import TokenDataError, TokenFile
+        from farsight.data.token_files import TokenDataError, TokenFile, prepare_again
+        from farsight.readers import check_file
 
         self.directory = Path(directory)
-        self.tokens = TokenFile(self.directory, split)
+        self.tokens = TokenFile(self.directory, split, sft=True)
+        fix = prepare_again(self.directory, sft=True)
         meta = self.tokens.meta
         if not isinstance(meta.get("sft"), dict):
             raise TokenDataError(
@@ -491,10 +499,11 @@ class SFTSplit:
             )
         path = self.directory / meta["splits"][split].get("mask_file", f"{split}{MASK_SUFFIX}")
         count = len(self.tokens)
-        if not path.is_file() or path.stat().st_size != count:
+        if not path.exists():
+            raise TokenDataError(f"{path} is missing although meta.json lists it; {fix}")
+        if check_file(path, fix, TokenDataError, empty_ok=True) != count:
             raise TokenDataError(
-                f"{path} is missing or does not hold one byte per token of the {split} split ({count:,} tokens); "
-                "prepare the dataset again"
+                f"{path} does not hold one byte per token of the {split} split ({count:,} tokens); {fix}"
             )
         self.mask = np.memmap(path, dtype=np.uint8, mode="r", shape=(count,)) if count else np.zeros(0, np.uint8)
         ranges = self.tokens.documents()

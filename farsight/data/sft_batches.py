@@ -18,6 +18,7 @@ batches also carry `answer_mask`, the completion tokens, for the trainer's answe
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 
 from farsight.config import ConfigBase, ConfigError, require
 from farsight.data.batch_source import batch_rng
+
+logger = logging.getLogger(__name__)
 
 BUCKETS_PER_OCTAVE = 4
 
@@ -83,7 +86,7 @@ class _Split:
                     f"{config.seq_len:,} (the longest holds {int(lengths.max()):,} tokens); raise data.seq_len, set "
                     f"data.too_long: skip to leave them out, or prepare the data with --max-len {config.seq_len}"
                 )
-            print(f"note: leaving out the {n:,} {name} examples longer than data.seq_len={config.seq_len:,}")
+            logger.warning(f"note: leaving out the {n:,} {name} examples longer than data.seq_len={config.seq_len:,}")
         kept = np.flatnonzero(~long)
         require(len(kept) > 0, f"no {name} example of {config.path} fits data.seq_len={config.seq_len:,}")
         keys = np.asarray([length_bucket(int(n)) for n in lengths[kept]])
@@ -131,11 +134,11 @@ class SFTBatches:
         self.train = _Split(train, config, "train")
         self.val = _Split(SFTSplit(config.path, config.eval_split), config, config.eval_split)
 
-    def fingerprint(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str]:
         """A hash of the token files at data.path, which a resumed run compares."""
-        from farsight.data.token_files import dataset_fingerprint
+        from farsight.data.token_files import dataset_digest
 
-        return {"data.path": dataset_fingerprint(self.config.path)}
+        return {"data.path": dataset_digest(self.config.path)}
 
     def train_batch(self, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
         return self.train.batch(batch_rng(self.seed, 0, step, micro, rank), self.tokenizer.pad_id)

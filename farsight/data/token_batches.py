@@ -47,12 +47,12 @@ class TokenBatches:
                 "lower seq_len or prepare more text",
             )
 
-    def fingerprint(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str]:
         """What the batches are drawn from beyond the config: a hash of the token files at data.path
-        (`farsight.data.token_files.dataset_fingerprint`), which a resumed run compares."""
-        from farsight.data.token_files import dataset_fingerprint
+        (`farsight.data.token_files.dataset_digest`), which a resumed run compares."""
+        from farsight.data.token_files import dataset_digest
 
-        return {"data.path": dataset_fingerprint(self.config.path)}
+        return {"data.path": dataset_digest(self.config.path)}
 
     def _windows(self, split: Any, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         n = self.config.seq_len

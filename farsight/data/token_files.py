@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from farsight.data.corpora import resolve_source
 from farsight.data.documents import Document, Source
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer, tokenizer_from_spec
 from farsight.errors import FarsightError
-from farsight.files import atomic_directory, new_folders_for, reported_write, sha256_file
+from farsight.files import atomic_directory, sha256_file, writing_folder
+from farsight.progress import progress_bar
+from farsight.readers import check_file, load_npy, read_json, refusal, require_fields
 
 FORMAT_NAME = "farsight-tokens"
 FORMAT_VERSION = 1
@@ -62,8 +63,26 @@ def split_score(doc_id: str, seed: int = 0) -> float:
     return int.from_bytes(digest[:8], "big") / float(1 << 64)
 
 
-def _prepare_command(out_dir: Path | str) -> str:
+def _prepare_command(out_dir: Path | str, sft: bool = False) -> str:
+    if sft:
+        return f"run `farsight data prepare-sft --source FILE.jsonl --tokenizer byte|gpt2|PATH --out {out_dir}` first"
     return f"run `farsight data prepare --source SOURCE --tokenizer byte|gpt2|PATH --out {out_dir}` first"
+
+
+# the loss masks that only a dataset of supervised examples (`farsight data prepare-sft`) holds
+_SFT_MASK_FILES = ("train.mask.bin", "val.mask.bin")
+_TOKEN_DTYPES = ("uint16", "uint32")
+_META_FIELDS = {"dtype": str, "vocab_size": int, "tokenizer": dict, "splits": dict}
+_SPLIT_FIELDS = {"tokens": int, "documents": int, "file": str, "offsets_file": str}
+
+
+def prepare_again(directory: Path, sft: bool | None = None) -> str:
+    """The fix of a damaged dataset: the prepare command that wrote it (`sft`: supervised
+    examples; None: told by the loss masks in `directory`), run again."""
+    if sft is None:
+        sft = any((directory / name).exists() for name in _SFT_MASK_FILES)
+    command = "farsight data prepare-sft --source FILE.jsonl" if sft else "farsight data prepare --source SOURCE"
+    return f"prepare the dataset again (`{command} ... --out {directory}`)"
 
 
 def _farsight_version() -> str:
@@ -171,6 +190,7 @@ def prepare_corpus(
     append_eos: bool = True,
     progress: bool = True,
     val_sources: Sequence[str | os.PathLike[str] | Source] = (),
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenize every document of `sources` into train/val token files under `out_dir`; return the meta dict.
 
@@ -186,7 +206,10 @@ def prepare_corpus(
     into an existing folder (a dataset to replace) the new files go through a temporary folder
     inside it and replace the old ones at the end, meta.json last. Either way a failed or interrupted run (a full disk,
     Ctrl-C) removes what it wrote and leaves any previous dataset there untouched. meta.json
-    records the SHA-256 of every token file (`dataset_fingerprint`).
+    records the SHA-256 of every token file (`dataset_digest`). An `out_dir` holding anything
+    but a dataset (a model, a tokenizer, a run, other files) is refused unless `overwrite`, and a
+    second process preparing into the same `out_dir` meanwhile is refused
+    (`write_dataset_directory`).
     """
     if isinstance(sources, (str, os.PathLike)) or not sources:
         raise TokenDataError(
@@ -214,7 +237,7 @@ def prepare_corpus(
             scratch, resolved + held_out, tok, dtype, val_fraction, seed, append_eos, progress, fixed
         )
 
-    write_dataset_directory(out, fill)
+    write_dataset_directory(out, fill, overwrite=overwrite)
     return result["meta"]
 
 
@@ -225,27 +248,56 @@ def _source_path(source: Source) -> Path | None:
 
 
 def _check_apart(train: Sequence[Source], held_out: Sequence[Source]) -> None:
-    """Refuse a held-out source that is, holds or lies inside a training source: its documents
-    would be trained on and held out at once."""
-    for val in held_out:
-        for source in train:
-            a, b = _source_path(val), _source_path(source)
-            same = val.spec == source.spec or (
+    """`check_held_out_apart` of sources."""
+    check_held_out_apart(
+        [(source.spec, _source_path(source)) for source in train],
+        [(source.spec, _source_path(source)) for source in held_out],
+    )
+
+
+def check_held_out_apart(train: Sequence[tuple[str, Path | None]], held_out: Sequence[tuple[str, Path | None]]) -> None:
+    """Refuse (TokenDataError) a held-out source that is, holds or lies inside a training source,
+    or is a file with the same contents as a training file (a copy): its documents would be
+    trained on and held out at once. Each source is (spec, the file or folder it reads, or None)."""
+    for val_spec, val_path in held_out:
+        a = Path(val_path).resolve() if val_path is not None else None
+        for spec, path in train:
+            b = Path(path).resolve() if path is not None else None
+            same = val_spec == spec or (
                 a is not None and b is not None and (a == b or a.is_relative_to(b) or b.is_relative_to(a))
             )
-            if same:
+            copy = (
+                not same
+                and a is not None
+                and b is not None
+                and a.is_file()
+                and b.is_file()
+                and a.stat().st_size == b.stat().st_size
+                and sha256_file(a) == sha256_file(b)
+            )
+            if same or copy:
+                how = "holds the same contents as" if copy else "overlaps"
                 raise TokenDataError(
-                    f"the held-out source {val.spec} overlaps the training source {source.spec}; "
+                    f"the held-out source {val_spec} {how} the training source {spec}; "
                     "pass held-out documents that are not among the training ones"
                 )
 
 
-def write_dataset_directory(out: Path, fill: Callable[[Path], None], extra_files: Sequence[str] = ()) -> None:
+def write_dataset_directory(
+    out: Path,
+    fill: Callable[[Path], None],
+    extra_files: Sequence[str] = (),
+    overwrite: bool = False,
+    what: str = "a dataset prepare",
+) -> None:
     """Call fill(scratch) to write a dataset's files into a scratch folder, then put them in place
     at `out`: a new `out` is the scratch folder renamed; into an existing one (a dataset to
     replace) the files are renamed in with meta.json last (`extra_files`: names beyond the token
-    files, e.g. the loss masks of supervised examples). A failure or Ctrl-C leaves `out` as it was."""
-    with new_folders_for(out), reported_write(out):
+    files, e.g. the loss masks of supervised examples). A failure or Ctrl-C leaves `out` as it was.
+    An `out` holding anything but a dataset is refused unless `overwrite`
+    (`farsight.files.claim_output_folder`), and `out` is locked while it is written
+    (`farsight.files.folder_lock`, the owner named as `what`): a second writer is refused."""
+    with writing_folder(out, "dataset", what, overwrite, fix="prepare into another folder"):
         if not out.exists():
             atomic_directory(out, fill)
         else:
@@ -312,7 +364,7 @@ def _tokenize_sources(
 ) -> None:
     eos = np.asarray([tokenizer.eos_id] if append_eos else [], dtype=dtype)
     total_tokens = 0
-    with tqdm(desc="tokenizing", unit=" docs", disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(desc="tokenizing", unit=" docs", disable=not progress, dynamic_ncols=True) as bar:
 
         def flush(batch: list[Document], source_index: int) -> None:
             nonlocal total_tokens
@@ -390,33 +442,55 @@ def _commit(scratch: Path, out: Path, extra_files: Sequence[str] = ()) -> None:
     os.replace(scratch / META_FILENAME, out / META_FILENAME)
 
 
-def load_meta(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The meta.json of a prepared dataset, with a clear error when there is none."""
+def load_meta(out_dir: str | os.PathLike[str], sft: bool | None = None) -> dict[str, Any]:
+    """The meta.json of a prepared dataset, checked: a missing, empty or damaged file, or one that
+    lacks a field the token files are read by, is a TokenDataError naming the fix (`sft`: the
+    dataset is meant to hold supervised examples, so the fix is `farsight data prepare-sft`)."""
     directory = Path(out_dir)
     if not directory.is_dir():
-        raise TokenDataError(f"no prepared dataset at {directory} (no such directory); {_prepare_command(directory)}")
+        raise TokenDataError(
+            f"no prepared dataset at {directory} (no such directory); {_prepare_command(directory, bool(sft))}"
+        )
     path = directory / META_FILENAME
-    if not path.is_file():
+    if not path.exists():
         if any((directory / f"{split}.bin").exists() for split in SPLITS):
             raise TokenDataError(
-                f"{directory} has token files but no {META_FILENAME}: a prepare was interrupted while replacing them; run `farsight data prepare ... --out {directory}` again"
+                f"{directory} has token files but no {META_FILENAME}: a prepare was interrupted while replacing them; "
+                f"{prepare_again(directory, sft)}"
             )
         raise TokenDataError(
-            f"no prepared dataset at {directory} ({META_FILENAME} missing); {_prepare_command(directory)}"
+            f"no prepared dataset at {directory} ({META_FILENAME} missing); {_prepare_command(directory, bool(sft))}"
         )
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise TokenDataError(f"{path} is not valid JSON ({error}); prepare the dataset again") from error
+    fix = prepare_again(directory, sft)
+    meta = read_json(path, fix, TokenDataError)
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") != FORMAT_VERSION:
         raise TokenDataError(
             f"{path} describes format {meta.get('format')!r} version {meta.get('format_version')!r}; this farsight reads "
-            f"{FORMAT_NAME!r} version {FORMAT_VERSION}; prepare the dataset again"
+            f"{FORMAT_NAME!r} version {FORMAT_VERSION}; {fix}"
         )
+    require_fields(meta, _META_FIELDS, path, fix, TokenDataError)
+    if meta["dtype"] not in _TOKEN_DTYPES or meta["vocab_size"] < 1:
+        raise refusal(
+            path, f"is corrupted (dtype {meta['dtype']!r}, vocab_size {meta['vocab_size']})", fix, TokenDataError
+        )
+    for split, info in meta["splits"].items():
+        where = f"{path} (split {split!r})"
+        if not isinstance(info, dict):
+            raise refusal(where, "is not a JSON object", fix, TokenDataError)
+        require_fields(info, _SPLIT_FIELDS, where, fix, TokenDataError)
+        names = [info["file"], info["offsets_file"], info.get("mask_file", "x")]
+        if (
+            info["tokens"] < 0
+            or info["documents"] < 0
+            or any(not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..") for n in names)
+        ):
+            raise refusal(
+                where, "is corrupted (it names files outside the dataset, or negative counts)", fix, TokenDataError
+            )
     return meta
 
 
-def dataset_fingerprint(out_dir: str | os.PathLike[str]) -> str:
+def dataset_digest(out_dir: str | os.PathLike[str]) -> str:
     """A short hash of what the prepared dataset in `out_dir` holds, cheap on any size: the SHA-256
     of its token files that meta.json records, or, for a dataset prepared before meta.json held
     them, the files' sizes and samples of their bytes (the whole file up to 1 MiB, else 16 spread
@@ -462,9 +536,11 @@ class TokenFile:
         split: str = "train",
         tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
         vocab_size: int | None = None,
+        sft: bool | None = None,
     ) -> None:
         self.directory = Path(out_dir)
-        self.meta = load_meta(self.directory)
+        self.meta = load_meta(self.directory, sft)
+        self._fix = prepare_again(self.directory, sft)
         splits = self.meta.get("splits", {})
         if split not in splits:
             raise TokenDataError(f"split {split!r} is not in {self.directory}; available splits: {', '.join(splits)}")
@@ -489,9 +565,9 @@ class TokenFile:
                 f"{where}: vocab_size {self.vocab_size} disagrees with its tokenizer spec ({spec.get('vocab_size')}); prepare the dataset again"
             )
         saved = self.directory / TOKENIZER_FILENAME
-        if saved.is_file() and json.loads(saved.read_text(encoding="utf-8")) != spec:
+        if saved.exists() and read_json(saved, self._fix, TokenDataError) != spec:
             raise TokenDataError(
-                f"{saved} differs from the tokenizer recorded in {where}; it was replaced after prepare; prepare the dataset again"
+                f"{saved} differs from the tokenizer recorded in {where}; it was replaced after prepare; {self._fix}"
             )
         if tokenizer is not None:
             expected = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -506,13 +582,13 @@ class TokenFile:
             )
 
     def _open_tokens(self, path: Path, count: int) -> np.ndarray:
-        if not path.is_file():
-            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; prepare the dataset again")
+        if not path.exists():
+            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; {self._fix}")
         expected_bytes = count * self.dtype.itemsize
-        actual_bytes = path.stat().st_size
+        actual_bytes = check_file(path, self._fix, TokenDataError, empty_ok=True)
         if actual_bytes != expected_bytes:
             raise TokenDataError(
-                f"{path} holds {actual_bytes} bytes but {META_FILENAME} promises {count} {self.dtype} tokens ({expected_bytes} bytes); prepare the dataset again"
+                f"{path} holds {actual_bytes} bytes but {META_FILENAME} promises {count} {self.dtype} tokens ({expected_bytes} bytes); {self._fix}"
             )
         if count == 0:
             # mmap cannot map an empty file.
@@ -520,11 +596,12 @@ class TokenFile:
         return np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
 
     def _load_starts(self, path: Path, count: int) -> np.ndarray:
-        if not path.is_file():
-            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; prepare the dataset again")
-        starts = np.load(path)
+        if not path.exists():
+            raise TokenDataError(f"{path} is missing although {META_FILENAME} lists it; {self._fix}")
+        starts = load_npy(path, self._fix, TokenDataError)
         valid = (
-            starts.ndim == 1
+            starts.dtype.kind in "iu"
+            and starts.ndim == 1
             and len(starts) == count
             and (
                 count == 0 or (starts[0] == 0 and bool(np.all(np.diff(starts) >= 0)) and starts[-1] <= len(self.tokens))
@@ -532,7 +609,7 @@ class TokenFile:
         )
         if not valid:
             raise TokenDataError(
-                f"{path} does not hold {count} increasing document offsets within {len(self.tokens)} tokens; prepare the dataset again"
+                f"{path} does not hold {count} increasing document offsets within {len(self.tokens)} tokens; {self._fix}"
             )
         return starts.astype(np.int64, copy=False)
 

@@ -365,12 +365,9 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
             f"unknown tokenizer {str(name_or_path)!r}: valid names are {', '.join(repr(n) for n in BUILTIN_NAMES)}, "
             f"or the path of a tokenizer.json (or a directory holding one) written by Tokenizer.save; {path} does not exist"
         )
-    try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise TokenizerError(
-            f"{path} is not valid JSON ({error}); re-save the tokenizer with Tokenizer.save"
-        ) from error
+    from farsight.readers import read_json
+
+    spec = read_json(path, "re-save the tokenizer with Tokenizer.save", TokenizerError)
     if isinstance(spec, Mapping) and "type" not in spec and "model" in spec:
         raise TokenizerError(
             f"{path} is a raw Hugging Face tokenizers file, not a farsight tokenizer spec; wrap it with BPETokenizer(tokenizers.Tokenizer.from_file(...)) and call .save()"

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from farsight.data.sft import Example, prompt_ids
 from farsight.errors import InputError, MissingDependencyError
 from farsight.eval.needle import format_length, wilson_interval
+from farsight.progress import progress_bar
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
@@ -174,7 +174,7 @@ def evaluate_answers(
         raise InputError("the tokenizer's ids do not fit the model's vocabulary; use the model's own tokenizer")
     device = next(model.parameters()).device
     answers: list[Answer] = []
-    bar = tqdm(
+    bar = progress_bar(
         total=sum(len(p) for p in prompts), disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True
     )
     for example, ids in zip(examples, prompts):

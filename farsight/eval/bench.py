@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -10,6 +11,8 @@ from pathlib import Path
 
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.efficiency import write_json
+
+logger = logging.getLogger(__name__)
 
 BENCHMARKS = ("train_throughput", "castle", "drt", "retrieval", "buffers", "kernels")
 
@@ -31,7 +34,7 @@ def run_benchmarks(names: list[str] | None = None, quick: bool = False, json_pat
     collected, failed = {}, []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            print(f"=== {name} ===", flush=True)
+            logger.info(f"=== {name} ===")
             out = Path(tmp) / f"{name}.json"
             cmd = [sys.executable, str(directory / f"{name}.py"), "--json", str(out)] + (["--quick"] if quick else [])
             code = subprocess.call(cmd)
@@ -41,5 +44,5 @@ def run_benchmarks(names: list[str] | None = None, quick: bool = False, json_pat
                 collected[name] = json.loads(out.read_text())
     write_json(json_path, collected)
     if failed:
-        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        logger.error(f"failed: {', '.join(failed)}")
     return 1 if failed else 0

@@ -18,7 +18,7 @@ import yaml
 from farsight.data.tasks.needles import NeedleTask
 from farsight.errors import InputError
 from farsight.eval.needle import format_length, trial_rng
-from farsight.files import atomic_write, new_folders_for, reported_write
+from farsight.files import atomic_write, new_folders_for, reported_write, writing_folder
 
 DATA_LOADER = "farsight_data.py"  # copied into an export: loads its items relative to the folder
 
@@ -89,28 +89,32 @@ def export_choice_tasks(
     out: str | Path,
     choices: int = 4,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write out/data/NAME.jsonl and out/NAME.yaml per length (NAME = farsight_TASK_mc_LENGTH,
-    tagged farsight_TASK_mc) and the loader they share (`write_lm_eval_task`); returns the task names."""
+    tagged farsight_TASK_mc) and the loader they share (`write_lm_eval_task`); returns the task names.
+    `out` is locked while it is written and must be new, empty or exported tasks unless `overwrite`
+    (`farsight.files.writing_folder`)."""
     out = Path(out)
-    tag = f"farsight_{task.name}_mc"
-    names = []
-    for length in lengths:
-        name = f"{tag}_{format_length(length).lower()}"
-        items = choice_items(task, length, depths, trials[length], choices, seed)
-        config = {
-            "task": name,
-            "tag": [tag],
-            "dataset_path": "json",
-            "test_split": "test",
-            "output_type": "multiple_choice",
-            "doc_to_text": "input",
-            "doc_to_choice": "choices",
-            "doc_to_target": "gold",
-            "target_delimiter": " ",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-            "metadata": {"version": 1.0},
-        }
-        write_lm_eval_task(out, name, items, config)
-        names.append(name)
+    with writing_folder(out, "tasks", "an lm-eval task export", overwrite, fix="export to another folder"):
+        tag = f"farsight_{task.name}_mc"
+        names = []
+        for length in lengths:
+            name = f"{tag}_{format_length(length).lower()}"
+            items = choice_items(task, length, depths, trials[length], choices, seed)
+            config = {
+                "task": name,
+                "tag": [tag],
+                "dataset_path": "json",
+                "test_split": "test",
+                "output_type": "multiple_choice",
+                "doc_to_text": "input",
+                "doc_to_choice": "choices",
+                "doc_to_target": "gold",
+                "target_delimiter": " ",
+                "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+                "metadata": {"version": 1.0},
+            }
+            write_lm_eval_task(out, name, items, config)
+            names.append(name)
     return names

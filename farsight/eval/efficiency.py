@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -24,6 +25,8 @@ from torch import nn
 from farsight.files import atomic_write, new_folders_for, reported_write
 from farsight.process_memory import current_rss_bytes, peak_rss_bytes, release_freed_memory, reset_peak_rss, tune_malloc
 from farsight.train.precision import flush_denormals, resolve_precision
+
+logger = logging.getLogger(__name__)
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -218,7 +221,7 @@ def write_json(path: str | os.PathLike | None, payload: dict, default: Callable[
         text = json.dumps(payload, indent=2, default=default) + "\n"
         with new_folders_for(path), reported_write(path):
             atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-        print(f"wrote {path}")
+        logger.info(f"wrote {path}")
 
 
 def machine_description() -> dict:

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from farsight.data.tasks.needles import NeedleTask
 from farsight.errors import InputError
 from farsight.eval.decoding import greedy_continuation
+from farsight.progress import progress_bar
 
 
 @dataclass
@@ -135,7 +135,9 @@ def evaluate_needle_task(
     # progress counts prompt tokens: a 1M-token trial moves the bar while it streams
     per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
     total = sum(length * per_length[length] for length in lengths) * len(depths)
-    bar = tqdm(total=total, disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True, desc=task.name)
+    bar = progress_bar(
+        total=total, disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True, desc=task.name
+    )
     device = next(model.parameters()).device
     offsets = question_offsets(model, task)
     seconds: dict[int, float] = defaultdict(float)
@@ -242,6 +244,29 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
 METRICS = ("exact_match", "first_token", "needle_retrieved")
 
 
+def check_needle_summary(summary: Any, where: str) -> None:
+    """Refuse (InputError, naming `where`) anything but a needle summary as `summarize` writes it
+    ("by_length": {length: {"exact_match": rate, ...}}): e.g. the results of `farsight eval
+    generate`, `eval ruler` or `eval ppl`, whose tables hold other things."""
+    fix = "give files written by `farsight eval passkey|multikey|niah2hop --out`"
+    rows = summary.get("by_length") if isinstance(summary, dict) else None
+    if not isinstance(rows, dict):
+        what = (
+            "an object without a table by length" if isinstance(summary, dict) else f"a JSON {type(summary).__name__}"
+        )
+        if isinstance(summary, dict) and isinstance(summary.get("overall"), dict):
+            what = "the result of `farsight eval generate`"
+        elif isinstance(summary, dict) and "tasks" in summary and "average" in summary:
+            what = "the result of `farsight eval ruler`"
+        raise InputError(f"{where} is not a needle-task result ({what}); {fix}")
+    for n, row in rows.items():
+        if not (str(n).isdigit() and isinstance(row, dict) and isinstance(row.get("exact_match"), (int, float))):
+            raise InputError(
+                f"{where} is not a needle-task result (its length {n!r} holds no exact_match rate; "
+                f"a result of `farsight eval ppl`?); {fix}"
+            )
+
+
 def compare_summaries(
     summaries: list[tuple[str, dict[str, Any]]], metric: str = "exact_match"
 ) -> tuple[str, dict[str, dict[int, float]]]:
@@ -255,10 +280,7 @@ def compare_summaries(
         raise InputError(f"metric must be one of {list(METRICS)}, got {metric!r}")
     series: dict[str, dict[int, float]] = {}
     for label, summary in summaries:
-        if "by_length" not in summary:
-            raise InputError(
-                f"{label} is not a needle-task result (no 'by_length'); give files written by `farsight eval passkey --out`"
-            )
+        check_needle_summary(summary, label)
         points = series.setdefault(label, {})
         for n, row in summary["by_length"].items():
             if int(n) in points:

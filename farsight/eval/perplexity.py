@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from farsight.errors import InputError
 from farsight.eval.needle import format_length
+from farsight.progress import progress_bar
 
 MIN_LENGTH = 2  # a window's first token is context only: a 1-token window scores nothing
 
@@ -122,7 +122,7 @@ def evaluate_perplexity(
     data = data[:, :longest]
     # Running sums of the NLL over positions, per window: prefix means for every length.
     cumulative = torch.zeros(windows, longest, dtype=torch.float64)
-    bar = tqdm(
+    bar = progress_bar(
         total=windows * (longest - 1),
         unit="tok",
         unit_scale=True,

@@ -20,7 +20,7 @@ from typing import Any
 from farsight.data.tasks.ruler import RulerTask, split_answer
 from farsight.eval.choice import write_lm_eval_task
 from farsight.eval.needle import evaluate_needle_task, format_length, trial_rng
-from farsight.files import atomic_write, new_folders_for, reported_write
+from farsight.files import atomic_write, new_folders_for, reported_write, writing_folder
 
 DEPTHLESS = 0.5  # the single depth of the tasks whose answer is spread over the whole context
 TEMPLATE = "_farsight_ruler_template.yaml"
@@ -182,37 +182,41 @@ def export_lm_eval(
     trials: int | dict[int, int],
     out: str | Path,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> list[str]:
     """Write the items of every task and length to `out/data/NAME.jsonl`, a task YAML `out/NAME.yaml`
     for each, and the template and utils module they use; returns the task names.
 
     Every task is tagged "farsight_ruler" and "farsight_ruler_TASK", so lm-eval can run them all
-    or one task at every length. A task generates up to twice its longest answer's tokens."""
+    or one task at every length. A task generates up to twice its longest answer's tokens. `out` is
+    locked while it is written and must be new, empty or exported tasks unless `overwrite`
+    (`farsight.files.writing_folder`)."""
     out = Path(out)
-    templates = resources.files("farsight.eval") / "lm_eval_tasks" / "ruler"
-    with new_folders_for(out / "x"), reported_write(out):
-        out.mkdir(parents=True, exist_ok=True)
-        for name in (TEMPLATE, UTILS):
-            with resources.as_file(templates / name) as source:
-                text = source.read_text(encoding="utf-8")
-            atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
-    per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
-    written = []
-    for task in tasks:
-        for length in lengths:
-            name = lm_eval_task_name(task.name, length)
-            items = ruler_items(task, length, depths, per_length[length], seed)
-            config = {
-                "include": TEMPLATE,
-                "task": name,
-                "tag": [TAG, f"{TAG}_{task.name}"],
-                "generation_kwargs": {
-                    "until": ["\n"],
-                    "do_sample": False,
-                    "temperature": 0.0,
-                    "max_gen_toks": max(8, 2 * max(item["answer_tokens"] for item in items)),
-                },
-            }
-            write_lm_eval_task(out, name, items, config)
-            written.append(name)
+    with writing_folder(out, "tasks", "an lm-eval task export", overwrite, fix="export to another folder"):
+        templates = resources.files("farsight.eval") / "lm_eval_tasks" / "ruler"
+        with new_folders_for(out / "x"), reported_write(out):
+            out.mkdir(parents=True, exist_ok=True)
+            for name in (TEMPLATE, UTILS):
+                with resources.as_file(templates / name) as source:
+                    text = source.read_text(encoding="utf-8")
+                atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
+        per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
+        written = []
+        for task in tasks:
+            for length in lengths:
+                name = lm_eval_task_name(task.name, length)
+                items = ruler_items(task, length, depths, per_length[length], seed)
+                config = {
+                    "include": TEMPLATE,
+                    "task": name,
+                    "tag": [TAG, f"{TAG}_{task.name}"],
+                    "generation_kwargs": {
+                        "until": ["\n"],
+                        "do_sample": False,
+                        "temperature": 0.0,
+                        "max_gen_toks": max(8, 2 * max(item["answer_tokens"] for item in items)),
+                    },
+                }
+                write_lm_eval_task(out, name, items, config)
+                written.append(name)
     return written

@@ -65,7 +65,7 @@ def summarize_run(run: str | Path) -> dict[str, Any]:
 
     run = Path(run)
     metrics_path = run / "metrics.jsonl"
-    if not metrics_path.is_file():
+    if not metrics_path.exists():
         raise MissingFileError(f"{metrics_path} does not exist; pass a training run directory (train.out_dir)")
     directory = resolve_model_dir(run)
     model = load_model(directory)

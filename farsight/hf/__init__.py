@@ -9,7 +9,9 @@
 
 When lm-eval is installed it also registers the lm-eval model `"farsight"`
 (`lm_eval.simple_evaluate(model="farsight", model_args="pretrained=DIR,memory=disk")`); lm-eval's
-own model "hf" loads a farsight directory through the Auto classes too. See docs/huggingface.md.
+own model "hf" loads a farsight directory through the Auto classes too, and so does a process that
+never imports this package, with `trust_remote_code=True`: config.json's auto_map names the classes
+of the directory's farsight_hf.py, which imports them from here. See docs/huggingface.md.
 """
 
 from __future__ import annotations

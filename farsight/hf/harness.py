@@ -26,13 +26,13 @@ from typing import Any
 import torch
 import yaml
 from lm_eval.api.model import TemplateLM
-from tqdm import tqdm
 
 from farsight.errors import InputError, MissingFileError
 from farsight.hf.configuration import resolve_dtype
 from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
 from farsight.models.registry import load_model_tokenizer
 from farsight.ops.precision import widened_matmuls
+from farsight.progress import progress_bar
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -133,7 +133,7 @@ class FarsightLM(TemplateLM):
             prepared.append((ids, options))
             groups[(len(ids), repr(sorted(options.items())))].append(index)
         results: list[str] = [""] * len(requests)
-        progress = tqdm(total=len(requests), desc="farsight generate_until", disable=disable_tqdm)
+        progress = progress_bar(total=len(requests), desc="farsight generate_until", disable=disable_tqdm)
         for indices in groups.values():
             for batch in _batches(indices, self.batch_size):
                 options = prepared[batch[0]][1]
@@ -163,7 +163,7 @@ class FarsightLM(TemplateLM):
         for index, (context, continuation) in enumerate(pairs):
             groups[(len(context), len(continuation))].append(index)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
-        progress = tqdm(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
+        progress = progress_bar(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
         for indices in groups.values():
             for batch in _batches(indices, self.batch_size):
                 context = torch.tensor([pairs[i][0] for i in batch], dtype=torch.long, device=self._device)  # [b, Tc]
@@ -194,7 +194,7 @@ class FarsightLM(TemplateLM):
         for index, (context, _) in enumerate(pairs):
             groups[tuple(context)].append(index)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
-        progress = tqdm(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
+        progress = progress_bar(total=len(pairs), desc=f"farsight {what}", disable=disable_tqdm)
         for context, indices in groups.items():
             scored = [i for i in indices if pairs[i][1]]
             with self.model.new_session(1, **self.session_options) as session:

@@ -17,12 +17,13 @@ from typing import Any, ClassVar
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer
-from farsight.errors import InputError, ModelFileError
+from farsight.errors import ConfigError, InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
+from farsight.models.io import stored_dtype
 from farsight.models.registry import load_model_tokenizer
 from farsight.models.session import check_left_padding
 from farsight.ops.precision import widened_matmuls
@@ -66,6 +67,11 @@ _UNSUPPORTED_GENERATION = {
 }
 
 
+# what transformers' generate uses when neither the call nor the generation config sets it
+DEFAULT_MAX_NEW_TOKENS = 20
+DEFAULT_TOP_K = 50
+
+
 class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     """A farsight causal LM (`self.model`) behind the Hugging Face model API.
 
@@ -77,6 +83,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules: ClassVar[list[str]] = []
+    # transformers' gradient_checkpointing_enable (Trainer's and TRL's gradient_checkpointing=True)
+    # reaches the native model's per-block checkpointing through `_set_gradient_checkpointing`
+    supports_gradient_checkpointing = True
 
     def __init__(
         self, config: FarsightConfig, model: PretrainedLM | None = None, tokenizer: Tokenizer | None = None
@@ -105,6 +114,117 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.lm_head
 
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.embed = self._same_vocab(value, "set_input_embeddings")
+
+    def set_output_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.lm_head = self._same_vocab(value, "set_output_embeddings")
+
+    def _same_vocab(self, module: torch.nn.Module, method: str) -> torch.nn.Module:
+        rows = getattr(module, "weight", None)
+        if rows is None or rows.shape[0] != self.config.vocab_size:
+            raise InputError(
+                f"{method} needs a module with a weight of {self.config.vocab_size} rows (the vocabulary); "
+                "change the vocabulary with resize_token_embeddings"
+            )
+        return module
+
+    def resize_token_embeddings(
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
+    ) -> torch.nn.Embedding:
+        """Give the model a vocabulary of `new_num_tokens` ids (rounded up to a multiple of
+        `pad_to_multiple_of`), as transformers does: the embedding and the LM head keep the rows
+        of the ids they had (tied, they stay one tensor); new rows start at the mean of the old
+        ones (`mean_resizing`, transformers' default) or at farsight's initialisation. Refuses
+        to drop an id the model reserves (a DRT's landmark and pad) or its tokenizer uses.
+        Returns the input embedding."""
+        embed, head = self.model.embed, self.model.lm_head
+        old = embed.num_embeddings
+        size = old if new_num_tokens is None else int(new_num_tokens)
+        if pad_to_multiple_of is not None:
+            size = -(-size // int(pad_to_multiple_of)) * int(pad_to_multiple_of)
+        if size == old:
+            return embed
+        used = [*self.model.reserved_ids().values(), getattr(self.model.config, "pad_id", None)]
+        if self.farsight_tokenizer is not None:
+            used.append(self.farsight_tokenizer.vocab_size - 1)
+        needed = max((i for i in used if i is not None), default=0) + 1
+        if size < needed:
+            raise InputError(
+                f"resize_token_embeddings({size}) would drop ids the model or its tokenizer uses (up to {needed - 1}); "
+                f"keep at least {needed} tokens"
+            )
+        tied = head.weight is embed.weight
+        options = {"device": embed.weight.device, "dtype": embed.weight.dtype}
+        new_embed = torch.nn.Embedding(size, embed.embedding_dim, **options)
+        new_embed.weight.data = self._resized_rows(embed.weight, size, mean_resizing)
+        new_head = torch.nn.Linear(head.in_features, size, bias=False, **options)
+        if tied:
+            new_head.weight = new_embed.weight
+        else:
+            new_head.weight.data = self._resized_rows(head.weight, size, mean_resizing)
+        new_embed.weight.requires_grad_(embed.weight.requires_grad)
+        new_head.weight.requires_grad_(head.weight.requires_grad)
+        self.model.embed, self.model.lm_head = new_embed, new_head
+        self.model.config.vocab_size = size
+        self.config.config = {**self.config.config, "vocab_size": size}
+        return new_embed
+
+    def _resized_rows(self, weight: torch.Tensor, size: int, mean_resizing: bool) -> torch.Tensor:
+        """weight [V, D] cut or grown to [size, D]: new rows at the mean row, or drawn as farsight
+        initialises (normal, init_std)."""
+        with torch.no_grad():
+            rows = weight.detach()[:size].clone()
+            if size <= weight.shape[0]:
+                return rows
+            extra = size - weight.shape[0]
+            if mean_resizing:
+                grown = weight.detach().float().mean(dim=0, keepdim=True).expand(extra, -1)
+            else:
+                std = getattr(self.model.config, "init_std", 0.02)
+                grown = torch.randn(extra, weight.shape[1], device=weight.device) * std
+            return torch.cat([rows, grown.to(weight.dtype)])
+
+    def prepare_inputs_for_generation(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        """The forward inputs of a generation step: forward keeps no cache, so the whole sequence
+        so far (a cache is refused; farsight's own `generate` decodes through a Session)."""
+        if kwargs.get("past_key_values") is not None:
+            raise InputError("past_key_values is not supported: farsight keeps its caches in a Session; use generate()")
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    # ---- activation checkpointing --------------------------------------------------------------
+    def _set_gradient_checkpointing(
+        self, enable: bool = True, gradient_checkpointing_func: Any = None, every_n_layers: int = 1
+    ) -> None:
+        """transformers' hook behind `gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`
+        and `_disable`: the native model checkpoints each of its blocks with
+        `gradient_checkpointing_func` (torch's checkpoint with the user's kwargs)."""
+        if enable:
+            options = getattr(gradient_checkpointing_func, "keywords", None) or {}
+            if options.get("use_reentrant", False):
+                raise InputError(
+                    "farsight checkpoints its blocks non-reentrantly (DRT's retrieved chunks reach a block inside a "
+                    "dataclass, which reentrant checkpointing does not backpropagate into): drop use_reentrant=True "
+                    "from gradient_checkpointing_kwargs"
+                )
+            if every_n_layers != 1:
+                raise InputError(
+                    f"every_n_layers={every_n_layers}: farsight checkpoints every block; leave every_n_layers at 1"
+                )
+        self.model.set_activation_checkpointing(enable, gradient_checkpointing_func if enable else None)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return self.model.activation_checkpointing
+
+    @property
+    def base_model(self) -> FarsightBackbone:
+        """The model's body as transformers and TRL call it (`FarsightBackbone`): the final hidden
+        states, from which TRL's SFTTrainer computes its loss with the LM head's weight."""
+        return FarsightBackbone(self)
+
     # ---- loading and saving --------------------------------------------------------------------
     @classmethod
     def from_pretrained(
@@ -112,14 +232,17 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> FarsightForCausalLM:
         """Load a farsight model directory (or a training run's newest checkpoint) with farsight's
         loader. Options: `memory`, `kv_dtype` (DRT sessions), `dtype`/`torch_dtype` ("fp32",
-        "bf16", torch.bfloat16, ...), `device_map` (one device, e.g. "cuda")."""
+        "bf16", torch.bfloat16, ...; "auto": the dtype config.json records, else the stored
+        weights'; unset: fp32), `device_map` (one device, e.g. "cuda")."""
         if args:
             raise InputError("from_pretrained takes the model directory and keyword options only; pass options by name")
         for name in _HUB_KWARGS:
             kwargs.pop(name, None)
         config = kwargs.pop("config", None)
-        dtype = resolve_dtype(kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None))
-        kwargs.pop("torch_dtype", None)
+        requested = kwargs.pop("dtype", None)
+        torch_dtype = kwargs.pop("torch_dtype", None)
+        requested = torch_dtype if requested is None else requested
+        dtype = None if requested == "auto" else resolve_dtype(requested)
         device = one_device(kwargs.pop("device_map", None))
         for name in _OFF_WHEN_NONE:
             if kwargs.get(name, None) is not None:
@@ -139,6 +262,8 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         if kwargs:
             raise InputError(f"from_pretrained got options farsight does not take: {sorted(kwargs)}; remove them")
         config.session_options()  # refuse a bad memory tier / kv dtype now rather than at generate
+        if requested == "auto":
+            dtype = _auto_dtype(config, path)
         model = load_model(path)
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model.to(dtype)
@@ -173,37 +298,105 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     # ---- forward -------------------------------------------------------------------------------
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache_position: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> CausalLMOutputWithPast:
-        """input_ids [B, T] -> logits [B, T, V] (the native forward's), and the mean next-token
-        loss when `labels` [B, T] is given (position t predicts labels[t + 1]; -100 is ignored).
+    ) -> CausalLMOutputWithPast | tuple[torch.Tensor, ...]:
+        """input_ids [B, T] -> logits [B, T, V] (the native forward's), and the next-token loss
+        when `labels` [B, T] is given (position t predicts labels[t + 1]; -100 is ignored): the
+        mean over the targets, or their sum over `num_items_in_batch` (what Trainer passes for
+        gradient accumulation).
 
-        A left-padding attention_mask [B, T] (each row: zeros, then ones) runs each row's real
-        tokens through the model alone; the logits of pad positions are zeros.
+        attention_mask [B, T] marks each row's tokens with ones as one run, padded on the left or
+        on the right. Right-padded rows run as one batch (a causal row's later pads cannot change
+        its earlier positions); a batch with left padding runs each row's tokens alone. Pad
+        positions get zero logits and are no loss target, nor is a row's first token.
+
+        forward keeps no cache: `use_cache` is accepted and `past_key_values` is always None
+        (use generate() or model.model.new_session() to continue a sequence); `position_ids` and
+        `cache_position` are taken when they count each row's tokens from 0, what they are when
+        left unset. `logits_to_keep` (an int: the last n positions, 0 for all; or a tensor of
+        positions) trims the logits returned; the loss reads them all. `return_dict=False` gives
+        the tuple (loss, logits) (loss only with labels). Anything else is refused.
         """
-        for name in ("past_key_values", "inputs_embeds"):
-            if kwargs.get(name) is not None:
+        if kwargs:
+            raise InputError(f"forward got arguments farsight does not take: {sorted(kwargs)}; remove them")
+        if inputs_embeds is not None:
+            raise InputError(
+                "inputs_embeds is not supported: a farsight model embeds its input_ids itself; pass input_ids"
+            )
+        if past_key_values is not None:
+            raise InputError(
+                "past_key_values is not supported: farsight keeps its caches in a Session; use generate() or model.model.new_session()"
+            )
+        for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+            if value:
                 raise InputError(
-                    f"{name} is not supported: farsight keeps its caches in a Session; use generate() or model.model.new_session()"
+                    f"{name}=True is not supported: a farsight model's forward returns logits and loss only; leave {name} unset"
                 )
+        if input_ids is None:
+            raise InputError("forward needs input_ids [batch, tokens]")
+        input_ids = self.model.check_input_ids(input_ids)
+        tokens = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
+        _check_positions(position_ids, cache_position, tokens, input_ids)
         # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
         with widened_matmuls(self.device, self.dtype):
-            if attention_mask is None or bool(attention_mask.all()):
-                logits = self.model(input_ids).logits
-            else:
-                width = input_ids.shape[1]
-                rows = [
-                    self.model(input_ids[row : row + 1, width - length :]).logits[0]
-                    for row, length in enumerate(left_padded_lengths(attention_mask, input_ids))
-                ]
-                logits = rows[0].new_zeros(*input_ids.shape, rows[0].shape[-1])  # [B, T, V]
-                for row, row_logits in enumerate(rows):
-                    logits[row, width - row_logits.shape[0] :] = row_logits
-        loss = None if labels is None else causal_lm_loss(logits, labels.to(logits.device))
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+            logits = self._padded_logits(input_ids, tokens)
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device)
+            if tokens is not None:  # a target counts when it and the position predicting it are tokens
+                targets = tokens.clone()
+                targets[:, 1:] &= tokens[:, :-1]
+                labels = labels.masked_fill(~targets, -100)
+            loss = causal_lm_loss(logits, labels)
+            if num_items_in_batch is not None:
+                loss = loss * (labels[:, 1:] != -100).sum() / torch.as_tensor(num_items_in_batch, device=loss.device)
+        if isinstance(logits_to_keep, int):
+            logits = logits[:, -logits_to_keep:] if logits_to_keep > 0 else logits
+        else:
+            logits = logits[:, logits_to_keep.to(logits.device)]
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        return out.to_tuple() if return_dict is False else out
+
+    def _padded_logits(
+        self, input_ids: torch.Tensor, tokens: torch.Tensor | None, hidden: bool = False
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of input_ids with `tokens` [B, T] (None: all) marking each row's tokens;
+        with `hidden`, the final norm's output [B, T, D] instead (`FarsightBackbone`)."""
+
+        def run(ids: torch.Tensor) -> torch.Tensor:
+            return self.model(ids, return_hidden=True).hidden if hidden else self.model(ids).logits
+
+        if tokens is None:
+            return run(input_ids)
+        if bool((tokens[:, 0] | ~tokens.any(dim=1)).all()):
+            # right padding only: a causal row's later pads cannot change its earlier positions
+            return run(input_ids).masked_fill(~tokens[..., None], 0)
+        starts, lengths = tokens.int().argmax(dim=1).tolist(), tokens.sum(dim=1).tolist()
+        rows = {
+            row: run(input_ids[row : row + 1, start : start + length])[0]
+            for row, (start, length) in enumerate(zip(starts, lengths))
+            if length
+        }
+        first = next(iter(rows.values()))  # a row starting after 0 holds a token
+        logits = first.new_zeros(*input_ids.shape, first.shape[-1])  # [B, T, V]
+        for row, row_logits in rows.items():
+            logits[row, starts[row] : starts[row] + lengths[row]] = row_logits
+        return logits
 
     # ---- generation ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -220,10 +413,11 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         """Continue input_ids [B, T] through farsight's Session; returns [B, T + new] like HF.
 
         Reads `generation_config` (default: the model's) updated by kwargs: max_new_tokens (or
-        max_length), do_sample, temperature, top_k, top_p, eos_token_id (an id or a list),
-        pad_token_id. A left-padding attention_mask is masked by a DRT session (one session for
-        the batch); other models run each row's real tokens in a session of its own, the rows
-        stepped together. The output keeps the prompt's pads, and rows that ended early are
+        max_length; neither: 20 new tokens, as transformers), do_sample, temperature, top_k
+        (unset: 50, as transformers), top_p, eos_token_id (an id or a list), pad_token_id. A
+        left-padding attention_mask (farsight's tokenizer pads on the left; right padding is
+        refused) is masked by a DRT session (one session for the batch); other models run each
+        row's real tokens in a session of its own, the rows stepped together. The output keeps the prompt's pads, and rows that ended early are
         padded with pad_token_id after their eos. As in transformers, `streamer` is given the
         prompt [B, T], then each new token [B], then `end()`; `stopping_criteria` is called
         with the ids so far after each token and ends the rows it returns True for.
@@ -298,6 +492,8 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
                 )
         if config.max_new_tokens is not None:
             max_new_tokens = config.max_new_tokens
+        elif config.max_length is None:  # neither set: transformers' default, 20 new tokens
+            max_new_tokens = DEFAULT_MAX_NEW_TOKENS
         else:
             max_new_tokens = config.max_length - prompt_length
             if max_new_tokens < 1:
@@ -313,11 +509,49 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         return {
             "max_new_tokens": max_new_tokens,
             "temperature": float(config.temperature if config.temperature is not None else 1.0) if sample else 0.0,
-            "top_k": config.top_k or None if sample else None,
+            "top_k": (DEFAULT_TOP_K if config.top_k is None else config.top_k) or None if sample else None,
             "top_p": config.top_p if sample and config.top_p is not None and config.top_p < 1 else None,
             "eos_token_ids": sorted(eos_ids),
             "pad_token_id": int(pad),
         }
+
+
+class FarsightBackbone:
+    """The body of a FarsightForCausalLM (its `base_model`): input_ids [B, T] -> BaseModelOutput
+    whose last_hidden_state [B, T, D] is the final norm's output, what the LM head reads. TRL's
+    SFTTrainer calls it to score the labelled positions through the head in tiles, never holding
+    the [B, T, V] logits. It takes what the wrapper's forward takes (padding on either side,
+    position_ids and cache_position as forward checks them, use_cache, return_dict); its
+    parameters are the wrapper's `model`."""
+
+    def __init__(self, wrapper: FarsightForCausalLM) -> None:
+        self.wrapper = wrapper
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache_position: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutput | tuple[torch.Tensor, ...]:
+        unused = sorted(name for name, value in kwargs.items() if value is not None and value is not False)
+        if unused:
+            raise InputError(f"the model's body got arguments farsight does not take: {unused}; remove them")
+        if input_ids is None:
+            raise InputError("the model's body needs input_ids [batch, tokens]")
+        wrapper = self.wrapper
+        input_ids = wrapper.model.check_input_ids(input_ids)
+        tokens = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
+        _check_positions(position_ids, cache_position, tokens, input_ids)
+        with widened_matmuls(wrapper.device, wrapper.dtype):
+            hidden = wrapper._padded_logits(input_ids, tokens, hidden=True)
+        out = BaseModelOutput(last_hidden_state=hidden)
+        return out.to_tuple() if return_dict is False else out
 
 
 class FarsightDRTForCausalLM(FarsightForCausalLM):
@@ -367,6 +601,17 @@ class RowSessions:
         self._stack.close()
 
 
+def _auto_dtype(config: FarsightConfig, path: Path) -> torch.dtype | None:
+    """What `dtype="auto"` loads the model of directory `path` in: the dtype its config.json
+    records (farsight writes the stored weights'), else the stored weights' own (one farsight
+    runs in); None leaves the model in farsight's default, fp32."""
+    for dtype in (config.dtype, stored_dtype(path)):
+        with contextlib.suppress(ConfigError):
+            if (resolved := resolve_dtype(dtype)) is not None:
+                return resolved
+    return None
+
+
 def _class_for(config: FarsightConfig) -> type[FarsightForCausalLM]:
     return MODEL_CLASSES[config.model_type]
 
@@ -413,3 +658,54 @@ def _device(value: Any) -> torch.device | None:
 def left_padded_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> list[int]:
     """The number of real tokens of each row of a left-padding attention_mask [B, T] (zeros, then ones)."""
     return check_left_padding(attention_mask, input_ids).sum(dim=1).tolist()
+
+
+def token_runs(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T] of an attention_mask [B, T] of 0 (padding) and 1 (token) whose rows each hold
+    their tokens as one run: padding on the left, on the right or both; anything else is refused.
+    A mask [T] is the mask of one row."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
+        attention_mask = attention_mask[None]
+    if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(input_ids.shape):
+        raise InputError(
+            f"attention_mask must be a tensor of the ids' shape {list(input_ids.shape)}, one 0/1 per token"
+        )
+    if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+        raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
+    tokens = attention_mask != 0
+    runs = tokens[:, :1].int() + (tokens[:, 1:].int() > tokens[:, :-1].int()).sum(dim=1, keepdim=True)
+    if bool((runs > 1).any()):
+        raise InputError(
+            "attention_mask must mark each row's tokens as one run, padded on the left or the right; "
+            "packed rows (several sequences in a row) are not supported — give each sequence a row"
+        )
+    return tokens
+
+
+def _check_positions(
+    position_ids: torch.Tensor | None,
+    cache_position: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+    input_ids: torch.Tensor,
+) -> None:
+    """Refuse position_ids [B, T] / [T] that do not count each row's tokens from 0 (restarting
+    positions of packed sequences, offsets), and a cache_position other than 0..T-1."""
+    width = input_ids.shape[1]
+    if cache_position is not None and not torch.equal(
+        cache_position.cpu(), torch.arange(width, dtype=cache_position.dtype)
+    ):
+        raise InputError(
+            f"cache_position must be 0..{width - 1}: forward keeps no cache of earlier tokens; "
+            "continue a sequence with generate() or model.model.new_session()"
+        )
+    if position_ids is None:
+        return
+    tokens = torch.ones_like(input_ids, dtype=torch.bool) if tokens is None else tokens
+    expected = tokens.long().cumsum(dim=1) - 1
+    fits = position_ids.dim() in (1, 2) and position_ids.shape[-1] == width
+    fits = fits and (position_ids.dim() == 1 or position_ids.shape[0] in (1, input_ids.shape[0]))
+    if not fits or bool((position_ids.to(expected.device).expand_as(expected) != expected)[tokens].any()):
+        raise InputError(
+            "position_ids must count each row's tokens from 0 (what they are when left unset); packed sequences "
+            "with restarting positions are not supported — give each sequence a row, or leave position_ids unset"
+        )

@@ -1,9 +1,13 @@
 """farsight's tokenizers (byte, GPT-2 BPE, trained BPE) as a Hugging Face fast tokenizer.
 
-The HF tokenizer wraps a `tokenizers.Tokenizer` that encodes like the farsight one: the same ids,
-no special token added or produced from text (a special token's spelling in the text is split
-like any text, so text never smuggles in an eos or a landmark). `decode(ids)` gives farsight's
-text for ordinary tokens; `skip_special_tokens=True` drops pad, bos, eos and the landmark.
+The HF tokenizer wraps a `tokenizers.Tokenizer` with the farsight one's ids, and no special token
+added to what it encodes. As in transformers, a special token's text encodes to its id: fine-tuning
+tools (TRL's SFTTrainer) end each example with the eos token's text, "<|eos|>", which must become
+the eos id, or a fine-tuned model learns to write those seven bytes and never stops.
+`from_farsight(tokenizer, split_special_tokens=True)` encodes that text as ordinary text instead,
+as farsight's own tokenizers do (their data never holds a special id made from text). A landmark
+id made from text is refused by a DRT's forward. `decode(ids)` gives farsight's text for
+ordinary tokens; `skip_special_tokens=True` drops pad, bos, eos and the landmark.
 
 A farsight model directory keeps its tokenizer as farsight's spec in tokenizer.json (not a
 `tokenizers` file); `FarsightTokenizerFast.from_pretrained` reads that spec and `save_pretrained`
@@ -89,9 +93,14 @@ class FarsightTokenizerFast(PreTrainedTokenizerFast):
 
     @classmethod
     def from_farsight(cls, tokenizer: Tokenizer, **kwargs: Any) -> FarsightTokenizerFast:
-        """The HF tokenizer of a farsight tokenizer; kwargs go to PreTrainedTokenizerFast (e.g. padding_side)."""
+        """The HF tokenizer of a farsight tokenizer; kwargs go to PreTrainedTokenizerFast (e.g.
+        padding_side; split_special_tokens=True encodes special tokens' text as text)."""
         backend = backend_of(tokenizer)
         text = {name: backend.id_to_token(tokenizer.special_tokens[name]) for name in ("pad", "bos", "eos", "lmk")}
+        kwargs.setdefault("split_special_tokens", False)  # "<|eos|>" in text is the eos id, as in transformers
+        # a decoder-only model continues a row after its last token: batches for `generate` pad on
+        # the left, as other decoder-only models' tokenizer configs set (forward takes either side)
+        kwargs.setdefault("padding_side", "left")
         return cls(
             tokenizer_object=backend,
             farsight_tokenizer=tokenizer,
@@ -99,7 +108,6 @@ class FarsightTokenizerFast(PreTrainedTokenizerFast):
             eos_token=text["eos"],
             pad_token=text["pad"],
             extra_special_tokens=[text["lmk"]],
-            split_special_tokens=True,  # text containing "<|lmk|>" encodes as text, as in farsight
             clean_up_tokenization_spaces=False,
             **kwargs,
         )

@@ -317,7 +317,7 @@ class DRTForCausalLM(PretrainedLM):
         x = rows.reshape(b * m, s1, d)
         masks = {} if key_padding_mask is None else {"key_padding_mask": key_padding_mask.reshape(b * m, s1)}
         for block in self.encoder:
-            x = block(x, **masks)
+            x = self.run_block(block, x, **masks)  # [B m, S+1, D]
         x = self.encoder_norm(x).view(b, m, s1, d)
         kv = self.chunk_kv(x[:, :, :-1]).view(b, m, s1 - 1, 2, self.config.n_heads, self.config.head_dim)
         return self.landmark_key(x[:, :, -1]), kv[:, :, :, 0], kv[:, :, :, 1]
@@ -354,7 +354,8 @@ class DRTForCausalLM(PretrainedLM):
     def _lower_layers(self, h: torch.Tensor, state: DRTState) -> torch.Tensor:
         masks = {} if state.pad is None else {"pad": state.pad}
         for i, block in enumerate(self.lower):
-            h = block(h, state.caches[i] if state.streaming else None, **masks)
+            # streaming caches are appended to in the forward: only the cacheless forward is checkpointed
+            h = block(h, state.caches[i], **masks) if state.streaming else self.run_block(block, h, None, **masks)
         return h
 
     def _append_completed_chunks(self, h: torch.Tensor, state: DRTState) -> None:
@@ -437,8 +438,12 @@ class DRTForCausalLM(PretrainedLM):
     ) -> torch.Tensor:
         per_group = self.config.upper_layers // self.config.groups
         for j in range(group * per_group, (group + 1) * per_group):
-            cache = state.caches[self.config.lower_layers + j] if state.streaming else None
-            h = self.upper[j](h, cache, span, chunks, state.pad)
+            if state.streaming:
+                h = self.upper[j](h, state.caches[self.config.lower_layers + j], span, chunks, state.pad)
+            else:
+                # chunks' K/V [B, n, S, H, d] are autograd tensors of the chunk encoder: the
+                # non-reentrant checkpoint backpropagates into them although they sit in a dataclass
+                h = self.run_block(self.upper[j], h, None, span, chunks, state.pad)
         return h
 
     def _carry(
@@ -496,6 +501,7 @@ class DRTForCausalLM(PretrainedLM):
         return_retrieval: bool = False,
         attention_mask: torch.Tensor | None = None,
         return_logits: bool = True,
+        return_hidden: bool = False,
     ) -> CausalLMOutput:
         """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
 
@@ -505,16 +511,24 @@ class DRTForCausalLM(PretrainedLM):
         first column either way, and the logits at padding positions are meaningless. With
         return_retrieval, `retrieval` is a RetrievalInfo (row t of each group: the chunks
         retrieved by chunk t's landmark, used by chunk t+1). return_logits=False (with labels):
-        the loss alone, logits None (`logits_and_loss`).
+        the loss alone, logits None (`logits_and_loss`). return_hidden: the final norm's output
+        [B, L, D] for the real tokens as `hidden` instead (no head, no loss).
         """
         input_ids = self.check_input_ids(input_ids)
         length = input_ids.shape[1]
+        empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
+        if empty is not None:
+            if attention_mask is not None:
+                check_left_padding(attention_mask, input_ids)
+            return empty if not return_retrieval else CausalLMOutput(empty.loss, empty.logits, RetrievalInfo([], []))
         pad = None
         if attention_mask is not None:
             pad = self.pad_slots((~check_left_padding(attention_mask, input_ids).to(input_ids.device)).sum(1))
         record = RetrievalInfo([], []) if return_retrieval else None
         state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record, pad=pad)
         h = self.run_span(self.to_slots(input_ids), state)
+        if return_hidden:
+            return CausalLMOutput(loss=None, logits=None, retrieval=record, hidden=self.norm(self.real_rows(h, length)))
         logits, loss = self.logits_and_loss(self.real_rows(h, length), labels, loss_weights, return_logits)
         return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
 

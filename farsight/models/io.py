@@ -21,10 +21,39 @@ from torch import nn
 
 from farsight.errors import InputError, MissingFileError, ModelFileError
 from farsight.files import atomic_write, os_error_of, sha256_file
+from farsight.readers import read_json, require_fields
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CHECKSUMS_FILE = "checksums.json"
+# The one Python file a model directory carries: what transformers imports for
+# `trust_remote_code=True` (config.json's "auto_map" names its classes). It only imports the
+# installed farsight package's classes; loading refuses a directory whose copy differs from HF_SHIM.
+HF_SHIM_FILE = "farsight_hf.py"
+HF_SHIM = '''"""A farsight model directory: transformers imports this file for trust_remote_code=True, and it
+only imports the classes of the installed farsight package (the directory holds no model code)."""
+
+try:
+    from farsight.hf import (
+        FarsightDRTConfig,
+        FarsightDRTForCausalLM,
+        FarsightTokenizerFast,
+        FarsightTransformerConfig,
+        FarsightTransformerForCausalLM,
+    )
+except ImportError as exc:
+    raise ImportError(f"this model needs the farsight package: pip install 'farsight[hf]' ({exc})") from None
+
+__all__ = [
+    "FarsightDRTConfig",
+    "FarsightDRTForCausalLM",
+    "FarsightTokenizerFast",
+    "FarsightTransformerConfig",
+    "FarsightTransformerForCausalLM",
+]
+'''
+# the stem of farsight.hf's config and model class names of each model type (what auto_map names)
+_HF_CLASS_STEMS = {"drt": "FarsightDRT", "transformer": "FarsightTransformer"}
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
@@ -43,11 +72,54 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> N
 
 
 def write_model_dir(path: Path, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    """config.json from `meta`, model.safetensors from `tensors` (moved to the CPU, contiguous)."""
+    """config.json from `meta` with the entries transformers reads (`hf_entries`),
+    model.safetensors from `tensors` (moved to the CPU, contiguous), and the HF_SHIM_FILE."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+    stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    write_config(path, {**meta, **hf_entries(meta["model_type"], stored)})
     atomic_write(path / WEIGHTS_FILE, lambda tmp: save_tensors(tensors, tmp))
+    write_hf_shim(path)
+
+
+def write_config(path: Path, meta: dict[str, Any]) -> None:
+    """config.json of directory `path` from `meta`, atomically."""
+    atomic_write(path / CONFIG_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2) + "\n"))
+
+
+def write_hf_shim(path: Path) -> None:
+    """The HF_SHIM_FILE of directory `path`, atomically."""
+    atomic_write(path / HF_SHIM_FILE, lambda tmp: Path(tmp).write_text(HF_SHIM))
+
+
+def hf_entries(model_type: str, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The config.json entries transformers reads: "auto_map" (the classes of the HF_SHIM_FILE,
+    which `trust_remote_code=True` loads) and "dtype", the stored weights' (what `dtype="auto"`
+    loads them in; transformers' name, e.g. "bfloat16"), when known."""
+    entries: dict[str, Any] = {}
+    stem = _HF_CLASS_STEMS.get(model_type)
+    if stem is not None:
+        module = HF_SHIM_FILE.removesuffix(".py")
+        entries["auto_map"] = {
+            "AutoConfig": f"{module}.{stem}Config",
+            "AutoModelForCausalLM": f"{module}.{stem}ForCausalLM",
+            "AutoTokenizer": [None, f"{module}.FarsightTokenizerFast"],
+        }
+    if dtype is not None:
+        entries["dtype"] = str(dtype).removeprefix("torch.")
+    return entries
+
+
+def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The dtype of the first floating-point tensor of the model.safetensors of directory `path`,
+    read from the file's header (no tensor is loaded); None if it holds none or is unreadable."""
+    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    try:
+        with open(Path(path) / WEIGHTS_FILE, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    except (OSError, ValueError):
+        return None
+    return next((names[e["dtype"]] for e in header.values() if isinstance(e, dict) and e.get("dtype") in names), None)
 
 
 def cast_weights(source: Path, out: Path, dtype: torch.dtype) -> None:
@@ -83,26 +155,23 @@ def write_checksums(path: Path, names: Iterable[str], extra: dict[str, Any] | No
 def read_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
     """The files checksums.json of directory `path` lists, or None (with a warning) without one."""
     record = path / CHECKSUMS_FILE
-    if not record.is_file():
+    if not record.exists():
         warnings.warn(
             f"{path} has no {CHECKSUMS_FILE} (written by an older farsight); its files cannot be verified — "
             "re-save it with save_pretrained to add one",
             stacklevel=3,
         )
         return None
-    try:
-        files = json.loads(record.read_text())["files"]
-        valid = all(
-            isinstance(e, dict) and isinstance(e["bytes"], int) and isinstance(e["sha256"], str) for e in files.values()
-        )
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-        raise ModelFileError(
-            f"{record} is corrupted ({exc!r}); restore the directory from a good copy or re-save the model"
-        ) from exc
+    fix = "restore the directory from a good copy or re-save the model"
+    data = read_json(record, fix, ModelFileError)
+    require_fields(data, {"files": dict}, record, fix, ModelFileError)
+    files = data["files"]
+    valid = all(
+        isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+        for e in files.values()
+    )
     if not valid:
-        raise ModelFileError(
-            f"{record} is corrupted (an entry lacks bytes/sha256); restore the directory from a good copy or re-save the model"
-        )
+        raise ModelFileError(f"{record} is corrupted (an entry lacks bytes/sha256); {fix}")
     return files
 
 
@@ -110,6 +179,12 @@ def verify_model_dir(path: Path) -> dict[str, dict[str, Any]] | None:
     """Refuse (ModelFileError) a model directory whose files differ from its checksums.json;
     returns the verified entries (None for a directory without the record)."""
     files = read_checksums(path)
+    shim = path / HF_SHIM_FILE
+    if shim.is_file() and shim.read_bytes() != HF_SHIM.encode():
+        raise ModelFileError(
+            f"{shim} is not the file farsight writes (a model directory carries no code of its own); "
+            "restore the directory from a good copy or re-save the model"
+        )
     for name, entry in (files or {}).items():
         file = path / name
         if not file.is_file():
@@ -160,14 +235,13 @@ def check_tokenizer_fits(path: str | os.PathLike, tokenizer_vocab: int, model_vo
 def read_model_meta(path: str | os.PathLike, known_types: Iterable[str] | None = None) -> dict:
     """The parsed config.json of a model directory; its model_type must be in `known_types` (if given)."""
     config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
+    if not config_path.exists():
         raise MissingFileError(f"no {CONFIG_FILE} in {path}; is it a directory written by save_pretrained?")
-    try:
-        meta = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelFileError(f"{config_path} is not valid JSON ({exc}); the checkpoint is corrupted") from exc
-    if not isinstance(meta, dict) or "model_type" not in meta or "config" not in meta:
+    fix = "restore the directory from a good copy or use another checkpoint"
+    meta = read_json(config_path, fix, ModelFileError)
+    if "model_type" not in meta or "config" not in meta:
         raise ModelFileError(f"{config_path} lacks 'model_type'/'config'; it was not written by farsight")
+    require_fields(meta, {"model_type": str, "config": dict}, config_path, fix, ModelFileError)
     if known_types is not None and meta["model_type"] not in known_types:
         raise ModelFileError(f"{config_path}: unknown model_type {meta['model_type']!r}; known: {sorted(known_types)}")
     return meta

@@ -3,13 +3,16 @@ generate entry points, and save/load of its model directory."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from farsight.config import ConfigBase
@@ -17,6 +20,7 @@ from farsight.data.tokenizers import TOKENIZER_FILENAME
 from farsight.errors import InputError, ModelFileError
 from farsight.models.io import (
     CONFIG_FILE,
+    HF_SHIM_FILE,
     WEIGHTS_FILE,
     load_weights,
     read_model_meta,
@@ -37,6 +41,8 @@ class CausalLMOutput:
     loss: torch.Tensor | None
     logits: torch.Tensor | None  # None when the forward was asked for the loss alone (return_logits=False)
     retrieval: Any = None
+    # with return_hidden: the final norm's output [B, T, D] (what the LM head reads), and no logits or loss
+    hidden: torch.Tensor | None = None
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -183,6 +189,34 @@ class PretrainedLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    # ---- activation checkpointing ----------------------------------------------------------------
+    # Off by default; a class attribute so that models built before it existed read False too.
+    activation_checkpointing: bool = False
+    _checkpoint_fn: Callable[..., Any] | None = None
+
+    def set_activation_checkpointing(
+        self, enabled: bool = True, checkpoint_fn: Callable[..., Any] | None = None
+    ) -> PretrainedLM:
+        """Recompute each block's activations in the backward instead of keeping them
+        (torch.utils.checkpoint, non-reentrant, per block: the lower, chunk-encoder and upper
+        blocks of a DRT, every block of a transformer). Only a training forward with gradients
+        and without decoding caches is checkpointed; its losses and gradients are those of the
+        plain forward (the RNG state is restored for the recomputation; DRT's retrieval and
+        memory appends run outside the blocks, once). `checkpoint_fn(block, *args, **kwargs)`
+        replaces torch's checkpoint call (transformers passes its own, with the user's options)."""
+        self.activation_checkpointing = bool(enabled)
+        self._checkpoint_fn = checkpoint_fn if enabled else None
+        return self
+
+    def run_block(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """block(*args, **kwargs), checkpointed when activation checkpointing is on and the
+        forward trains with gradients. Callers run blocks that take a decoding cache directly:
+        a cache appended to in the forward would be appended to again in the recomputation."""
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            run = self._checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+            return run(block, *args, **kwargs)
+        return block(*args, **kwargs)
+
     def logits_and_loss(
         self,
         hidden: torch.Tensor,
@@ -200,6 +234,21 @@ class PretrainedLM(nn.Module):
         logits = self.lm_head(normed)
         loss = None if labels is None else causal_lm_loss(logits, labels, loss_weights)
         return (logits if return_logits or labels is None else None), loss
+
+    def empty_output(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        loss_weights: torch.Tensor | None,
+        return_logits: bool = True,
+    ) -> CausalLMOutput | None:
+        """The output of a batch without tokens (checked ids of shape [B, 0] or [0, T]), which no
+        block runs on: logits [B, T, V] and, with labels, the loss of no prediction (0, as when
+        every label is ignored, still part of the autograd graph); None for a batch with tokens."""
+        if input_ids.numel():
+            return None
+        logits, loss = self.logits_and_loss(self.embed(input_ids), labels, loss_weights, return_logits)
+        return CausalLMOutput(loss=loss, logits=logits)
 
     def check_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[B, T] or [T] token ids -> [B, T] long; refuses ids the model does not take."""
@@ -246,12 +295,21 @@ class PretrainedLM(nn.Module):
     def save_pretrained(
         self, path: str | os.PathLike, tokenizer: Any = None, state_dict: dict[str, torch.Tensor] | None = None
     ) -> Path:
-        """Write config.json, model.safetensors (and tokenizer.json), then checksums.json with
-        their SHA-256. `state_dict` overrides the module's own tensors (e.g. the full state
-        gathered from FSDP shards)."""
+        """Write config.json, model.safetensors (and tokenizer.json), the HF_SHIM_FILE that
+        transformers' `trust_remote_code=True` imports, then checksums.json with their SHA-256.
+        `state_dict` overrides the module's own tensors (e.g. the full state
+        gathered from FSDP shards). A folder that holds what another farsight command wrote (a
+        dataset, a tokenizer, a run or checkpoint, exported tasks) is refused: the model's files
+        would replace its own (`farsight.files.folder_kind`)."""
         import farsight
+        from farsight.files import FOLDER_KINDS, folder_kind
 
         path = Path(path)
+        held = folder_kind(path)
+        if held not in (None, "model", "other"):  # "other": e.g. an output folder of transformers' Trainer
+            raise InputError(
+                f"{path} holds {FOLDER_KINDS[held]}, whose files the model's would replace; save the model to a new folder"
+            )
         meta = {
             "model_type": self.model_type,
             "farsight_version": farsight.__version__,
@@ -268,7 +326,7 @@ class PretrainedLM(nn.Module):
         write_model_dir(path, meta, tensors)
         if tokenizer is not None:
             tokenizer.save(path)
-        write_checksums(path, (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME))
+        write_checksums(path, (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME, HF_SHIM_FILE))
         return path
 
     @classmethod

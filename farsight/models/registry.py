@@ -15,17 +15,22 @@ from torch import nn
 from farsight.config import ConfigError
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer
 from farsight.errors import InputError, ModelFileError
-from farsight.files import atomic_directory, new_folders_for, reported_write
+from farsight.files import FOLDER_KINDS, atomic_directory, folder_kind, folder_lock, new_folders_for, reported_write
 from farsight.models.drt import DRTForCausalLM
 from farsight.models.io import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
+    HF_SHIM_FILE,
     WEIGHTS_FILE,
     cast_weights,
     check_tokenizer_fits,
+    hf_entries,
     read_model_meta,
     resolve_model_dir,
+    stored_dtype,
     write_checksums,
+    write_config,
+    write_hf_shim,
 )
 from farsight.models.lm import MODEL_DTYPES, PretrainedLM
 from farsight.models.transformer import TransformerForCausalLM
@@ -67,17 +72,20 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
 def load_model_tokenizer(path: str | os.PathLike, model_vocab: int | None = None) -> Tokenizer:
     """The tokenizer of a model directory (or a run's newest checkpoint), refused (ModelFileError)
     when it has more tokens than the model's vocabulary (`model_vocab`, or its config.json's)."""
+    from farsight.readers import check_file
+
     directory = resolve_model_dir(path)
-    tokenizer = load_tokenizer(directory)
+    fix = "the model directory is incomplete: restore it from a good copy, or export the model again from its run"
+    check_file(directory / TOKENIZER_FILENAME, fix, ModelFileError)
+    tokenizer = load_tokenizer(directory / TOKENIZER_FILENAME)
     check_tokenizer_fits(directory, tokenizer.vocab_size, model_vocab)
     return tokenizer
 
 
 # what an export writes, and the mark in its checksums.json that tells a previous export (which
 # export may replace) from a model directory written otherwise (replaced only with overwrite=True)
-EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME, CHECKSUMS_FILE, "README.md"})
+EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME, HF_SHIM_FILE, CHECKSUMS_FILE, "README.md"})
 EXPORT_MARK = {"written_by": "farsight export"}
-_RUN_FILES = ("checkpoints", "metrics.jsonl", "manifest.json", "trainer_state.json", "trainer_state.safetensors")
 
 
 def check_export_target(source: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> None:
@@ -107,14 +115,20 @@ def check_export_target(source: str | os.PathLike, out: str | os.PathLike, overw
         return
     if not out.is_dir():
         raise InputError(f"{out} is a file; export to a new or empty folder")
-    names = sorted(p.name for p in out.iterdir())
-    if not names:
+    held = folder_kind(out)  # what the folder holds, as every command that writes a folder tells it
+    if held is None:
         return
-    if any((out / name).exists() for name in _RUN_FILES):
+    if held in ("run", "checkpoint"):
         raise InputError(f"{out} is a training run or checkpoint; export to a new folder outside the run")
+    names = sorted(p.name for p in out.iterdir())
     foreign = [name for name in names if name not in EXPORT_FILES]
-    if foreign or CONFIG_FILE not in names:
-        listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "") if foreign else "no config.json"
+    if held != "model" or foreign or CONFIG_FILE not in names:
+        if held not in ("model", "other"):
+            listed = FOLDER_KINDS[held]
+        elif foreign:
+            listed = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        else:
+            listed = "no config.json"
         raise InputError(
             f"{out} exists and is not a model directory (it holds {listed}); export to a new or empty folder"
         )
@@ -141,9 +155,10 @@ def export_model(
     overwrite: bool = False,
 ) -> Path:
     """Write the model of `source` (a model directory, or a run's newest checkpoint) to the model
-    directory `out`: config, weights (cast to `dtype`, e.g. "bf16", if given), tokenizer, README.md
-    (if given: its text, or a function that writes it from the exported model as `load_model` reads
-    it back, in eval mode) and a new checksums.json. The copy is built beside `out` and loaded to
+    directory `out`: config (with transformers' auto_map and the weights' dtype), weights (cast to
+    `dtype`, e.g. "bf16", if given), tokenizer, the HF_SHIM_FILE, README.md (if given: its text,
+    or a function that writes it from the exported model as `load_model` reads it back, in eval
+    mode) and a new checksums.json. The copy is built beside `out` and loaded to
     verify it before it replaces `out`, so a failed export (a full disk, Ctrl-C) leaves `out` as
     it was and no folder behind; `out` must be new, empty or a previous export (another model
     directory only with `overwrite`), never the source, a run or a checkpoint
@@ -155,15 +170,23 @@ def export_model(
         load_model_tokenizer(source, model.config.vocab_size)  # a tokenizer of another model is not copied on
     recorded = json.loads((source / CHECKSUMS_FILE).read_text())["files"] if (source / CHECKSUMS_FILE).is_file() else {}
     names = [name for name in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILENAME) if (source / name).is_file()]
+    # config.json gains what transformers reads (auto_map, the stored dtype) if the source lacks it
+    meta = read_model_meta(source)
+    weights_dtype = MODEL_DTYPES[dtype] if dtype is not None else stored_dtype(source)
+    exported_meta = {**meta, **hf_entries(meta["model_type"], weights_dtype)}
 
     def fill(staging: Path) -> None:
         for name in names:
             if name == WEIGHTS_FILE and dtype is not None:
                 cast_weights(source / name, staging / name, MODEL_DTYPES[dtype])
                 recorded.pop(name, None)
+            elif name == CONFIG_FILE and exported_meta != meta:
+                write_config(staging, exported_meta)
+                recorded.pop(name, None)
             else:
                 shutil.copyfile(source / name, staging / name)
-        copied = write_checksums(staging, names, EXPORT_MARK)
+        write_hf_shim(staging)
+        copied = write_checksums(staging, [*names, HF_SHIM_FILE], EXPORT_MARK)
         for name, entry in recorded.items():
             if name in copied and copied[name] != entry:
                 raise ModelFileError(
@@ -173,6 +196,7 @@ def export_model(
         if readme is not None:  # not in checksums.json: a card can be rewritten without touching the weights
             (staging / "README.md").write_text(readme(exported.eval()) if callable(readme) else readme)
 
-    with new_folders_for(out), reported_write(out):
+    with new_folders_for(out), reported_write(out), folder_lock(out, "farsight export", "export to another folder"):
+        check_export_target(source, out, overwrite)  # again, now that no other farsight command writes `out`
         atomic_directory(out, fill)
     return source

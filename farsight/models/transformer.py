@@ -118,13 +118,21 @@ class TransformerForCausalLM(PretrainedLM):
         loss_weights: torch.Tensor | None = None,
         caches: list[Any] | None = None,
         return_logits: bool = True,
+        return_hidden: bool = False,
     ) -> CausalLMOutput:
         """input_ids [B, T] -> logits [B, T, V]; with `caches` the ids continue the cached sequence.
-        return_logits=False (with labels): the loss alone, logits None (`logits_and_loss`)."""
+        return_logits=False (with labels): the loss alone, logits None (`logits_and_loss`).
+        return_hidden: the final norm's output [B, T, D] as `hidden` instead (no head, no loss)."""
         input_ids = check_input_ids(input_ids, self.config.vocab_size)
+        empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
+        if empty is not None:
+            return empty
         h = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
-            h = block(h, None if caches is None else caches[i])
+            # decoding caches are appended to in the forward: only a cacheless forward is checkpointed
+            h = self.run_block(block, h) if caches is None else block(h, caches[i])
+        if return_hidden:
+            return CausalLMOutput(loss=None, logits=None, hidden=self.norm(h))
         logits, loss = self.logits_and_loss(h, labels, loss_weights, return_logits)
         return CausalLMOutput(loss=loss, logits=logits)
 

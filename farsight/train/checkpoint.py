@@ -29,11 +29,14 @@ import torch
 
 from farsight.errors import FarsightError
 from farsight.files import atomic_write, sha256_file
+from farsight.readers import read_json, require_fields
 
 STATE_JSON = "trainer_state.json"
 STATE_TENSORS = "trainer_state.safetensors"
 LEGACY_STATE_FILE = "trainer_state.pt"
 MANIFEST_FILE = "manifest.json"
+# what a resume reads from the trainer state, and the type each must have
+STATE_FIELDS = {"step": int, "tokens_seen": int, "config": dict, "optimizer": dict, "scheduler": dict, "rng": dict}
 # the files of a checkpoint, any of which marks a step_N folder as farsight's
 FARSIGHT_CHECKPOINT_FILES = ("config.json", "model.safetensors", STATE_JSON, STATE_TENSORS, MANIFEST_FILE)
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -238,17 +241,18 @@ def remove_checkpoints(root: Path) -> list[str]:
 def verify_checkpoint(path: Path) -> None:
     """Raise CheckpointError unless every file matches the manifest."""
     manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
+    if not manifest_path.exists():
         raise CheckpointError(
             f"{path} has no {MANIFEST_FILE}; it is incomplete — delete it to resume from an earlier checkpoint"
         )
-    try:
-        manifest = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"{manifest_path} is corrupted ({exc}); delete {path} to resume from an earlier checkpoint"
-        ) from exc
+    fix = f"delete {path} to resume from an earlier checkpoint"
+    record = read_json(manifest_path, fix, CheckpointError)
+    require_fields(record, {"files": dict}, manifest_path, fix, CheckpointError)
+    manifest = record["files"]
     for name, entry in manifest.items():
+        if not isinstance(entry, dict) or Path(name).name != name:
+            raise CheckpointError(f"{manifest_path} is corrupted (its entry {name!r}); {fix}")
+        require_fields(entry, {"bytes": int, "sha256": str}, manifest_path, fix, CheckpointError)
         file = path / name
         problem = None
         if not file.is_file():
@@ -290,8 +294,19 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
 
     try:
         tensors = load_file(path / STATE_TENSORS)
-        return _decode(json.loads((path / STATE_JSON).read_text()), tensors)
+        state = _decode(json.loads((path / STATE_JSON).read_text()), tensors)
     except (OSError, SafetensorError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"cannot read the trainer state in {path} ({exc}); delete {path} to resume from an earlier checkpoint"
         ) from exc
+    fix = f"delete {path} to resume from an earlier checkpoint"
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / STATE_JSON} is corrupted (not a JSON object); {fix}")
+    require_fields(state, STATE_FIELDS, path / STATE_JSON, fix, CheckpointError)
+    require_fields(state["config"], {"model": dict}, path / STATE_JSON, fix, CheckpointError)
+    step = checkpoint_step(path)
+    if step is not None and state["step"] != step:
+        raise CheckpointError(
+            f"{path / STATE_JSON} records step {state['step']}, not the {step} of its folder's name; {fix}"
+        )
+    return state

@@ -31,10 +31,30 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _parse_yaml(text: str, what: str) -> Any:
+class _EmptyValue:
+    """What a key with nothing after its colon reads as in a config file (`train:` with its fields
+    commented out), told apart from an explicit `null` / `~` until the base is laid under it."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+_EMPTY = _EmptyValue()
+
+
+class _FileLoader(_Loader):
+    """_Loader for config files: a value left empty is `_EMPTY`, an explicit null is None."""
+
+
+_FileLoader.add_constructor(
+    "tag:yaml.org,2002:null", lambda loader, node: _EMPTY if node.value == "" else loader.construct_yaml_null(node)
+)
+
+
+def _parse_yaml(text: str, what: str, loader: type[yaml.SafeLoader] = _Loader) -> Any:
     """`text` parsed as YAML; a syntax error is a one-line ConfigError naming `what` and where."""
     try:
-        return yaml.load(text, Loader=_Loader)
+        return yaml.load(text, Loader=loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -80,6 +100,8 @@ class RunConfig(ConfigBase):
     precision: fp32, bf16-mixed, fp16-mixed, bf16 or auto (farsight.train.precision).
     compile: true, false or auto: torch.compile for the model's blocks and loss
     (farsight.train.compile; auto = on for CPU runs of at least 100 steps).
+    activation_checkpointing: recompute each block's activations in the backward instead of
+    keeping them (PretrainedLM.set_activation_checkpointing): less memory, a slower step.
     """
 
     steps: int = 1000
@@ -94,6 +116,7 @@ class RunConfig(ConfigBase):
     device: str = "auto"
     precision: str = "auto"
     compile: bool | str = "auto"
+    activation_checkpointing: bool = False
     distributed: str = "ddp"
     tensorboard: bool = False
     progress: bool = True
@@ -137,22 +160,38 @@ class TrainConfig:
         unknown = [k for k in raw if k not in SECTIONS]
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(SECTIONS)}")
+        # a section that is null (`train: null`) holds no values: its defaults apply
+        sections = {name: {} if raw.get(name) is None else raw[name] for name in SECTIONS}
         for name in ("model", "data"):
-            require(isinstance(raw.get(name, {}), dict), f"section '{name}' must be a mapping")
-        require("type" in raw.get("model", {}), "model.type is required (e.g. transformer or drt)")
+            require(
+                isinstance(sections[name], dict),
+                f"section '{name}' must be a mapping of field names to values, got {_kind(sections[name])}",
+            )
+        require("type" in sections["model"], "model.type is required (e.g. transformer or drt)")
         return cls(
-            model=dict(raw.get("model", {})),
-            data=dict(raw.get("data", {})),
-            optim=OptimConfig.from_dict(raw.get("optim") or {}, where="optim"),
-            train=RunConfig.from_dict(raw.get("train") or {}, where="train"),
+            model=dict(sections["model"]),
+            data=dict(sections["data"]),
+            optim=OptimConfig.from_dict(sections["optim"], where="optim"),
+            train=RunConfig.from_dict(sections["train"], where="train"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "data": self.data, "optim": self.optim.to_dict(), "train": self.train.to_dict()}
 
 
+def _kind(value: Any) -> str:
+    """What a YAML value is, in words: 'a list', 'a string'..."""
+    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number", dict: "a mapping"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings; values are parsed as YAML (numbers, bools, lists)."""
+    """Apply `section.key=value` strings; values are parsed as YAML (numbers, bools, lists). A
+    section or mapping that is null gets the key as its first value."""
+    if overrides and not isinstance(raw, dict):
+        raise ConfigError(
+            f"--set needs a config that is a mapping with sections {', '.join(SECTIONS)}, got {_kind(raw)}"
+        )
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. train.steps=100), got {item!r}")
@@ -162,7 +201,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set key must start with a section ({', '.join(SECTIONS)}), got {key!r}")
         node = raw
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a section")
         node[parts[-1]] = _parse_yaml(text, f"--set {item}")
@@ -198,18 +239,27 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
         raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); pass a YAML file") from exc
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path} ({exc.strerror}); check its permissions") from exc
-    raw = _parse_yaml(text, str(path)) or {}
-    if not isinstance(raw, dict) or BASE_KEY not in raw:
-        return raw
+    raw = _parse_yaml(text, str(path), _FileLoader)
+    named = f"{chain[-1]}: its base {path}" if chain else str(path)
+    if raw is None or raw is _EMPTY:
+        raise ConfigError(
+            f"{named} is empty; write the sections {', '.join(SECTIONS)} (or `base: other.yaml` and changes)"
+        )
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{named} holds {_kind(raw)}, not a mapping; write the sections {', '.join(SECTIONS)} as `name:` lines"
+        )
+    if BASE_KEY not in raw:
+        return _checked_sections(path, _settle_empty(raw, {}))
     base = raw.pop(BASE_KEY)
     if not isinstance(base, str) or not base:
+        base = None if base is _EMPTY else base
         raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
     base_path = (path.parent / base).resolve()
     if base_path in chain or base_path == path.resolve():
         raise ConfigError(f"{path}: base {base} leads back to {base_path.name}; a config cannot be its own base")
     inherited = read_config_file(base_path, (*chain, path.resolve()))
-    if not isinstance(inherited, dict):
-        raise ConfigError(f"{path}: its base {base} is not a mapping with sections model, data, optim, train")
+    raw = _checked_sections(path, _settle_empty(raw, inherited))
     # a model of another type (a data section of another kind) shares no settings with the base's:
     # it replaces that section whole, so a DRT's chunk_size cannot reach a transformer built from it
     for section, (key, default) in SECTION_KINDS.items():
@@ -222,6 +272,42 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
         ):
             inherited = {**inherited, section: {}}
     return merge_config(inherited, raw)
+
+
+def _settle_empty(changes: dict[str, Any], inherited: dict[str, Any], depth: int = 0) -> dict[str, Any]:
+    """`changes` without its empty values: a section or a mapping left empty (`train:` with its
+    fields commented out) changes nothing, so it keeps what `inherited` (the base's values) holds
+    there, or its defaults; any other value left empty is null, as YAML reads it. An explicit
+    `null` stays null and so replaces the base's value (the way to reset it)."""
+    settled: dict[str, Any] = {}
+    for key, value in changes.items():
+        below = inherited.get(key) if isinstance(inherited, dict) else None
+        if value is _EMPTY:
+            if depth == 0 and key in SECTIONS or isinstance(below, dict):
+                continue
+            value = None
+        settled[key] = _settle_value(value, below, depth + 1)
+    return settled
+
+
+def _settle_value(value: Any, inherited: Any, depth: int) -> Any:
+    if isinstance(value, dict):
+        return _settle_empty(value, inherited if isinstance(inherited, dict) else {}, depth)
+    if isinstance(value, list):
+        return [None if item is _EMPTY else _settle_value(item, None, depth + 1) for item in value]
+    return value
+
+
+def _checked_sections(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """`raw`, once each section in it is a mapping (or an explicit null, which resets it)."""
+    for name in SECTIONS:
+        value = raw.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(
+                f"{path}: section '{name}' must be a mapping of field names to values, got {_kind(value)}; "
+                f"write its fields indented below `{name}:`, or leave it out"
+            )
+    return raw
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:

@@ -7,18 +7,14 @@ from pathlib import Path
 from typing import Any
 
 from farsight.errors import InputError
+from farsight.readers import read_text
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl. A torn last line (a run killed mid-write) is skipped; a bad
     line anywhere else is an error, since it means the file is not a farsight training log."""
     records = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise InputError(
-            f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); is it a farsight metrics.jsonl?"
-        ) from exc
+    lines = read_text(path, "is it a farsight metrics.jsonl?", InputError, empty_ok=True).splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import random
 import signal
@@ -22,12 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from farsight.data.batches import build_batch_source
 from farsight.errors import ConfigError, FarsightError, MissingDependencyError
+from farsight.files import claim_output_folder, folder_lock
 from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.process_memory import current_rss_bytes, release_freed_memory
+from farsight.progress import progress_bar
 from farsight.train import distributed as dist_utils
 from farsight.train.checkpoint import (
     CheckpointError,
@@ -70,12 +72,15 @@ RESUME_FREE_FIELDS = frozenset(
         "device",
         "precision",
         "compile",
+        "activation_checkpointing",
         "distributed",
         "tensorboard",
         "progress",
         "init_from",
     )
 )
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(FarsightError, RuntimeError):
@@ -206,6 +211,8 @@ class Trainer:
         if run.init_from and not self._deferred_init:
             self._init_weights(run.init_from)
         self.precision.cast_parameters(self.model)
+        # before wrapping: the checkpointed blocks are the native model's, under DDP/FSDP too
+        self.model.set_activation_checkpointing(run.activation_checkpointing)
         self.wrapped = dist_utils.wrap_model(self.model, self.ctx, run.distributed, self.device)
         use_compile, self.compile_note = resolve_compile(
             run.compile,
@@ -235,7 +242,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped_steps = 0
         self._compile_checked = False
-        self._data_fingerprint: dict[str, str] | None = None
+        self._data_digests: dict[str, str] | None = None
 
     def _optimizer_kernel(self) -> dict[str, bool]:
         """AdamW's implementation: the fused kernel on a CPU (3x faster than foreach for a
@@ -258,7 +265,7 @@ class Trainer:
         except ValueError as exc:
             raise ConfigError(f"train.init_from={source} does not fit the model section: {exc}") from exc
         if self.ctx.is_main:
-            print(f"initialised the weights from {path}")
+            logger.info(f"initialised the weights from {path}")
 
     # ---- checkpoints -------------------------------------------------------------------------
     @property
@@ -292,15 +299,15 @@ class Trainer:
             "rng": _rng_state(self.device),
             "config": self.config.to_dict(),
             "world_size": self.ctx.world_size,
-            "data_fingerprint": self.data_fingerprint(),
+            "data_fingerprint": self.data_digests(),
         }
 
-    def data_fingerprint(self) -> dict[str, str]:
-        """{config key: hash} of the files the batches come from (farsight.data's `fingerprint`),
+    def data_digests(self) -> dict[str, str]:
+        """{config key: hash} of the files the batches come from (farsight.data's `digests`),
         computed once: a checkpoint records it and a resume compares it."""
-        if self._data_fingerprint is None:
-            self._data_fingerprint = dict(getattr(self.data, "fingerprint", dict)())
-        return self._data_fingerprint
+        if self._data_digests is None:
+            self._data_digests = dict(getattr(self.data, "digests", dict)())
+        return self._data_digests
 
     def save(self) -> Path | None:
         path = None
@@ -313,6 +320,7 @@ class Trainer:
                 self._state(optimizer_state),
                 self.config.train.keep_last,
             )
+            logger.debug(f"step {self.step}: checkpoint saved to {path}")
         dist_utils.barrier(self.ctx)
         return path
 
@@ -357,15 +365,15 @@ class Trainer:
         self.skipped_steps = state.get("skipped_steps", 0)
         previous = state.get("precision")
         if previous not in (None, self.precision.name) and self.ctx.is_main:
-            print(f"{path} was trained in {previous}; continuing in {self.precision.name}")
+            logger.info(f"{path} was trained in {previous}; continuing in {self.precision.name}")
         if changes:
             self._apply_optim_config()
             if self.ctx.is_main:
                 for key, (old, new) in changes.items():
-                    print(f"config change on resume: {key} {old!r} -> {new!r} (from step {self.step + 1})")
+                    logger.info(f"config change on resume: {key} {old!r} -> {new!r} (from step {self.step + 1})")
         if self.ctx.is_main:
             for key in data_changes:
-                print(
+                logger.info(
                     f"data change on resume: the files at {key}={self.config.data.get(key[5:])} differ from those "
                     f"{path.name} was trained on (from step {self.step + 1})"
                 )
@@ -378,12 +386,12 @@ class Trainer:
         saved = state.get("data_fingerprint")
         if saved is None:
             if self.ctx.is_main:
-                print(
+                logger.info(
                     f"note: {path} records no fingerprint of its training data (an older farsight's checkpoint); "
                     "resuming without checking that the data is unchanged"
                 )
             return []
-        current = self.data_fingerprint()
+        current = self.data_digests()
         changed = sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
         if changed and not allowed:
             where = ", ".join(f"{key}={self.config.data.get(key[5:])}" for key in changed)
@@ -472,7 +480,7 @@ class Trainer:
             raise
         except Exception as exc:
             if self.ctx.is_main:
-                print(failure_note(exc), flush=True)
+                logger.warning(failure_note(exc))
             self.compiled.remove()
             self.compiled = None
             _set_rng_state(rng, self.device)
@@ -535,7 +543,7 @@ class Trainer:
     def _trim_metrics(self, path: Path) -> None:
         """Drop the records after the resumed step (logged before a crash, about to be redone)
         and a last line that a crash cut short."""
-        if not path.is_file():
+        if not path.exists():
             return
         kept = [
             record
@@ -547,6 +555,30 @@ class Trainer:
     def fit(
         self, resume: bool = True, allow_config_change: bool = False, allow_data_change: bool = False
     ) -> TrainResult:
+        """Train to train.steps, resuming the run in train.out_dir unless not `resume`. The run
+        directory has one owner: the main process holds its lock (`farsight.files.folder_lock`)
+        for the whole run, so a second process training into it meanwhile is refused in one line
+        naming the first (a lock left by a process that died is taken over), and an out_dir
+        holding anything but a run (a model, a dataset, other files) is refused."""
+        if not self.ctx.is_main:
+            return self._fit(resume, allow_config_change, allow_data_change)
+        run = self.config.train
+        try:
+            self.out_dir.parent.mkdir(parents=True, exist_ok=True)  # where the lock file goes
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create train.out_dir={run.out_dir} ({exc.strerror}); set train.out_dir to a directory you can write"
+            ) from exc
+        with folder_lock(self.out_dir, "farsight train", "set train.out_dir to another folder"):
+            claim_output_folder(
+                self.out_dir,
+                "run",
+                name=f"train.out_dir={run.out_dir}",
+                fix="set train.out_dir to a new folder (or to a run's, to resume it)",
+            )
+            return self._fit(resume, allow_config_change, allow_data_change)
+
+    def _fit(self, resume: bool, allow_config_change: bool, allow_data_change: bool) -> TrainResult:
         run = self.config.train
         if self.ctx.is_main:
             try:
@@ -565,11 +597,11 @@ class Trainer:
             self._init_weights(self._deferred_init)
         if not resume and self.ctx.is_main and self.ckpt_root.is_dir():
             # starting over: older checkpoints would otherwise look newer than the new run's
-            print(f"starting over: removing the checkpoints in {self.ckpt_root}")
+            logger.info(f"starting over: removing the checkpoints in {self.ckpt_root}")
             kept = remove_checkpoints(self.ckpt_root)
             if kept:
                 listed = ", ".join(kept[:5]) + (", ..." if len(kept) > 5 else "")
-                print(
+                logger.info(
                     f"note: kept {len(kept)} file{'s' if len(kept) != 1 else ''} farsight did not write in {self.ckpt_root}: {listed}"
                 )
         dist_utils.barrier(self.ctx)
@@ -579,28 +611,30 @@ class Trainer:
             # config.yaml as they are; its trainer state is not read, so a shipped run may leave it out
             if self.ctx.is_main:
                 past = f", past train.steps={run.steps}" if found[-1][0] > run.steps else ""
-                print(f"{self.out_dir} is at step {found[-1][0]}{past}: nothing to train")
+                logger.info(f"{self.out_dir} is at step {found[-1][0]}{past}: nothing to train")
             return TrainResult(status="completed", step=found[-1][0], checkpoint=found[-1][1])
         resumed = resume and self.resume(allow_config_change, allow_data_change)
         if self.ctx.is_main:
             dump_train_config(self.config, self.out_dir / "config.yaml")
             if resumed:
                 self._trim_metrics(self.out_dir / "metrics.jsonl")
-                print(f"resumed from step {self.step} ({self.latest_checkpoint()})")
+                logger.info(f"resumed from step {self.step} ({self.latest_checkpoint()})")
             how = " (train.precision=auto)" if run.precision == "auto" else ""
-            print(f"training in {self.precision.name}{how} on {self.device}")
+            logger.info(f"training in {self.precision.name}{how} on {self.device}")
             note = precision_note(self.precision, self.device)
             if note:
-                print(note)
+                logger.warning(note)
             if self.compiled is not None:
                 how = " (train.compile=auto)" if run.compile == "auto" else ""
-                print(f"compiling the model's blocks and loss with torch.compile{how}: the first step takes longer")
+                logger.info(
+                    f"compiling the model's blocks and loss with torch.compile{how}: the first step takes longer"
+                )
             elif self.compile_note and self.device.type == "cpu" and run.steps >= AUTO_MIN_STEPS:
-                print(f"not compiling (train.compile=auto): {self.compile_note}")
+                logger.info(f"not compiling (train.compile=auto): {self.compile_note}")
         # a fresh run starts a fresh log; a resumed one continues it
         metrics = open(self.out_dir / "metrics.jsonl", "a" if resumed else "w") if self.ctx.is_main else None
         writer = self._tensorboard() if run.tensorboard and self.ctx.is_main else None
-        bar = tqdm(
+        bar = progress_bar(
             total=run.steps,
             initial=self.step,
             unit="step",
@@ -618,7 +652,7 @@ class Trainer:
                     first_compiled = self.compiled is not None and not self._compile_checked
                     loss, grad_norm, tokens = self._train_step()
                     if first_compiled and self.compiled is not None and self.ctx.is_main:
-                        print(f"compiled in {self.compile_clock.seconds:.1f}s")
+                        logger.info(f"compiled in {self.compile_clock.seconds:.1f}s")
                     self.tokens_seen += tokens
                     tokens_last += tokens
                     losses.append((self.step, loss))
@@ -663,7 +697,9 @@ class Trainer:
             if writer is not None:
                 writer.close()
         if status == "interrupted" and self.ctx.is_main:
-            print(f"interrupted at step {self.step}; checkpoint saved to {checkpoint}. Run the same command to resume.")
+            logger.warning(
+                f"interrupted at step {self.step}; checkpoint saved to {checkpoint}. Run the same command to resume."
+            )
         return TrainResult(
             status=status, step=self.step, checkpoint=checkpoint or self.latest_checkpoint(), losses=losses
         )

@@ -614,7 +614,7 @@ def test_cli_train_tokenizer_is_deterministic_and_feeds_prepare(tmp_path: Path, 
     assert main([*argv[:2], "--vocab-size", "100", "--source", FIXTURE_SOURCES[0], "--out", str(tmp_path / "e")]) == 2
     assert "--vocab-size must be at least 260" in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "d")]) == 2
-    assert "holds other files" in capsys.readouterr().err
+    assert "holds a prepared dataset, not a tokenizer" in capsys.readouterr().err
     (tmp_path / "blank.jsonl").write_text('{"text": " "}\n')
     assert main([*argv[:2], "--source", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "f")]) == 2
     assert "hold no text to learn merges from" in capsys.readouterr().err and not (tmp_path / "f").exists()

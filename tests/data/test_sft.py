@@ -209,12 +209,12 @@ def test_batches_are_length_buckets_padded_out_of_the_loss(sft_dir):
     assert torch.equal(val["answer_mask"], val["loss_weights"] > 0)
 
 
-def test_examples_longer_than_seq_len_are_refused_or_left_out(sft_dir, capsys):
+def test_examples_longer_than_seq_len_are_refused_or_left_out(sft_dir, farsight_log):
     longest = json.loads((sft_dir / "meta.json").read_text())["splits"]["train"]["longest"]
     with pytest.raises(ConfigError, match=f"longer than data.seq_len=100 \\(the longest holds {longest} tokens\\)"):
         build_batch_source(sft_data(sft_dir, seq_len=100), seed=0)
     source = build_batch_source(sft_data(sft_dir, seq_len=100, too_long="skip"), seed=0)
-    assert "leaving out the" in capsys.readouterr().out
+    assert "leaving out the" in farsight_log.text
     assert all((source.train_batch(s, 0, 0)["labels"] != -100).sum(1).max() <= 100 for s in range(5))
     with pytest.raises(ConfigError, match="batch_tokens"):
         build_batch_source(sft_data(sft_dir, batch_tokens=100), seed=0)

@@ -213,6 +213,7 @@ def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_dire
     assert sorted(p.name for p in out.iterdir()) == [
         "checksums.json",
         "config.json",
+        "farsight_hf.py",
         "model.safetensors",
         "tokenizer.json",
     ]

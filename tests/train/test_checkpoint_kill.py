@@ -31,7 +31,7 @@ sys.exit(main(["train", *sys.argv[4:]]))
 KILL_POINTS = [
     ("safetensors.torch", "save_file", 3),
     ("farsight.train.checkpoint", "_write_state", 2),
-    ("farsight.train.checkpoint", "sha256_file", 13),  # 5 files checked on resume, 5 per checkpoint
+    ("farsight.train.checkpoint", "sha256_file", 15),  # 6 files checked on resume, 6 per checkpoint
     ("farsight.train.checkpoint", "_fsync_dir", 2),
     ("shutil", "rmtree", 2),
 ]

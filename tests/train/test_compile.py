@@ -106,7 +106,7 @@ def test_compile_setting_is_checked(token_dir, tmp_path):
         tiny_config(token_dir, tmp_path, compile="yes")
 
 
-def test_auto_leaves_supervised_batches_of_varying_width_eager(sft_dir, tmp_path, capsys):
+def test_auto_leaves_supervised_batches_of_varying_width_eager(sft_dir, tmp_path, farsight_log):
     trainer = Trainer(tiny_sft_config(sft_dir, tmp_path / "run", steps=AUTO_MIN_STEPS, compile="auto"))
     assert trainer.compiled is None
     step = trainer._train_step
@@ -119,7 +119,7 @@ def test_auto_leaves_supervised_batches_of_varying_width_eager(sft_dir, tmp_path
     trainer._train_step = step_then_ctrl_c
     assert trainer.fit().status == "interrupted"
     trainer.close()
-    assert "not compiling (train.compile=auto): batch shapes vary" in capsys.readouterr().out
+    assert "not compiling (train.compile=auto): batch shapes vary" in farsight_log.text
 
 
 def test_resume_with_compile_is_bit_identical(token_dir, tmp_path):
@@ -146,7 +146,7 @@ def test_resume_with_compile_is_bit_identical(token_dir, tmp_path):
         assert step_a == step_b and abs(a - b) <= 1e-6 * abs(b)
 
 
-def test_a_failing_compilation_trains_eagerly_after_one_note(token_dir, tmp_path, monkeypatch, capsys):
+def test_a_failing_compilation_trains_eagerly_after_one_note(token_dir, tmp_path, monkeypatch, farsight_log):
     import farsight.train.compile as compile_module
 
     def broken(fn, **kwargs):
@@ -157,8 +157,7 @@ def test_a_failing_compilation_trains_eagerly_after_one_note(token_dir, tmp_path
 
     monkeypatch.setattr(compile_module.torch, "compile", broken)
     result = train(tiny_config(token_dir, tmp_path / "run", compile=True))
-    out = capsys.readouterr().out
-    notes = [line for line in out.splitlines() if line.startswith("note: torch.compile failed")]
+    notes = [line for line in farsight_log.messages if line.startswith("note: torch.compile failed")]
     assert notes == [
         "note: torch.compile failed (RuntimeError: no C++ compiler found); training eagerly "
         "(set train.compile=false to skip compiling)"

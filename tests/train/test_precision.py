@@ -37,14 +37,14 @@ MODELS = {
 }
 
 
-def train_kind(token_dir, out_dir, kind, precision, capsys):
+def train_kind(token_dir, out_dir, kind, precision, farsight_log):
     config = tiny_config(token_dir, out_dir, steps=8, precision=precision)
     config.model = dict(MODELS[kind])
     result = train(config)
     losses = [loss for _, loss in result.losses]
     assert all(math.isfinite(loss) for loss in losses) and len(losses) == 8
     assert losses[-1] < losses[0] - 0.3, losses
-    assert f"training in {precision} on cpu" in capsys.readouterr().out
+    assert f"training in {precision} on cpu" in farsight_log.text
     records = [r for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(records) == 8 and all(r["precision"] == precision for r in records)
     assert load_trainer_state(result.checkpoint)["precision"] == precision
@@ -55,15 +55,15 @@ def train_kind(token_dir, out_dir, kind, precision, capsys):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", ["causal", "sliding"])
-def test_causal_and_sliding_train_in_every_precision(token_dir, tmp_path, capsys, kind, precision):
-    records = train_kind(token_dir, tmp_path / "run", kind, precision, capsys)
+def test_causal_and_sliding_train_in_every_precision(token_dir, tmp_path, farsight_log, kind, precision):
+    records = train_kind(token_dir, tmp_path / "run", kind, precision, farsight_log)
     assert ({"loss_scale", "skipped_steps"} <= set(records[-1])) == (precision == "fp16-mixed")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("kind", ["castle", "castle-swl", "drt"])
-def test_castle_and_drt_train_in_every_precision(token_dir, tmp_path, capsys, kind, precision):
-    train_kind(token_dir, tmp_path / "run", kind, precision, capsys)
+def test_castle_and_drt_train_in_every_precision(token_dir, tmp_path, farsight_log, kind, precision):
+    train_kind(token_dir, tmp_path / "run", kind, precision, farsight_log)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

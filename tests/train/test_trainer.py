@@ -144,6 +144,24 @@ def test_resume_restores_the_rng_so_a_gumbel_drt_trains_bit_identically(token_di
     assert dict(first.losses) | dict(resumed.losses) == dict(straight.losses)  # exact equality
 
 
+def test_activation_checkpointing_recomputes_the_blocks_and_trains_a_gumbel_drt_the_same(token_dir, tmp_path):
+    def drt_config(out, **train):
+        config = tiny_config(token_dir, out, steps=3, **train)
+        config.model = dict(GUMBEL_DRT)
+        return config
+
+    plain = Trainer(drt_config(tmp_path / "a")).fit()
+    trainer = Trainer(drt_config(tmp_path / "b", activation_checkpointing=True))
+    calls = []
+    blocks = [*trainer.model.lower, *trainer.model.encoder, *trainer.model.upper]
+    for block in blocks:
+        block.register_forward_pre_hook(lambda *_: calls.append(1) if torch.is_grad_enabled() else None)
+    checkpointed = trainer.fit()
+    assert len(calls) == 2 * 3 * len(blocks)  # each block twice a step: again, recomputed, in the backward
+    for (step, loss), (plain_step, plain_loss) in zip(checkpointed.losses, plain.losses, strict=True):
+        assert step == plain_step and loss == pytest.approx(plain_loss, rel=1e-6)
+
+
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)` has been overridden")  # the test wraps it
 def test_grad_accumulation_averages_micro_batch_gradients(token_dir, tmp_path):
     import copy
@@ -212,14 +230,14 @@ def test_a_same_size_corruption_is_caught_by_the_checksum_on_resume(token_dir, t
         train(tiny_config(token_dir, tmp_path / "c", steps=4))
 
 
-def test_a_finished_run_is_left_as_it_is_without_its_trainer_state(token_dir, tmp_path, capsys):
+def test_a_finished_run_is_left_as_it_is_without_its_trainer_state(token_dir, tmp_path, farsight_log):
     train(tiny_config(token_dir, tmp_path / "f", steps=2))
     last = tmp_path / "f" / "checkpoints" / "step_00000002"
     (last / "trainer_state.safetensors").unlink()  # as shipped runs are committed: weights only
     (last / "trainer_state.json").unlink()
     result = train(tiny_config(token_dir, tmp_path / "f", steps=2))
     assert (result.status, result.step, result.checkpoint) == ("completed", 2, last)
-    assert "is at step 2: nothing to train" in capsys.readouterr().out
+    assert "is at step 2: nothing to train" in farsight_log.text
 
 
 def test_a_weights_only_run_cannot_be_continued_and_says_how_to_train_on(token_dir, tmp_path):
@@ -232,14 +250,14 @@ def test_a_weights_only_run_cannot_be_continued_and_says_how_to_train_on(token_d
     assert train(tiny_config(token_dir, tmp_path / "w2", steps=1, init_from=str(last))).status == "completed"
 
 
-def test_a_run_continued_past_its_configs_steps_is_left_as_it_is(token_dir, tmp_path, capsys):
+def test_a_run_continued_past_its_configs_steps_is_left_as_it_is(token_dir, tmp_path, farsight_log):
     train(tiny_config(token_dir, tmp_path / "r", steps=2))
     train(tiny_config(token_dir, tmp_path / "r", steps=4))  # continued, as with --set train.steps=4
     recorded = (tmp_path / "r" / "config.yaml").read_text()
     metrics = (tmp_path / "r" / "metrics.jsonl").read_text()
     result = train(tiny_config(token_dir, tmp_path / "r", steps=2))  # the config as written, run again
     assert (result.status, result.step, result.checkpoint.name) == ("completed", 4, "step_00000004")
-    assert "is at step 4, past train.steps=2: nothing to train" in capsys.readouterr().out
+    assert "is at step 4, past train.steps=2: nothing to train" in farsight_log.text
     assert (tmp_path / "r" / "config.yaml").read_text() == recorded and "steps: 4" in recorded
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == metrics
 
@@ -271,24 +289,25 @@ def test_init_from_starts_with_the_source_weights(token_dir, tmp_path):
         Trainer(other_type)
 
 
-def test_init_from_is_read_only_when_a_run_starts(token_dir, tmp_path, capsys):
+def test_init_from_is_read_only_when_a_run_starts(token_dir, tmp_path, farsight_log):
     """A finished or resumed run keeps its own weights and never reads init_from (its source may be
     gone); --restart reads it again and trains exactly as a fresh run does."""
     train(tiny_config(token_dir, tmp_path / "source", steps=2))
     tuned = tiny_config(token_dir, tmp_path / "tuned", steps=2, init_from=str(tmp_path / "source"))
     train(tuned)
-    assert "initialised the weights" in capsys.readouterr().out
+    assert "initialised the weights" in farsight_log.text
+    farsight_log.clear()
     fresh = load_model(tmp_path / "tuned")
     (tmp_path / "source").rename(tmp_path / "moved")
     assert train(tuned).status == "completed"
-    out = capsys.readouterr().out
-    assert "nothing to train" in out and "initialised" not in out
+    assert "nothing to train" in farsight_log.text and "initialised" not in farsight_log.text
     with pytest.raises(Exception, match="neither a model directory .* nor a training run"):
         train(tuned, resume=False)  # the source is read before anything is removed
     assert (tmp_path / "tuned" / "checkpoints" / "step_00000002").is_dir()
     (tmp_path / "moved").rename(tmp_path / "source")
+    farsight_log.clear()
     assert train(tuned, resume=False).status == "completed"
-    assert "initialised the weights" in capsys.readouterr().out
+    assert "initialised the weights" in farsight_log.text
     for name, tensor in load_model(tmp_path / "tuned").state_dict().items():
         assert torch.equal(tensor, fresh.state_dict()[name]), name
 
@@ -475,7 +494,7 @@ def test_needle_training_logs_answer_accuracy_and_lm_training_does_not(token_dir
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("model", ["sliding", "drt"])
-def test_supervised_examples_train_and_log_completion_accuracy(sft_dir, tmp_path, capsys, precision, model):
+def test_supervised_examples_train_and_log_completion_accuracy(sft_dir, tmp_path, farsight_log, precision, model):
     config = tiny_sft_config(sft_dir, tmp_path / "run", steps=3, eval_interval=3, precision=precision)
     if model == "drt":
         config.model = {"type": "drt", "d_model": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 8, "window": 16}
@@ -483,7 +502,7 @@ def test_supervised_examples_train_and_log_completion_accuracy(sft_dir, tmp_path
         config.model |= {"attention": "sliding", "window": 16}
     result = train(config)
     assert result.status == "completed" and all(math.isfinite(loss) for _, loss in result.losses)
-    assert f"training in {precision} on cpu" in capsys.readouterr().out
+    assert f"training in {precision} on cpu" in farsight_log.text
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if "val_loss" in r][-1]
     assert math.isfinite(val["val_loss"]) and 0 <= val["val_answer_exact"] <= val["val_answer_token_acc"] <= 1

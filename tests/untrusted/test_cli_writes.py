@@ -148,6 +148,18 @@ def foreign_tokenizer(name: str) -> Callable[[Env], None]:
     return setup
 
 
+def tokenizer_folder(name: str) -> Callable[[Env], None]:
+    """A folder holding a tokenizer.json alone, as `farsight data train-tokenizer` writes it."""
+
+    def setup(env: Env) -> None:
+        TOK.save(env.root / name)
+
+    return setup
+
+
+SFT = "".join(json.dumps({"prompt": f"question {i}?", "completion": f" answer {i}"}) + "\n" for i in range(8))
+
+
 def disk_full_in(target: str, attribute: str) -> Callable[[Env], None]:
     """`target.attribute` (a function that writes) fails with ENOSPC."""
 
@@ -324,6 +336,81 @@ CASES = [
         foreign_tokenizer("model"),
         export("{model}", "{root}/out"),
         r"tokenizer\.json has 50,259 tokens but the model in .* has a vocabulary of 300.*own tokenizer\.json",
+    ),
+    Case(
+        "export onto a dataset",
+        nothing,
+        export("{model}", "{root}/corpus"),
+        r"corpus exists and is not a model directory \(it holds a prepared dataset\); export to a new or empty folder",
+    ),
+    # ---- every command that writes a folder: a dataset replaces a dataset, anything else needs --force
+    Case(
+        "data prepare onto a model",
+        nothing,
+        command("data", "prepare", "--source", "{root}/docs", "--out", "{root}/model"),
+        r"^error: --out .*/model holds a model, not a prepared dataset, and writing there would replace or mix with "
+        r"its files; pass a new or empty folder, or --force \(overwrite=True\) to write there anyway$",
+    ),
+    Case(
+        "data prepare onto a model, --force",
+        nothing,
+        command("data", "prepare", "--source", "{root}/docs", "--out", "{root}/model", "--force"),
+        None,
+        keeps=prepared("model", 4),
+    ),
+    Case(
+        "data prepare onto a trained tokenizer",
+        tokenizer_folder("tok"),
+        command("data", "prepare", "--source", "{root}/docs", "--out", "{root}/tok"),
+        r"--out .*/tok holds a tokenizer, not a prepared dataset",
+    ),
+    Case(
+        "data prepare onto a run",
+        nothing,
+        command("data", "prepare", "--source", "{root}/docs", "--out", "{root}/run"),
+        r"--out .*/run holds a training run, not a prepared dataset",
+    ),
+    Case(
+        "data prepare onto a folder of notes",
+        write("notes/todo.txt", "mine"),
+        command("data", "prepare", "--source", "{root}/docs", "--out", "{root}/notes"),
+        r"--out .*/notes holds other files \(todo\.txt\), not a prepared dataset",
+    ),
+    Case(
+        "data prepare-sft onto a model",
+        write("sft.jsonl", SFT),
+        command("data", "prepare-sft", "--source", "{root}/sft.jsonl", "--out", "{root}/model"),
+        r"--out .*/model holds a model, not a prepared dataset",
+    ),
+    Case(
+        "data train-tokenizer onto a model",
+        nothing,
+        command("data", "train-tokenizer", "--source", "{root}/docs", "--vocab-size", "270", "--out", "{root}/model"),
+        r"--out .*/model holds a model, not a tokenizer",
+    ),
+    Case(
+        "data train-tokenizer onto a dataset",
+        nothing,
+        command("data", "train-tokenizer", "--source", "{root}/docs", "--vocab-size", "270", "--out", "{root}/corpus"),
+        r"--out .*/corpus holds a prepared dataset, not a tokenizer",
+    ),
+    Case(
+        "passkey --export-choice onto a model",
+        nothing,
+        command(*PASSKEY, "--lengths", "200", "--export-choice", "{root}/model"),
+        r"--export-choice .*/model holds a model, not exported lm-eval tasks",
+    ),
+    Case(
+        "ruler --export onto a folder of notes",
+        write("notes/todo.txt", "mine"),
+        command("eval", "ruler", "--tasks", "vt", "--lengths", "1k", "--tokenizer", "byte", "--export", "{root}/notes"),
+        r"--export .*/notes holds other files \(todo\.txt\), not exported lm-eval tasks",
+    ),
+    Case(
+        "demo --out onto a dataset",
+        nothing,
+        command("demo", "--model", "{root}/drt", "--out", "{root}/corpus"),
+        r"--out .*/corpus holds a prepared dataset, not demo results",
     ),
     # ---- a model and its tokenizer ----------------------------------------------------------------
     Case(
@@ -534,6 +621,51 @@ def test_cli_case(case: Case, fixture_root: Path, tmp_path: Path, monkeypatch, c
         case.keeps(env)
     elif case.error is not None or case.code:
         assert snapshot(env.root) == before  # nothing lost, changed or left behind
+
+
+LOCKED_WRITES = {
+    "data prepare": ("data", "prepare", "--source", "{root}/docs", "--out", "{out}"),
+    "data prepare-sft": ("data", "prepare-sft", "--source", "{root}/sft.jsonl", "--out", "{out}"),
+    "data train-tokenizer": (
+        "data",
+        "train-tokenizer",
+        "--source",
+        "{root}/docs",
+        "--vocab-size",
+        "270",
+        "--out",
+        "{out}",
+    ),
+    "export": ("export", "{root}/model", "{out}"),
+    "ruler --export": ("eval", "ruler", "--tasks", "vt", "--lengths", "1k", "--tokenizer", "byte", "--export", "{out}"),
+    "passkey --export-choice": (*PASSKEY, "--lengths", "200", "--export-choice", "{out}"),
+}
+
+
+@pytest.mark.parametrize("argv", LOCKED_WRITES.values(), ids=LOCKED_WRITES.keys())
+def test_a_folder_another_process_writes_is_refused_in_one_line(
+    argv: tuple[str, ...], fixture_root: Path, tmp_path: Path, capsys
+) -> None:
+    """While a folder is being written (its lock held, here by this process), a second command
+    writing it is refused naming the writer, and leaves everything as it was."""
+    from farsight.files import folder_lock
+
+    root = tmp_path / "w"
+    shutil.copytree(fixture_root, root, symlinks=True)
+    (root / "sft.jsonl").write_text(SFT)
+    out = root / "out"
+    with folder_lock(out, "farsight data prepare"):
+        before = snapshot(root)
+        capsys.readouterr()
+        assert main([a.format(root=root, out=out) for a in argv]) == 2
+        err = messages(capsys.readouterr().err)
+        assert snapshot(root) == before
+    assert len(err) == 1 and re.match(
+        rf"error: {re.escape(str(out))} is being written by farsight data prepare \(pid {os.getpid()} on .*, since .*\); "
+        r"wait for it to end, or \w+",
+        err[0],
+    ), err
+    assert snapshot(root) == {k: v for k, v in before.items() if k != ".out.lock"}
 
 
 def test_an_exported_task_folder_runs_where_it_is_moved_and_an_old_one_says_to_export_again(

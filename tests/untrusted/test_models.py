@@ -151,6 +151,7 @@ def export_writes_a_record(ctx: Ctx) -> None:
     assert sorted(os.listdir(ctx["tmp"] / "out")) == [
         "checksums.json",
         "config.json",
+        "farsight_hf.py",
         "model.safetensors",
         "tokenizer.json",
     ]

@@ -50,11 +50,20 @@ class NeedleBatchConfig(ConfigBase):
         return list(self.mix) if self.mix else [self.task]
 
     def validate(self) -> None:
+        if self.mix is not None:
+            require(
+                isinstance(self.mix, dict) and bool(self.mix),
+                f"data.mix must map each task to its weight (e.g. {{passkey: 1, vt: 1}}), got {self.mix!r}; "
+                "remove it to train data.task",
+            )
         names = self.task_names()
         for name in names:
             require(name in known_tasks(), f"data.task {name!r} is unknown; choose from {', '.join(known_tasks())}")
-        if self.mix:
-            require(all(w > 0 for w in self.mix.values()), "data.mix weights must be > 0")
+        if self.mix is not None:
+            require(
+                all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in self.mix.values()),
+                f"data.mix weights must be numbers > 0, got {self.mix!r}",
+            )
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
         require(
             self.filler == "repeat" or bool(self.corpus),
@@ -172,11 +181,11 @@ class NeedleBatches:
         )
         return task
 
-    def fingerprint(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str]:
         """What the batches are drawn from beyond the config: the corpus's token files, if any."""
-        from farsight.data.token_files import dataset_fingerprint
+        from farsight.data.token_files import dataset_digest
 
-        return {"data.corpus": dataset_fingerprint(self.config.corpus)} if self.config.corpus else {}
+        return {"data.corpus": dataset_digest(self.config.corpus)} if self.config.corpus else {}
 
     def _batch(self, split: str, length: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
         n = max(1, self.config.batch_tokens // length)

@@ -1,0 +1,94 @@
+"""Config files that say one thing and would do another: a section left empty (its fields
+commented out) keeps the base's values, an explicit null resets, and a file or section that is
+not a mapping is refused in one line, with or without --set."""
+
+import pytest
+
+from farsight.cli import main
+from farsight.config import ConfigError
+from farsight.data.tasks.training import NeedleBatchConfig
+from farsight.train.config import apply_overrides, load_train_config
+
+BASE = (
+    "model: {type: transformer, d_model: 32}\n"
+    "data: {path: d, seq_len: 64}\n"
+    "optim: {lr: 0.01}\n"
+    "train: {steps: 5, out_dir: runs/a, log_interval: 1}\n"
+)
+
+
+@pytest.fixture
+def base(tmp_path):
+    (tmp_path / "base.yaml").write_text(BASE)
+    return tmp_path / "base.yaml"
+
+
+def test_an_empty_section_keeps_the_base_values_and_takes_overrides(base):
+    child = base.with_name("child.yaml")
+    child.write_text("base: base.yaml\ntrain:\n#  steps: 10\noptim:\n")
+    config = load_train_config(child)
+    assert (config.train.steps, config.train.out_dir, config.train.log_interval) == (5, "runs/a", 1)
+    assert config.optim.lr == 0.01
+    config = load_train_config(child, ["train.steps=3"])
+    assert (config.train.steps, config.train.out_dir) == (3, "runs/a")
+
+
+def test_an_explicit_null_section_resets_to_the_defaults_and_takes_overrides(base):
+    child = base.with_name("child.yaml")
+    child.write_text("base: base.yaml\ntrain: null\n")
+    config = load_train_config(child, ["train.steps=3"])
+    assert (config.train.steps, config.train.out_dir) == (3, "runs/default")
+
+
+def test_an_empty_mapping_inside_a_section_keeps_the_base_one(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "model: {type: drt}\ndata: {kind: needle, filler: repeat, mix: {passkey: 1, vt: 2}}\n"
+    )
+    child = tmp_path / "child.yaml"
+    child.write_text("base: base.yaml\ndata:\n  mix:\n  #  passkey: 1\n")
+    assert load_train_config(child).data["mix"] == {"passkey": 1, "vt": 2}
+    child.write_text("base: base.yaml\ndata:\n  mix: null\n")  # explicit: train data.task alone
+    assert load_train_config(child).data["mix"] is None
+
+
+def test_an_empty_mix_is_refused():
+    with pytest.raises(ConfigError, match=r"data\.mix must map each task to its weight"):
+        NeedleBatchConfig.from_dict({"mix": {}, "filler": "repeat"}, where="data")
+    with pytest.raises(ConfigError, match=r"data\.mix must map each task to its weight"):
+        NeedleBatchConfig.from_dict({"mix": ["passkey"], "filler": "repeat"}, where="data")
+
+
+@pytest.mark.parametrize("section", ["optim: []", "train: 0", "optim: ''", "model: [transformer]"])
+def test_a_section_that_is_not_a_mapping_is_refused(base, section):
+    child = base.with_name("child.yaml")
+    child.write_text(f"base: base.yaml\n{section}\n")
+    name = section.split(":")[0]
+    with pytest.raises(ConfigError, match=rf"child\.yaml: section '{name}' must be a mapping"):
+        load_train_config(child)
+
+
+@pytest.mark.parametrize("text, kind", [("- a\n- b\n", "a list"), ("hello\n", "a string"), ("3\n", "a number")])
+def test_a_config_that_is_not_a_mapping_is_one_line_with_or_without_set(tmp_path, capsys, text, kind):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    for extra in ([], ["--set", "train.steps=3"]):
+        assert main(["train", str(path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {path} holds {kind}, not a mapping") and len(err.splitlines()) == 1
+    (tmp_path / "child.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match=rf"child\.yaml: its base .*c\.yaml holds {kind}"):
+        load_train_config(tmp_path / "child.yaml")
+    with pytest.raises(ConfigError, match="--set needs a config that is a mapping"):
+        apply_overrides(["a"], ["train.steps=3"])
+
+
+def test_an_empty_config_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml is empty; write the sections"):
+        load_train_config(path)
+
+
+def test_set_fills_a_null_section_or_mapping():
+    raw = apply_overrides({"train": None, "data": {"mix": None}}, ["train.steps=3", "data.mix.vt=1"])
+    assert raw == {"train": {"steps": 3}, "data": {"mix": {"vt": 1}}}
