@@ -179,6 +179,7 @@ def _ddp_worker(rank, port, token_dir, out_dir, result_dir):
     trainer.close()
 
 
+@pytest.mark.slow  # two processes compiling; DDP and compile are each checked in the default run
 def test_ddp_with_compile_keeps_identical_parameters(token_dir, tmp_path):
     import socket
 
