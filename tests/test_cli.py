@@ -120,3 +120,18 @@ def test_a_bf16_command_widens_the_products_this_cpu_lacks(native, monkeypatch, 
     widened_ops.clear()
     assert main(["generate", "--model", model, "--prompt", "def f(x):", "--max-new-tokens", "3"]) == 0  # fp32
     assert not widened_ops
+
+
+def test_output_cut_short_by_its_reader_is_no_error(tmp_path):
+    """`farsight ... | head`: the reader closes the pipe; no traceback, the shell's SIGPIPE status."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text("some text " * 50)
+    data = tmp_path / "data"
+    assert main(["data", "prepare", "-q", "--source", str(docs), "--tokenizer", "byte", "--out", str(data)]) == 0
+    script = "import sys; from farsight.cli import main; sys.exit(main(['data', 'info', sys.argv[1]]))"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(data)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # as `head` does once it has read enough
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

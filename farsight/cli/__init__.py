@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -94,6 +95,7 @@ def configure_output(verbosity: int) -> None:
 
 
 EXIT_INTERRUPTED = 130  # what a shell reports for a command stopped by Ctrl-C (128 + SIGINT)
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command whose reader closed the pipe (128 + SIGPIPE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of the output went away (`farsight data info DIR | head`): nothing to report;
+        # stdout goes to /dev/null so that the interpreter's final flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except OSError as exc:
         if args.traceback or exc.errno not in WRITE_FAILURES:
             raise
