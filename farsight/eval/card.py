@@ -255,7 +255,8 @@ def model_card(
         "",
         "```python",
         "from farsight.models import load_model",
-        f"model = load_model('{name}')  # the files are checked against checksums.json",
+        "",
+        f'model = load_model("{name}")  # the files are checked against checksums.json',  # as ruff formats it
         "```",
         "",
     ]

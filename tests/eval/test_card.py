@@ -1,6 +1,8 @@
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -208,6 +210,23 @@ def test_export_casts_the_weights_writes_the_card_and_replaces_only_a_model_dire
         if name in source:
             assert tensor.dtype == torch.float32 and torch.equal(tensor, source[name].to(torch.bfloat16).float()), name
     assert (out / "README.md").read_text().startswith("# exported\n")
+    # a card committed beside the code passes the repository's formatter (ruff formats its Python blocks)
+    ruff = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "format",
+            "--check",
+            "--no-cache",
+            "--line-length",
+            "120",
+            str(out / "README.md"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
     # exported again without a card: the directory is replaced whole, no stale README.md
     assert main(["export", str(ft), str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
