@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from farsight.files import sha256_file
+
 START = time.monotonic()
 PART_BYTES = 15 << 20  # each payload part: under the 16 MiB a returned file may have
 RETURN_BYTES = 64 << 20  # all returned files together
@@ -62,14 +64,6 @@ def say(message: str) -> None:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- the corpus -------------------------------------------------------------------------------

@@ -347,14 +347,7 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
                 )
         if input_ids is None:
             raise InputError("forward needs input_ids [batch, tokens]")
-        input_ids = self.model.check_input_ids(input_ids)
-        tokens = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
-        _check_positions(position_ids, cache_position, tokens, input_ids)
-        # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
-        with widened_matmuls(self.device, self.dtype):
-            logits = self._padded_logits(input_ids, tokens)
+        input_ids, tokens, logits = self._run(input_ids, attention_mask, position_ids, cache_position)
         loss = None
         if labels is not None:
             labels = labels.to(logits.device)
@@ -371,6 +364,26 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
             logits = logits[:, logits_to_keep.to(logits.device)]
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
         return out.to_tuple() if return_dict is False else out
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache_position: torch.Tensor | None,
+        hidden: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """What forward and the body share: input_ids checked, `tokens` [B, T] marking each row's
+        tokens (None: all; `token_runs`), the positions checked against them, then the logits
+        [B, T, V] (or, with `hidden`, the final norm's output [B, T, D]) of `_padded_logits`."""
+        input_ids = self.model.check_input_ids(input_ids)
+        tokens = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
+        _check_positions(position_ids, cache_position, tokens, input_ids)
+        # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
+        with widened_matmuls(self.device, self.dtype):
+            return input_ids, tokens, self._padded_logits(input_ids, tokens, hidden)
 
     def _padded_logits(
         self, input_ids: torch.Tensor, tokens: torch.Tensor | None, hidden: bool = False
@@ -542,14 +555,7 @@ class FarsightBackbone:
             raise InputError(f"the model's body got arguments farsight does not take: {unused}; remove them")
         if input_ids is None:
             raise InputError("the model's body needs input_ids [batch, tokens]")
-        wrapper = self.wrapper
-        input_ids = wrapper.model.check_input_ids(input_ids)
-        tokens = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
-        _check_positions(position_ids, cache_position, tokens, input_ids)
-        with widened_matmuls(wrapper.device, wrapper.dtype):
-            hidden = wrapper._padded_logits(input_ids, tokens, hidden=True)
+        *_, hidden = self.wrapper._run(input_ids, attention_mask, position_ids, cache_position, hidden=True)
         out = BaseModelOutput(last_hidden_state=hidden)
         return out.to_tuple() if return_dict is False else out
 

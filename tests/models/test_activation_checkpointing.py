@@ -1,6 +1,7 @@
 """Activation checkpointing (PretrainedLM.set_activation_checkpointing): every block of every
 model kind is recomputed in the backward, and the loss and every parameter's gradient are those
-of the plain forward, in fp32 and in training mode (DRT's Gumbel noise and random retrieval on)."""
+of the plain forward, in fp32 and in training mode (DRT's Gumbel noise and random retrieval on),
+and within bf16's rounding under autocast and in pure bf16."""
 
 import pytest
 import torch
@@ -154,3 +155,28 @@ def test_randomness_inside_a_block_is_replayed_in_the_recomputation():
     torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain_grads[name], rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["autocast-bf16", "bf16"])
+@pytest.mark.parametrize("kind", ["sliding", "castle", "drt-gumbel"])
+def test_checkpointed_low_precision_steps_equal_the_plain_ones(kind, precision):
+    """Under bf16 autocast and with bf16 weights the recomputed blocks run in the same precision
+    as the first forward: loss and gradients equal the plain step's within bf16's rounding."""
+    model = build(kind)
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+    ids = torch.randint(0, V - 4, (2, 31), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"):
+            return loss_and_grads(model, ids)
+
+    plain_loss, plain_grads, _, _ = step()
+    model.set_activation_checkpointing(True)
+    loss, grads, calls, _ = step()
+    assert all(n == 2 for n in calls)
+    torch.testing.assert_close(loss.float(), plain_loss.float(), rtol=2e-2, atol=1e-3)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == plain_grads[name].dtype, name
+        torch.testing.assert_close(grad.float(), plain_grads[name].float(), rtol=5e-2, atol=5e-3, msg=name)
