@@ -31,6 +31,7 @@ from farsight.eval.efficiency import format_table
 POINTER_DTYPE_ARGS = ("QU", "KU", "VU", "QC", "KC", "VC", "Snap", "dO", "dQU", "dKC", "dVC", "Q", "K", "V", "Out", "dQ")
 FP32_ARGS = ("Dsum", "Lse", "Acc", "M", "L", "Delta", "dQC", "dVU", "dKU", "Weight", "dK", "dV", "dWPart", "RowTerm")
 INT64_ARGS = ("KeyMask", "Index", "Slots", "Offsets")
+INT32_ARGS = ("DocStart", "DocEnd")  # CASTLE's per-token document bounds (packed rows)
 
 
 def signature(fn, dtype: str, constexprs: dict) -> dict:
@@ -43,6 +44,8 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
             return "*fp32"
         if name in INT64_ARGS:
             return "*i64"
+        if name in INT32_ARGS:
+            return "*i32"
         return "fp32" if name == "scale" else "i32"
 
     return {name: kind(name) for name in fn.arg_names}
@@ -81,7 +84,7 @@ def resources(kernel, dtype: str, constexprs: dict, warps: int, stages: int, arc
 
 def cases(dim: int) -> list[tuple[str, object, dict, list[tuple[int, int]]]]:
     block = 64 if dim <= 64 else 32
-    castle = dict(HAS_WINDOW=False, PREC="ieee", BLOCK=block, BLOCK_D=dim)
+    castle = dict(HAS_WINDOW=False, HAS_DOCS=False, PREC="ieee", BLOCK=block, BLOCK_D=dim)
     castle_backward = {**castle, "BLOCK": castle_kernels.backward_block(block, dim)}
     gca = dict(HAS_KEY_MASK=False, DOT_PRECISION="ieee", BLOCK_Q=64, TAIL=16, BLOCK_S=64, BLOCK_D=dim)
     return [

@@ -439,6 +439,33 @@ def summarize_overall() -> list[str]:
     return lines
 
 
+PACKING_MODELS = ("drt-x1", "baselm")
+
+
+@table("packing", "results/packing/{drt-x1,baselm}.json")
+def packing() -> list[str]:
+    lines = header(
+        "model", "batches", "positions", "real tokens", "padding", "examples", "real tokens/s", "packed / padded"
+    )
+    for model in PACKING_MODELS:
+        result = record(f"results/packing/{model}.json")
+        for entry in result["results"]:
+            ratio = result["packed_over_padded_real_tokens_per_s"] if entry["batches"] == "packed" else None
+            lines.append(
+                row(
+                    code(model),
+                    entry["batches"],
+                    f"{entry['positions']:,}",
+                    f"{entry['real tokens']:,}",
+                    f"{100 * entry['padding']:.1f}%",
+                    str(entry["examples"]),
+                    f"{entry['real tokens/s']:,.0f}",
+                    "" if ratio is None else f"{ratio:.2f}x",
+                )
+            )
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 

@@ -24,8 +24,10 @@ from farsight.errors import ConfigError, InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
 from farsight.models.io import stored_dtype
+from farsight.models.lm import packed_labels
 from farsight.models.registry import load_model_tokenizer
 from farsight.models.session import check_left_padding
+from farsight.ops.documents import check_document_ids, document_ids_from_positions, document_starts
 from farsight.ops.precision import widened_matmuls
 
 # arguments the Auto classes and the Hub API pass to `from_pretrained`; a local directory needs none
@@ -324,12 +326,16 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         positions get zero logits and are no loss target, nor is a row's first token.
 
         forward keeps no cache: `use_cache` is accepted and `past_key_values` is always None
-        (use generate() or model.model.new_session() to continue a sequence); `position_ids` and
-        `cache_position` are taken when they count each row's tokens from 0, what they are when
-        left unset. `logits_to_keep` (an int: the last n positions, 0 for all; or a tensor of
+        (use generate() or model.model.new_session() to continue a sequence); `cache_position` is
+        taken when it counts 0..T-1. `position_ids` count each row's tokens from 0 (what they are
+        when left unset) or restart at 0 where a new sequence begins inside a row: the
+        padding-free convention of `DataCollatorWithFlattening` and TRL's `padding_free=True`,
+        under which each sequence attends only to itself and its first token is no target, as if
+        it had a row of its own (farsight's `document_ids`). `logits_to_keep` (an int: the last n positions, 0 for all; or a tensor of
         positions) trims the logits returned; the loss reads them all. `return_dict=False` gives
         the tuple (loss, logits) (loss only with labels). Anything else is refused.
         """
+        packing = {name: kwargs.pop(name) for name in PACKED_SEQUENCE_KWARGS if name in kwargs}
         if kwargs:
             raise InputError(f"forward got arguments farsight does not take: {sorted(kwargs)}; remove them")
         if inputs_embeds is not None:
@@ -347,10 +353,12 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
                 )
         if input_ids is None:
             raise InputError("forward needs input_ids [batch, tokens]")
-        input_ids, tokens, logits = self._run(input_ids, attention_mask, position_ids, cache_position)
+        input_ids, tokens, logits, document_ids = self._run(
+            input_ids, attention_mask, position_ids, cache_position, packing=packing
+        )
         loss = None
         if labels is not None:
-            labels = labels.to(logits.device)
+            labels = packed_labels(labels.to(logits.device), document_ids)
             if tokens is not None:  # a target counts when it and the position predicting it are tokens
                 targets = tokens.clone()
                 targets[:, 1:] &= tokens[:, :-1]
@@ -372,30 +380,41 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         position_ids: torch.Tensor | None,
         cache_position: torch.Tensor | None,
         hidden: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        packing: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """What forward and the body share: input_ids checked, `tokens` [B, T] marking each row's
         tokens (None: all; `token_runs`), the positions checked against them, then the logits
-        [B, T, V] (or, with `hidden`, the final norm's output [B, T, D]) of `_padded_logits`."""
+        [B, T, V] (or, with `hidden`, the final norm's output [B, T, D]) of `_padded_logits`, and
+        the document ids [B, T] of packed rows (None when no position restarts). `packing`: the
+        sequence boundaries a padding-free collator adds (PACKED_SEQUENCE_KWARGS), which must
+        agree with the positions."""
         input_ids = self.model.check_input_ids(input_ids)
         tokens = None
         if attention_mask is not None and not bool(attention_mask.all()):
             tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
-        _check_positions(position_ids, cache_position, tokens, input_ids)
+        document_ids = _check_positions(position_ids, cache_position, tokens, input_ids)
+        document_ids = _check_sequence_boundaries(packing or {}, document_ids, input_ids)
         # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
         with widened_matmuls(self.device, self.dtype):
-            return input_ids, tokens, self._padded_logits(input_ids, tokens, hidden)
+            return input_ids, tokens, self._padded_logits(input_ids, tokens, hidden, document_ids), document_ids
 
     def _padded_logits(
-        self, input_ids: torch.Tensor, tokens: torch.Tensor | None, hidden: bool = False
+        self,
+        input_ids: torch.Tensor,
+        tokens: torch.Tensor | None,
+        hidden: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, V] of input_ids with `tokens` [B, T] (None: all) marking each row's tokens;
-        with `hidden`, the final norm's output [B, T, D] instead (`FarsightBackbone`)."""
+        """Logits [B, T, V] of input_ids with `tokens` [B, T] (None: all) marking each row's tokens
+        and `document_ids` [B, T] its packed sequences (None: one); with `hidden`, the final norm's
+        output [B, T, D] instead (`FarsightBackbone`)."""
 
-        def run(ids: torch.Tensor) -> torch.Tensor:
-            return self.model(ids, return_hidden=True).hidden if hidden else self.model(ids).logits
+        def run(ids: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+            out = self.model(ids, return_hidden=hidden, document_ids=documents)
+            return out.hidden if hidden else out.logits
 
         if tokens is None:
-            return run(input_ids)
+            return run(input_ids, document_ids)
         if bool((tokens[:, 0] | ~tokens.any(dim=1)).all()):
             # right padding only: a causal row's later pads cannot change its earlier positions
             return run(input_ids).masked_fill(~tokens[..., None], 0)
@@ -550,12 +569,15 @@ class FarsightBackbone:
         return_dict: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutput | tuple[torch.Tensor, ...]:
+        packing = {name: kwargs.pop(name) for name in PACKED_SEQUENCE_KWARGS if name in kwargs}
         unused = sorted(name for name, value in kwargs.items() if value is not None and value is not False)
         if unused:
             raise InputError(f"the model's body got arguments farsight does not take: {unused}; remove them")
         if input_ids is None:
             raise InputError("the model's body needs input_ids [batch, tokens]")
-        *_, hidden = self.wrapper._run(input_ids, attention_mask, position_ids, cache_position, hidden=True)
+        _, _, hidden, _ = self.wrapper._run(
+            input_ids, attention_mask, position_ids, cache_position, hidden=True, packing=packing
+        )
         out = BaseModelOutput(last_hidden_state=hidden)
         return out.to_tuple() if return_dict is False else out
 
@@ -683,9 +705,49 @@ def token_runs(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.T
     if bool((runs > 1).any()):
         raise InputError(
             "attention_mask must mark each row's tokens as one run, padded on the left or the right; "
-            "packed rows (several sequences in a row) are not supported — give each sequence a row"
+            "for packed rows (several sequences in a row) pass position_ids restarting at 0 at each sequence instead"
         )
     return tokens
+
+
+# What padding-free collators pass beside position_ids for varlen kernels (transformers'
+# DataCollatorWithFlattening with return_flash_attn_kwargs / return_seq_idx, TRL's padding_free).
+PACKED_SEQUENCE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _check_sequence_boundaries(
+    packing: dict[str, Any], document_ids: torch.Tensor | None, input_ids: torch.Tensor
+) -> torch.Tensor | None:
+    """The document ids [B, T] of a batch from position_ids (`document_ids`, None: one sequence
+    a row) and a collator's varlen boundaries: cu_seq_lens_q/_k (cumulative lengths [n + 1] of
+    the sequences of a one-row batch), seq_idx ([B, T] sequence of each token); max_length_q/_k
+    are informational. Every source given must describe the same sequences."""
+    b, t = input_ids.shape
+    found = {"position_ids": document_ids if document_ids is not None else torch.zeros_like(input_ids)}
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        lengths = packing.get(name)
+        if lengths is None:
+            continue
+        lengths = torch.as_tensor(lengths).reshape(-1).long().cpu()
+        sizes = lengths.diff()
+        if b != 1 or len(lengths) < 2 or int(lengths[0]) != 0 or int(lengths[-1]) != t or bool((sizes < 0).any()):
+            raise InputError(
+                f"{name} must be the cumulative lengths 0, ..., {t} of the sequences packed in one row of {t} tokens, "
+                f"got {lengths.tolist()[:8]} for a batch of shape {[b, t]}"
+            )
+        found[name] = torch.repeat_interleave(torch.arange(len(sizes)), sizes)[None].to(input_ids.device)
+    if packing.get("seq_idx") is not None:
+        found["seq_idx"] = check_document_ids(torch.as_tensor(packing["seq_idx"]), (b, t), "seq_idx").to(
+            input_ids.device
+        )
+    reference = found.pop("position_ids")
+    for name, ids in found.items():
+        if not torch.equal(document_starts(ids), document_starts(reference)):
+            raise InputError(
+                f"{name} and position_ids describe different packed sequences; pass position_ids restarting at 0 "
+                f"where each sequence begins, and {name} of the same sequences (or leave {name} out)"
+            )
+    return document_ids
 
 
 def _check_positions(
@@ -693,9 +755,11 @@ def _check_positions(
     cache_position: torch.Tensor | None,
     tokens: torch.Tensor | None,
     input_ids: torch.Tensor,
-) -> None:
-    """Refuse position_ids [B, T] / [T] that do not count each row's tokens from 0 (restarting
-    positions of packed sequences, offsets), and a cache_position other than 0..T-1."""
+) -> torch.Tensor | None:
+    """Refuse a cache_position other than 0..T-1, and position_ids [B, T] / [T] that neither count
+    each row's tokens from 0 nor restart at 0 where a packed sequence begins (each position 0 or
+    one more than the one before it). Returns the document ids [B, T] of packed rows, None when
+    no position restarts."""
     width = input_ids.shape[1]
     if cache_position is not None and not torch.equal(
         cache_position.cpu(), torch.arange(width, dtype=cache_position.dtype)
@@ -705,13 +769,22 @@ def _check_positions(
             "continue a sequence with generate() or model.model.new_session()"
         )
     if position_ids is None:
-        return
+        return None
     tokens = torch.ones_like(input_ids, dtype=torch.bool) if tokens is None else tokens
     expected = tokens.long().cumsum(dim=1) - 1
     fits = position_ids.dim() in (1, 2) and position_ids.shape[-1] == width
     fits = fits and (position_ids.dim() == 1 or position_ids.shape[0] in (1, input_ids.shape[0]))
-    if not fits or bool((position_ids.to(expected.device).expand_as(expected) != expected)[tokens].any()):
-        raise InputError(
-            "position_ids must count each row's tokens from 0 (what they are when left unset); packed sequences "
-            "with restarting positions are not supported — give each sequence a row, or leave position_ids unset"
-        )
+    if fits:
+        positions = position_ids.to(expected.device).expand_as(expected)
+        if not bool((positions != expected)[tokens].any()):
+            return None
+        # the padding-free convention: rows without padding whose positions run 0, 1, ... and restart at 0
+        steps = positions[:, 1:] == positions[:, :-1] + 1
+        restarting = bool(tokens.all()) and bool((positions[:, 0] == 0).all())
+        if restarting and bool((steps | (positions[:, 1:] == 0)).all()):
+            return document_ids_from_positions(positions)
+    raise InputError(
+        "position_ids must count each row's tokens from 0 (what they are when left unset), or restart at 0 where "
+        "a packed sequence begins in a row without padding (DataCollatorWithFlattening); leave position_ids unset "
+        "otherwise"
+    )

@@ -5,7 +5,7 @@ from farsight.layers.attention import BidirectionalAttention, CausalSelfAttentio
 from farsight.layers.block import TransformerBlock
 from farsight.layers.castle import CastleAttention, CastleSWLAttention, castle_heads_for_parity
 from farsight.layers.gca import GroupedCrossAttention
-from farsight.layers.kinds import ATTENTION_KINDS, build_attention, register_attention
+from farsight.layers.kinds import ATTENTION_KINDS, build_attention, check_takes_documents, register_attention
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.mlp import SwiGLU, swiglu_hidden_size, swiglu_reference
 from farsight.layers.norm import RMSNorm, rms_norm_reference
@@ -28,6 +28,7 @@ __all__ = [
     "alibi_slopes",
     "build_attention",
     "castle_heads_for_parity",
+    "check_takes_documents",
     "padding_mask",
     "register_attention",
     "rms_norm_reference",

@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from farsight.errors import InputError
 from farsight.layers.kv_cache import KVCache, SlidingKVCache
 from farsight.layers.position import RotaryEmbedding, alibi_slopes
 from farsight.ops.checks import compute_dtype
+from farsight.ops.documents import document_positions
 from farsight.ops.window import sliding_window_attention
 
 
@@ -30,8 +32,9 @@ class _QKVAttention(nn.Module):
         self.out = nn.Linear(inner, config.d_model, bias=False)
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta) if config.position == "rope" else None
 
-    def project(self, x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, D] -> q, k, v [B, T, H, d] with RoPE applied at positions offset.."""
+    def project(self, x: torch.Tensor, offset: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q, k, v [B, T, H, d] with RoPE applied at positions offset.. (or at the
+        positions of a [B, T] tensor: `document_positions` of a packed row)."""
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).unbind(2)
         if self.rotary is not None:
@@ -47,8 +50,19 @@ class CausalSelfAttention(_QKVAttention):
     def new_cache(self) -> KVCache:
         return KVCache()
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, D]; document_ids [B, T] (a packed row, no cache): each token attends only
+        to its own document, whose RoPE positions restart at 0."""
         b, t, _ = x.shape
+        if document_ids is not None:
+            check_no_cache(cache)
+            # causal attention is the sliding window as wide as the row; that op masks documents
+            # (FlexAttention's block mask on CUDA, the blockwise path elsewhere)
+            q, k, v = self.project(x, document_positions(document_ids))
+            o = sliding_window_attention(q, k, v, max(t, 1), document_ids=document_ids)
+            return self.out(o.reshape(b, t, -1))
         q, k, v = self.project(x, cache.length if cache is not None else 0)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
@@ -82,19 +96,45 @@ class SlidingWindowAttention(_QKVAttention):
         return SlidingKVCache(self.window)
 
     def forward(
-        self, x: torch.Tensor, cache: SlidingKVCache | None = None, pad: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cache: SlidingKVCache | None = None,
+        pad: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, T, D] continuing `cache` (or from position 0). pad [B] long, optional: the
-        stream positions before pad[b] are left padding, hidden from the real positions' keys."""
+        stream positions before pad[b] are left padding, hidden from the real positions' keys.
+        document_ids [B, T] (a packed row, no cache): each token attends only to its own
+        document, whose RoPE positions restart at 0 (ALiBi needs no change: it is relative)."""
         b, t, _ = x.shape
-        q, k, v = self.project(x, cache.length if cache is not None else 0)
+        if document_ids is not None:
+            check_no_cache(cache)
+        offset = 0 if cache is None else cache.length
+        if document_ids is not None and self.rotary is not None:
+            offset = document_positions(document_ids)
+        q, k, v = self.project(x, offset)
         if cache is not None:
             k, v = cache.append(k, v)
         end = cache.length if cache is not None else t
         o = sliding_window_attention(
-            q, k, v, self.window, self.alibi_slopes, key_padding_mask=padding_mask(pad, end - k.shape[1], end)
+            q,
+            k,
+            v,
+            self.window,
+            self.alibi_slopes,
+            key_padding_mask=padding_mask(pad, end - k.shape[1], end),
+            document_ids=document_ids,
         )
         return self.out(o.reshape(b, t, -1))
+
+
+def check_no_cache(cache: object) -> None:
+    """Packed documents are a training (cacheless) forward: a decoding cache holds one stream."""
+    if cache is not None:
+        raise InputError(
+            "document_ids cannot be combined with a decoding cache: a cache continues one stream; "
+            "decode each document in a session of its own"
+        )
 
 
 def padding_mask(pad: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from farsight.errors import InputError
+from farsight.layers.attention import check_no_cache
 from farsight.layers.position import RotaryEmbedding
 from farsight.ops.castle import CastleCache, castle_attention, castle_decode, castle_prefill
+from farsight.ops.documents import document_positions
 
 
 def castle_heads_for_parity(standard_heads: int) -> int:
@@ -56,7 +58,7 @@ class CastleAttention(nn.Module):
     def new_cache(self) -> CastleLayerCache:
         return CastleLayerCache()
 
-    def _project(self, x: torch.Tensor, offset: int) -> list[torch.Tensor]:
+    def _project(self, x: torch.Tensor, offset: int | torch.Tensor) -> list[torch.Tensor]:
         """x [B, T, D] -> [qu, ku, vu, qc, kc, vc], each [B, T, H, d]."""
         b, t, _ = x.shape
         qu, ku, vu, qc, kc, vc = self.qkv(x).view(b, t, 6, self.n_heads, self.head_dim).unbind(2)
@@ -64,9 +66,17 @@ class CastleAttention(nn.Module):
             qu, ku, qc, kc = (self.rotary(y, offset) for y in (qu, ku, qc, kc))
         return [qu, ku, vu, qc, kc, vc]
 
-    def forward(self, x: torch.Tensor, cache: CastleLayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: CastleLayerCache | None = None, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, D]; document_ids [B, T] (a packed row, no cache): each token attends only to
+        its own document (and lookahead sums stay inside it), RoPE positions restart at 0."""
         b, t, _ = x.shape
-        if cache is None:
+        if document_ids is not None:
+            check_no_cache(cache)
+            positions = document_positions(document_ids) if self.rotary is not None else 0
+            o = castle_attention(*self._project(x, positions), window=self.window, document_ids=document_ids)
+        elif cache is None:
             o = castle_attention(*self._project(x, 0), window=self.window)
         elif cache.state is None and t > 1:
             o, cache.state = castle_prefill(*self._project(x, 0), window=self.window, layer=id(self))

@@ -5,16 +5,20 @@ reads) that maps x [B, T, d_model] -> [B, T, d_model] and decodes with a cache f
 `new_cache()` that it updates in place: `forward(x, cache)` treats x as the positions that
 follow what the cache holds. A class may declare `positions` (supported position encodings,
 the first is the default) and `config_fields` (the config fields it requires, e.g. "window").
+A kind that trains on packed rows takes `forward(x, None, document_ids=...)` ([B, T] document
+ids, farsight.ops.documents) and lets each token attend only to its own document; every
+built-in kind does.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from farsight.errors import ConfigError
+from farsight.errors import ConfigError, InputError
 from farsight.layers.attention import CausalSelfAttention, SlidingWindowAttention
 from farsight.layers.castle import CastleAttention, CastleSWLAttention
 
@@ -47,3 +51,12 @@ def build_attention(config: Any) -> nn.Module:
             f"unknown attention kind {config.attention!r}; choose one of {sorted(ATTENTION_KINDS)}"
         ) from None
     return cls(config)
+
+
+def check_takes_documents(attention: nn.Module, kind: str) -> None:
+    """Refuse packed rows (document_ids) for an attention kind whose forward does not take them."""
+    if "document_ids" not in inspect.signature(attention.forward).parameters:
+        raise InputError(
+            f"attention kind {kind!r} ({type(attention).__name__}) does not take document_ids, so it cannot "
+            "train on packed rows: add a document_ids argument to its forward or turn data.pack off"
+        )

@@ -36,38 +36,43 @@ class RotaryEmbedding(nn.Module):
         # no buffers: model.to(bf16) would round the frequencies (and the angles with them)
         self._cos = self._sin = None
 
-    def _angles(self, size: int, device: torch.device) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=device) * 2 / self.head_dim
-        return torch.arange(size, dtype=torch.float64, device=device)[:, None] * self.theta ** -exponents[None]
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [...] -> rotation angles [..., d/2] in float64."""
+        exponents = (
+            torch.arange(0, self.head_dim // 2, dtype=torch.float64, device=positions.device) * 2 / self.head_dim
+        )
+        return positions.to(torch.float64)[..., None] * self.theta**-exponents
 
     def _tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():
             # a compiled block computes its tables in its graph: no cached state to guard on
             # (the first call would otherwise compile the block twice, before and after the cache)
-            angles = self._angles(length, device)
+            angles = self._angles(torch.arange(length, device=device))
             return angles.cos(), angles.sin()
         if self._cos is None or self._cos.shape[0] < length or self._cos.device != device:
             size = max(length, 2 * (0 if self._cos is None else self._cos.shape[0]), 256)
             # plain tensors even when first built inside a session's inference mode: a later
             # training forward must be able to save them for backward
             with torch.inference_mode(False):
-                angles = self._angles(size, device)
+                angles = self._angles(torch.arange(size, device=device))
                 self._cos, self._sin = angles.cos(), angles.sin()
         return self._cos, self._sin
 
     def forward(self, x: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """x [B, T, H, d]; the positions are offset .. offset + T - 1 (an int, or a [T] tensor of positions)."""
+        """x [B, T, H, d]; the positions are offset .. offset + T - 1, or given as a tensor: [T]
+        (shared by the rows) or [B, T] (per row, e.g. restarting at each packed document)."""
         t = x.shape[1]
         if isinstance(offset, torch.Tensor):
-            positions = offset.to(x.device)
-            cos, sin = self._tables(int(positions.max().item()) + 1 if positions.numel() else 1, x.device)
-            cos, sin = cos[positions], sin[positions]
+            # computed, not looked up: no read of the largest position (a sync, a graph break),
+            # and the same float64 products as the tables, so the same values
+            angles = self._angles(offset.to(x.device))  # [T, d/2] or [B, T, d/2]
+            cos, sin = angles.cos(), angles.sin()
         else:
             cos, sin = self._tables(offset + t, x.device)
             cos, sin = cos[offset : offset + t], sin[offset : offset + t]
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos = cos.to(dtype)[None, :, None, :]
-        sin = sin.to(dtype)[None, :, None, :]
+        cos = cos.to(dtype).expand(x.shape[0], t, -1)[:, :, None, :]
+        sin = sin.to(dtype).expand(x.shape[0], t, -1)[:, :, None, :]
         half = self.head_dim // 2
         xf = x.to(dtype)
         x1, x2 = xf[..., :half], xf[..., half:]

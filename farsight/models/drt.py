@@ -38,10 +38,11 @@ from farsight.layers import (
 )
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
-from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, RetrievalInfo
-from farsight.models.lm import CausalLMOutput, PretrainedLM
+from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, PackedLayout, RetrievalInfo
+from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input, packed_labels
 from farsight.models.session import check_left_padding
 from farsight.models.transformer import TransformerConfig, init_weights
+from farsight.ops.documents import document_positions, document_starts
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
 
 RETRIEVERS = ("learned", "random", "none")
@@ -212,8 +213,9 @@ class RetrievalBlock(TransformerBlock):
         span: Span | None = None,
         chunks: FetchedChunks | None = None,
         pad: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cache, pad)
+        x = x + self.attn(self.attn_norm(x), cache, pad, document_ids)
         if chunks is not None:
             grid = span.to_grid(self.cross_norm(x))
             attended = self.cross(grid, chunks.k, chunks.v, chunks.index, chunks.weight, chunks.key_mask)
@@ -280,6 +282,36 @@ class DRTForCausalLM(PretrainedLM):
         ids = F.pad(input_ids, (0, n * s - length), value=pad_id).view(b, n, s)
         lmk = ids.new_full((b, n, 1), self.config.landmark_id)
         return torch.cat([ids, lmk], dim=2).view(b, n * (s + 1))
+
+    def packed_slots(self, input_ids: torch.Tensor, document_ids: torch.Tensor) -> tuple[torch.Tensor, PackedLayout]:
+        """A packed row [B, L] with its document ids -> (slots [B, n (S+1)], layout): each
+        document laid out as `to_slots` lays out a row of its own — from a chunk boundary, its
+        last chunk right-padded, a landmark after every chunk — and the documents of a row end to
+        end. A chunk is the unit of retrieval (one landmark summarises it, one retrieval serves
+        all its tokens), so a chunk holding the end of one document and the start of the next
+        would let each read the other; the price is under S padding slots per document."""
+        b, length = input_ids.shape
+        s, s1 = self.config.chunk_size, self.slots_per_chunk
+        position = document_positions(document_ids)  # [B, L] place inside the document
+        ordinal = document_starts(document_ids).long().cumsum(1) - 1  # [B, L] document's place in its row
+        sizes = torch.zeros(b, length, dtype=torch.long, device=input_ids.device)
+        sizes.scatter_add_(1, ordinal, torch.ones_like(ordinal))  # tokens per document
+        chunks = (sizes + s - 1) // s
+        chunk_offset = chunks.cumsum(1) - chunks  # the first chunk of each document
+        token_chunk = chunk_offset.gather(1, ordinal) + position // s  # [B, L]
+        n = max(1, int(chunks.sum(1).max()))
+        token_slots = token_chunk * s1 + position % s
+        pad_id = self.config.pad_id if self.config.pad_id is not None else 0
+        slots = input_ids.new_full((b, n, s1), pad_id)
+        slots[:, :, s] = self.config.landmark_id
+        slots = slots.view(b, n * s1).scatter(1, token_slots, input_ids)
+        # chunks after the row's last document: one more id, so the ids still never decrease
+        tail = document_ids.max() + 1 if length else document_ids.new_zeros(())
+        chunk_documents = tail.expand(b, n).clone().scatter_(1, token_chunk, document_ids)  # [B, n]
+        index = torch.arange(n, device=input_ids.device)
+        first_chunk = index - document_positions(chunk_documents)
+        slot_documents = chunk_documents.repeat_interleave(s1, dim=1)
+        return slots, PackedLayout(token_slots, slot_documents, first_chunk)
 
     def real_rows(self, h: torch.Tensor, length: int) -> torch.Tensor:
         """Slot-stream rows [B, n (S+1), ...] -> the rows of the first `length` real tokens."""
@@ -353,6 +385,8 @@ class DRTForCausalLM(PretrainedLM):
     # ---- the span forward, step by step -----------------------------------------------------
     def _lower_layers(self, h: torch.Tensor, state: DRTState) -> torch.Tensor:
         masks = {} if state.pad is None else {"pad": state.pad}
+        if state.packed is not None:
+            masks["document_ids"] = state.packed.slot_documents
         for i, block in enumerate(self.lower):
             # streaming caches are appended to in the forward: only the cacheless forward is checkpointed
             h = block(h, state.caches[i], **masks) if state.streaming else self.run_block(block, h, None, **masks)
@@ -386,9 +420,12 @@ class DRTForCausalLM(PretrainedLM):
         carried: CarriedRetrieval,
         memory: ChunkMemory,
         pad: torch.Tensor | None,
+        packed: PackedLayout | None = None,
     ) -> Retrieval:
         """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
-        retrieval, chunk j > 0 the one made by the landmark of chunk j - 1."""
+        retrieval, chunk j > 0 the one made by the landmark of chunk j - 1. In a packed row a
+        landmark scores only the earlier chunks of its own document, and a document's first
+        chunk reads nothing."""
         offsets, first_chunk = span.landmark_positions()
         made_index = made_weight = None
         if len(offsets):
@@ -402,7 +439,12 @@ class DRTForCausalLM(PretrainedLM):
                 else pad // self.slots_per_chunk
             )
             scale = 1 / math.sqrt(self.config.d_model)
-            if self.training or self.config.retriever == "random":
+            if packed is not None:
+                scores = retrieval_scores(query, memory.landmark_keys(), start, stop, scale)
+                # [B, m, n]: chunks before the first chunk of the landmark's document are no candidates
+                earlier = torch.arange(scores.shape[-1], device=h.device) < packed.first_chunk[:, : len(offsets), None]
+                made_index, made_weight = self._select(scores.masked_fill(earlier, float("-inf")))
+            elif self.training or self.config.retriever == "random":
                 # Gumbel noise and random keys need every score
                 made_index, made_weight = self._select(
                     retrieval_scores(query, memory.landmark_keys(), start, stop, scale)
@@ -416,6 +458,11 @@ class DRTForCausalLM(PretrainedLM):
         if span.n_chunks > 1:
             index = torch.cat([index, made_index[:, : span.n_chunks - 1]], dim=1)
             weight = torch.cat([weight, made_weight[:, : span.n_chunks - 1]], dim=1)
+        if packed is not None:
+            # [B, n, 1]: a document's first chunk would read the previous document's last retrieval
+            first = (packed.first_chunk == torch.arange(span.n_chunks, device=h.device))[..., None]
+            index = index.masked_fill(first, -1)
+            weight = weight.masked_fill(first, 0.0)
         return Retrieval(index, weight, made_index, made_weight)
 
     def _fetch(
@@ -437,13 +484,14 @@ class DRTForCausalLM(PretrainedLM):
         self, group: int, h: torch.Tensor, state: DRTState, span: Span, chunks: FetchedChunks | None
     ) -> torch.Tensor:
         per_group = self.config.upper_layers // self.config.groups
+        documents = None if state.packed is None else state.packed.slot_documents
         for j in range(group * per_group, (group + 1) * per_group):
             if state.streaming:
                 h = self.upper[j](h, state.caches[self.config.lower_layers + j], span, chunks, state.pad)
             else:
                 # chunks' K/V [B, n, S, H, d] are autograd tensors of the chunk encoder: the
                 # non-reentrant checkpoint backpropagates into them although they sit in a dataclass
-                h = self.run_block(self.upper[j], h, None, span, chunks, state.pad)
+                h = self.run_block(self.upper[j], h, None, span, chunks, state.pad, documents)
         return h
 
     def _carry(
@@ -481,7 +529,7 @@ class DRTForCausalLM(PretrainedLM):
             carried = state.retrieval or [self._empty_retrieval(h) for _ in range(self.config.groups)]
             next_carried = []
             for g in range(self.config.groups):
-                retrieval = self._retrieve(g, h, span, carried[g], state.memory, state.pad)
+                retrieval = self._retrieve(g, h, span, carried[g], state.memory, state.pad, state.packed)
                 chunks = self._fetch(retrieval, carried[g], state.memory, state.pad)
                 h = self._upper_group(g, h, state, span, chunks)
                 next_carried.append(self._carry(retrieval, carried[g], chunks, span, state.slots + span.length))
@@ -502,6 +550,7 @@ class DRTForCausalLM(PretrainedLM):
         attention_mask: torch.Tensor | None = None,
         return_logits: bool = True,
         return_hidden: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
 
@@ -512,9 +561,14 @@ class DRTForCausalLM(PretrainedLM):
         return_retrieval, `retrieval` is a RetrievalInfo (row t of each group: the chunks
         retrieved by chunk t's landmark, used by chunk t+1). return_logits=False (with labels):
         the loss alone, logits None (`logits_and_loss`). return_hidden: the final norm's output
-        [B, L, D] for the real tokens as `hidden` instead (no head, no loss).
+        [B, L, D] for the real tokens as `hidden` instead (no head, no loss). document_ids
+        [B, L] (packed rows, farsight.ops.documents): each document is laid out on the chunk grid
+        as if alone (`packed_slots`), attends and retrieves only inside itself, and its last
+        token predicts nothing.
         """
         input_ids = self.check_input_ids(input_ids)
+        document_ids = check_packed_input(input_ids, document_ids, attention_mask=attention_mask)
+        labels = packed_labels(labels, document_ids)
         length = input_ids.shape[1]
         empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
         if empty is not None:
@@ -526,10 +580,15 @@ class DRTForCausalLM(PretrainedLM):
             pad = self.pad_slots((~check_left_padding(attention_mask, input_ids).to(input_ids.device)).sum(1))
         record = RetrievalInfo([], []) if return_retrieval else None
         state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record, pad=pad)
-        h = self.run_span(self.to_slots(input_ids), state)
+        if document_ids is None:
+            h = self.real_rows(self.run_span(self.to_slots(input_ids), state), length)
+        else:
+            slots, state.packed = self.packed_slots(input_ids, document_ids)
+            h = self.run_span(slots, state)
+            h = h.gather(1, state.packed.token_slots[..., None].expand(-1, -1, h.shape[-1]))
         if return_hidden:
-            return CausalLMOutput(loss=None, logits=None, retrieval=record, hidden=self.norm(self.real_rows(h, length)))
-        logits, loss = self.logits_and_loss(self.real_rows(h, length), labels, loss_weights, return_logits)
+            return CausalLMOutput(loss=None, logits=None, retrieval=record, hidden=self.norm(h))
+        logits, loss = self.logits_and_loss(h, labels, loss_weights, return_logits)
         return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
 
     def reserved_ids(self) -> dict[str, int]:

@@ -48,6 +48,22 @@ class CarriedRetrieval:
 
 
 @dataclass
+class PackedLayout:
+    """A packed row on DRT's chunk grid: every document starts on a chunk boundary (the last chunk
+    of the document before it is right-padded, as a document run alone pads its last chunk).
+
+    token_slots [B, L]: the slot of each input token; slot_documents [B, P]: the document id of
+    each slot (landmarks and padding slots belong to their chunk's document; chunks after a row's
+    last document get an id of their own); first_chunk [B, n]: the first chunk of each chunk's
+    document, the earliest chunk it may retrieve.
+    """
+
+    token_slots: torch.Tensor
+    slot_documents: torch.Tensor
+    first_chunk: torch.Tensor
+
+
+@dataclass
 class DRTState:
     """What a span hands to the next one.
 
@@ -56,7 +72,8 @@ class DRTState:
     lower-layer outputs of the incomplete chunk [B, r, D]; retrieval: per group, the retrieval
     the current chunk reads (None before the first span); record: every retrieval made, if kept;
     pad: [B] long, the slots before pad[b] are left padding (masked out of every attention and of
-    retrieval), or None without padding.
+    retrieval), or None without padding; packed: where a packed row's documents sit (training
+    forward only), or None for one stream.
     """
 
     memory: ChunkMemory
@@ -66,6 +83,7 @@ class DRTState:
     retrieval: list[CarriedRetrieval] | None = None
     record: RetrievalInfo | None = None
     pad: torch.Tensor | None = None
+    packed: PackedLayout | None = None
 
     @property
     def streaming(self) -> bool:

@@ -30,6 +30,7 @@ from farsight.models.io import (
     write_model_dir,
 )
 from farsight.models.session import Session
+from farsight.ops.documents import check_document_ids, document_starts
 
 MODEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # what a model can run in
 
@@ -51,8 +52,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     weights [B, T] (optional) scale each target token's loss (weights[t + 1] for the prediction made
     at t); the loss is the weighted mean, so answer tokens can count more than context tokens.
     """
-    targets, valid = _loss_targets(labels, weights, logits.shape, torch.float32)
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100, reduction="none")
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32, fp64 for fp64 logits
+    targets, valid = _loss_targets(labels, weights, logits.shape, dtype)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).to(dtype), targets, ignore_index=-100, reduction="none")
     return (ce * valid).sum() / valid.sum().clamp(min=1e-8)
 
 
@@ -167,6 +169,36 @@ def check_input_ids(input_ids: torch.Tensor, vocab_size: int, forbidden: dict[st
                     f"input_ids contain the {name} token id {token}; it is inserted by the model, pass plain text tokens"
                 )
     return input_ids.long()
+
+
+def check_packed_input(
+    input_ids: torch.Tensor, document_ids: object, caches: object = None, attention_mask: object = None
+) -> torch.Tensor | None:
+    """document_ids for checked input_ids [B, T]: validated ([B, T] integers, never decreasing
+    along a row) or None. Packed rows are a cacheless forward without left padding."""
+    if document_ids is None:
+        return None
+    if caches is not None:
+        raise InputError(
+            "document_ids cannot be combined with decoding caches: a cache continues one stream; "
+            "decode each document in a session of its own"
+        )
+    if attention_mask is not None:
+        raise InputError(
+            "pass document_ids or attention_mask, not both: a packed row has no padding to mask "
+            "(give padding its own document id instead)"
+        )
+    return check_document_ids(document_ids, tuple(input_ids.shape)).to(input_ids.device)
+
+
+def packed_labels(labels: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """labels [B, T] with every document's first token set to -100 (ignored): the last token of
+    a packed document predicts nothing, as when the document is run on its own."""
+    if labels is None or document_ids is None:
+        return labels
+    if labels.shape != document_ids.shape:
+        raise InputError(f"labels must have shape {list(document_ids.shape)} (batch, tokens), got {list(labels.shape)}")
+    return labels.masked_fill(document_starts(document_ids), -100)
 
 
 class PretrainedLM(nn.Module):

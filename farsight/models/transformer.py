@@ -16,8 +16,8 @@ from torch import nn
 
 from farsight.config import ConfigBase, require
 from farsight.errors import InputError
-from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, swiglu_hidden_size
-from farsight.models.lm import CausalLMOutput, PretrainedLM, check_input_ids
+from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, check_takes_documents, swiglu_hidden_size
+from farsight.models.lm import CausalLMOutput, PretrainedLM, check_input_ids, check_packed_input, packed_labels
 from farsight.models.session import Session
 
 POSITIONS = ("rope", "alibi", "none")
@@ -119,18 +119,27 @@ class TransformerForCausalLM(PretrainedLM):
         caches: list[Any] | None = None,
         return_logits: bool = True,
         return_hidden: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, T] -> logits [B, T, V]; with `caches` the ids continue the cached sequence.
         return_logits=False (with labels): the loss alone, logits None (`logits_and_loss`).
-        return_hidden: the final norm's output [B, T, D] as `hidden` instead (no head, no loss)."""
+        return_hidden: the final norm's output [B, T, D] as `hidden` instead (no head, no loss).
+        document_ids [B, T] (packed rows, farsight.ops.documents): every token attends only to
+        its own document and a document's last token predicts nothing, so the row computes what
+        its documents would one at a time."""
         input_ids = check_input_ids(input_ids, self.config.vocab_size)
+        document_ids = check_packed_input(input_ids, document_ids, caches)
+        labels = packed_labels(labels, document_ids)
         empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
         if empty is not None:
             return empty
+        masks = {} if document_ids is None else {"document_ids": document_ids}
+        if masks:
+            check_takes_documents(self.blocks[0].attn, self.config.attention)
         h = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             # decoding caches are appended to in the forward: only a cacheless forward is checkpointed
-            h = self.run_block(block, h) if caches is None else block(h, caches[i])
+            h = self.run_block(block, h, None, **masks) if caches is None else block(h, caches[i])
         if return_hidden:
             return CausalLMOutput(loss=None, logits=None, hidden=self.norm(h))
         logits, loss = self.logits_and_loss(h, labels, loss_weights, return_logits)

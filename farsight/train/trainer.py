@@ -95,14 +95,29 @@ class TrainResult:
     losses: list[tuple[int, float]] = field(default_factory=list)
 
 
-def answer_counts(logits: torch.Tensor, labels: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+def answer_counts(
+    logits: torch.Tensor, labels: torch.Tensor, answer: torch.Tensor, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """[answer tokens predicted right, answer tokens, rows with all of them right, rows with any]
     for logits [B, T, V]; `answer` [B, T] marks the answer tokens among the labels (position t
-    predicts labels[t + 1], as in the loss)."""
+    predicts labels[t + 1], as in the loss). With `document_ids` [B, T] (packed rows) each
+    document of a row counts as a row of its own: an example is right when all its answer is."""
     answer = answer[:, 1:].bool()
     right = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & answer
-    rows = answer.any(1)
-    all_right = (right.sum(1) == answer.sum(1)) & rows
+    if document_ids is None:
+        rows = answer.any(1)
+        all_right = (right.sum(1) == answer.sum(1)) & rows
+        return torch.stack([right.sum(), answer.sum(), all_right.sum(), rows.sum()])
+    # one group per (row, document) of the predicted tokens, numbered in order along the rows
+    documents = document_ids[:, 1:]
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    group = starts.flatten().long().cumsum(0) - 1
+    size = int(starts.sum())
+    answers = torch.zeros(size, dtype=torch.long, device=answer.device).index_add_(0, group, answer.flatten().long())
+    rights = torch.zeros(size, dtype=torch.long, device=answer.device).index_add_(0, group, right.flatten().long())
+    rows = answers > 0
+    all_right = (rights == answers) & rows
     return torch.stack([right.sum(), answer.sum(), all_right.sum(), rows.sum()])
 
 
@@ -128,6 +143,23 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, 
     """{dotted key: (saved value, current value)} for the fields of `saved` that `current` changes."""
     old, new = _flatten(saved), _flatten(current)
     return {key: (value, new[key]) for key, value in old.items() if key in new and new[key] != value}
+
+
+def _data_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """A training config's dict with its data section spelled out, every field the data kind's
+    defaults fill in included (e.g. data.pack: false), so that a resume compares what the batches
+    are made of rather than what the files wrote; as it was where the section no longer validates."""
+    from farsight.data.batches import DATA_KINDS
+
+    data = config.get("data")
+    if not isinstance(data, dict):
+        return config
+    kind = data.get("kind", "tokens")
+    try:
+        fields = DATA_KINDS[kind][0].from_dict({k: v for k, v in data.items() if k != "kind"}, where="data")
+    except (KeyError, ConfigError):
+        return config
+    return config | {"data": {"kind": kind, **fields.to_dict()}}
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -240,6 +272,10 @@ class Trainer:
         self.scaler = self.precision.grad_scaler(self.device)
         self.step = 0
         self.tokens_seen = 0
+        # the tokens with a label (not -100): tokens_seen less the padding of supervised examples;
+        # None after resuming a checkpoint of an older farsight, which did not count them
+        self.real_tokens_seen: int | None = 0
+        self._step_real_tokens = 0  # of the last step (all ranks)
         self.skipped_steps = 0
         self._compile_checked = False
         self._data_digests: dict[str, str] | None = None
@@ -291,6 +327,7 @@ class Trainer:
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
+            "real_tokens_seen": self.real_tokens_seen,
             "precision": self.precision.name,
             "skipped_steps": self.skipped_steps,
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -338,7 +375,7 @@ class Trainer:
                 f"{path} was trained with model config {state['config']['model']}, not {self.config.model}; "
                 "use a new train.out_dir or restore the original model section"
             )
-        changes = config_changes(state["config"], self.config.to_dict())
+        changes = config_changes(_data_defaults(state["config"]), _data_defaults(self.config.to_dict()))
         guarded = [key for key in changes if key not in RESUME_FREE_FIELDS]
         if guarded and not allow_config_change:
             listed = ", ".join(f"{key} {changes[key][0]!r} -> {changes[key][1]!r}" for key in guarded)
@@ -362,6 +399,8 @@ class Trainer:
         _set_rng_state(state["rng"], self.device)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        real = state.get("real_tokens_seen")
+        self.real_tokens_seen = real if isinstance(real, int) and not isinstance(real, bool) else None
         self.skipped_steps = state.get("skipped_steps", 0)
         previous = state.get("precision")
         if previous not in (None, self.precision.name) and self.ctx.is_main:
@@ -451,6 +490,7 @@ class Trainer:
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
             answer = batch.pop("answer_mask", None)
+            documents = batch.get("document_ids")
             if answer is None and "loss_weights" in batch:
                 answer = batch["loss_weights"] > 1
             # eagerly: a few batches do not pay for compiling the blocks' inference graphs
@@ -459,7 +499,7 @@ class Trainer:
             sums[0] += float(out.loss)
             sums[1] += 1
             if answer is not None:
-                sums[2:] += answer_counts(out.logits, batch["labels"], answer).to(sums)
+                sums[2:] += answer_counts(out.logits, batch["labels"], answer, documents).to(sums)
         self.model.train()
         sums = dist_utils.all_reduce_sum(sums, self.ctx)
         result = {"val_loss": float(sums[0] / sums[1])}
@@ -469,8 +509,9 @@ class Trainer:
         return result
 
     def _gradients(self) -> tuple[torch.Tensor, int]:
-        """Forward and backward over the step's grad_accum micro-batches: (summed loss, tokens).
-        The first compiled step falls back to eager (one note) if compiling fails."""
+        """Forward and backward over the step's grad_accum micro-batches: (summed loss, tokens);
+        the tokens with a label in `self._step_real_tokens`. The first compiled step falls back to
+        eager (one note) if compiling fails."""
         if self.compiled is None or self._compile_checked:
             return self._accumulate()
         rng = _rng_state(self.device)
@@ -493,10 +534,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         tokens = 0
+        self._step_real_tokens = 0
         for micro in range(run.grad_accum):
             batch = self.data.train_batch(self.step, micro, self.ctx.rank)
-            batch = {k: v.to(self.device) for k, v in batch.items() if k != "answer_mask"}
+            # every position the model computes, and those with a label (not padding), counted on the host
             tokens += batch["input_ids"].numel()
+            self._step_real_tokens += int((batch.get("labels", batch["input_ids"]) != -100).sum())
+            # document_ids (packed rows) and loss_weights go to the model with the rest
+            batch = {k: v.to(self.device) for k, v in batch.items() if k != "answer_mask"}
             last = micro == run.grad_accum - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
             with sync, self.precision.matmuls(self.device):
@@ -507,8 +552,10 @@ class Trainer:
         return total, tokens
 
     def _train_step(self) -> tuple[float, float, int]:
-        """One optimizer step over grad_accum micro-batches: (loss, gradient norm, tokens)."""
+        """One optimizer step over grad_accum micro-batches: (loss, gradient norm, tokens of all
+        ranks); the tokens with a label, of all ranks, in `self._step_real_tokens`."""
         total, tokens = self._gradients()
+        tokens, self._step_real_tokens = self._all_ranks(tokens, self._step_real_tokens)
         loss_value = float(dist_utils.all_reduce_mean(total, self.ctx))
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -538,7 +585,14 @@ class Trainer:
             else:
                 self.scheduler.step()
         self.step += 1
-        return loss_value, grad_norm, tokens * self.ctx.world_size
+        return loss_value, grad_norm, tokens
+
+    def _all_ranks(self, *counts: int) -> tuple[int, ...]:
+        """Counts summed over the ranks (ranks of supervised examples see batches of other widths)."""
+        if not self.ctx.enabled:
+            return counts
+        summed = dist_utils.all_reduce_sum(torch.tensor(counts, dtype=torch.float64, device=self.device), self.ctx)
+        return tuple(int(round(float(n))) for n in summed)
 
     def _trim_metrics(self, path: Path) -> None:
         """Drop the records after the resumed step (logged before a crash, about to be redone)
@@ -647,7 +701,7 @@ class Trainer:
         compile_logged = 0.0
         try:
             with _StopRequest() as stop, flush_denormals(self.device), self.compile_clock:
-                t_last, tokens_last = time.perf_counter(), 0
+                t_last, tokens_last, real_last = time.perf_counter(), 0, 0
                 while self.step < run.steps:
                     first_compiled = self.compiled is not None and not self._compile_checked
                     loss, grad_norm, tokens = self._train_step()
@@ -655,6 +709,9 @@ class Trainer:
                         logger.info(f"compiled in {self.compile_clock.seconds:.1f}s")
                     self.tokens_seen += tokens
                     tokens_last += tokens
+                    real_last += self._step_real_tokens
+                    if self.real_tokens_seen is not None:
+                        self.real_tokens_seen += self._step_real_tokens
                     losses.append((self.step, loss))
                     if self.step % run.log_interval == 0 or self.step == run.steps:
                         release_freed_memory()
@@ -667,9 +724,13 @@ class Trainer:
                             "grad_norm": grad_norm if math.isfinite(grad_norm) else None,  # None: a skipped fp16 step
                             "tokens": self.tokens_seen,
                             "tokens_per_s": rate,
+                            # the tokens with a label: the padding of supervised examples left out
+                            "real_tokens_per_s": real_last / max(elapsed, 1e-9),
                             "rss_mb": current_rss_bytes() / 2**20,
                             "precision": self.precision.name,
                         }
+                        if self.real_tokens_seen is not None:
+                            record["real_tokens"] = self.real_tokens_seen
                         if self.scaler is not None:
                             record |= {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
                         if self.compile_clock.seconds > compile_logged:  # compiling, within this interval
@@ -677,7 +738,7 @@ class Trainer:
                             compile_logged = self.compile_clock.seconds
                         self._log(metrics, writer, record)
                         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
-                        t_last, tokens_last = time.perf_counter(), 0
+                        t_last, tokens_last, real_last = time.perf_counter(), 0, 0
                     bar.update(1)
                     if self.step % run.eval_interval == 0 or self.step == run.steps:
                         val = self.evaluate()

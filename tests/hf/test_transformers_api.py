@@ -111,7 +111,8 @@ def test_forward_takes_the_standard_keywords(tiny_drt_dir):
     [
         ({"output_hidden_states": True}, "output_hidden_states=True is not supported"),
         ({"output_attentions": True}, "output_attentions=True is not supported"),
-        ({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])}, "packed sequences with restarting positions"),
+        ({"position_ids": torch.tensor([[0, 1, 3, 4, 5, 6]])}, "position_ids must count each row's tokens from 0"),
+        ({"position_ids": torch.tensor([[2, 3, 4, 5, 6, 7]])}, "or restart at 0 where a packed sequence begins"),
         ({"cache_position": torch.arange(3, 9)}, "cache_position must be 0..5"),
         ({"token_type_ids": torch.zeros(1, 6)}, r"arguments farsight does not take: \['token_type_ids'\]"),
         ({"inputs_embeds": torch.zeros(1, 6, 32)}, "inputs_embeds is not supported: a farsight model embeds"),

@@ -20,6 +20,18 @@ every entry point here casts them to the autocast dtype and runs with autocast o
 input's own dtype. Inside, the torch paths compute in fp32 (fp64 for fp64) and the Triton
 kernels take fp16/bf16 operands with fp32 scores, softmax statistics, lookahead sums D / U and
 accumulators. The decode cache keeps its rows in fp32 (fp64 for fp64; see `CastleCache`).
+
+Packed rows (`farsight.ops.documents`): `castle_attention` and the two references take
+`document_ids` [B, T], and query t then attends key s only when doc(s) == doc(t). That mask on
+the [query, key] score (where S^U enters it and on the causal score before the softmax) is the
+whole change: the lookahead sums need none of their own. S^U[t, s] = scale * sum_{s < c <= t}
+P[s, c] (qc_t . vu_c) is only read where doc(s) == doc(t), and because a document's tokens are
+consecutive, every c with s < c <= t then lies in that same document; so no lookahead sum that
+reaches the softmax crosses a boundary. (Where the blockwise and Triton paths still form S^U
+for a pair of different documents, in a block they do not skip, it is discarded with its score
+and the gradient through it is exactly 0.) A batch whose rows each hold one document
+(`single_document`) runs exactly the path without documents. Decoding (`castle_prefill` /
+`castle_decode`) takes no documents.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from farsight.ops.castle import blockwise, inference, reference
 from farsight.ops.castle.blockwise import DEFAULT_BLOCK_SIZE
 from farsight.ops.castle.inference import CastleCache
 from farsight.ops.checks import check_float, check_positive_int, check_same_dtype_device, check_shape, check_tensor
+from farsight.ops.documents import check_document_ids, single_document
 from farsight.ops.precision import autocast_inputs
 
 __all__ = [
@@ -73,6 +86,17 @@ def check_castle_inputs(tensors: dict[str, torch.Tensor], window: object, scale:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise InputError(f"scale must be a finite float or None (for 1/sqrt(d)), got {scale!r}")
     return float(scale)
+
+
+def check_castle_documents(document_ids: object, qu: torch.Tensor) -> torch.Tensor | None:
+    """Validate `document_ids` [B, T] for inputs like qu (None passes); return them as long on
+    qu's device, or None when every row holds one document (masking would change nothing)."""
+    if document_ids is None:
+        return None
+    if isinstance(document_ids, torch.Tensor) and document_ids.device != qu.device:
+        raise InputError(f"document_ids is on {document_ids.device} but qu is on {qu.device}; move them to one device")
+    document_ids = check_document_ids(document_ids, tuple(qu.shape[:2]))
+    return None if single_document(document_ids) else document_ids
 
 
 class _Unset:
@@ -159,6 +183,7 @@ def castle_attention(
     scale: float | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     backend: str = "auto",
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
@@ -169,16 +194,22 @@ def castle_attention(
     CPU speed knob, unused by the other backends). backend: "auto" (Triton for CUDA tensors when
     installed, else "torch"), "torch", "triton" (fp32/fp16/bf16; CUDA, or CPU with
     TRITON_INTERPRET=1) or "reference" (O(T^3), tests only).
+
+    `document_ids` [B, T] (integer, non-decreasing along each row; `farsight.ops.documents`)
+    packs several documents into a row: a token attends, and its lookahead sums reach, only
+    tokens of its own document, on every backend; each document's outputs and gradients are
+    those of the document run on its own.
     """
     with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
         scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
         check_positive_int("block_size", block_size)
         backend = resolve_backend(backend, inputs[0], BACKENDS)
+        document_ids = check_castle_documents(document_ids, inputs[0])
         if backend == "torch":
-            return blockwise.castle_attention(*inputs, window, scale, block_size)
+            return blockwise.castle_attention(*inputs, window, scale, block_size, document_ids)
         if backend == "reference":
-            return reference.castle_parallel_reference(*inputs, window, scale)
-        return castle_attention_triton(*inputs, window, scale)
+            return reference.castle_parallel_reference(*inputs, window, scale, document_ids)
+        return castle_attention_triton(*inputs, window, scale, document_ids=document_ids)
 
 
 def castle_prefill(
@@ -245,11 +276,13 @@ def castle_recurrent(
     vc: torch.Tensor,
     window: int | None = None,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Literal recurrent CASTLE (O(T^3 d); T <= ~130): see `farsight.ops.castle.reference.castle_recurrent`."""
     with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
         scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
-        return reference.castle_recurrent(*inputs, window, scale)
+        document_ids = check_castle_documents(document_ids, inputs[0])
+        return reference.castle_recurrent(*inputs, window, scale, document_ids)
 
 
 def castle_parallel_reference(
@@ -261,8 +294,10 @@ def castle_parallel_reference(
     vc: torch.Tensor,
     window: int | None = None,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Theorem 1 with dense [T, T] matrices (O(T^3)): see `farsight.ops.castle.reference.castle_parallel_reference`."""
     with autocast_inputs(qu, ku, vu, qc, kc, vc) as inputs:
         scale = check_castle_inputs(dict(zip(INPUT_NAMES, inputs)), window, scale)
-        return reference.castle_parallel_reference(*inputs, window, scale)
+        document_ids = check_castle_documents(document_ids, inputs[0])
+        return reference.castle_parallel_reference(*inputs, window, scale, document_ids)

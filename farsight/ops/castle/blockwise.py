@@ -26,6 +26,16 @@ inclusive total) serves every row beyond; this is where CASTLE-SWL saves work. T
 also the lookahead key U[J] after the whole sequence, which the UQ-KV cache of the prefill
 needs (`forward_with_lookahead_keys`; the cache itself is in `farsight.ops.castle.inference`).
 
+Packed rows (`document_ids` [B, T]; see `farsight.ops.castle` for why this is all): the score
+column block of key block J is -inf where query and key lie in different documents, and the
+running max starts at the lowest finite value instead of -inf (a block may hold no key of a
+row's document, and exp(-inf - (-inf)) is NaN). Because documents are contiguous, no row at or
+past stop(J) (the end of the document of J's last key, the latest over the batch, rounded up to
+a row sub-block) shares a document with J, so the work of key block J (its rows, and its
+lookahead tokens c, which only matter to rows a >= c) stops there. Those rows would only have
+added exact zeros, so the skip is exact; it leaves D_J short of U, which is why the prefill,
+which caches U, takes no documents.
+
 `scale` is folded into the packed qu and qc once, so the sigmoid logits, scores and S^U come
 out of their matmuls already scaled. The backward recomputes every block; autograd keeps only
 the inputs, the output and the per-row logsumexp.
@@ -40,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from farsight.ops.checks import compute_dtype
+from farsight.ops.documents import same_document
 from farsight.ops.library import custom_op
 from farsight.ops.precision import software_matmul_dtypes
 
@@ -86,12 +97,44 @@ class _Plan:
     def n_subs(self) -> int:
         return self.padded // self.sub
 
-    def near_subs(self, j: int) -> int:
-        """Row sub-blocks from start(J) on that can hold a lookahead token c <= b + W of block j."""
-        if self.window is None:
-            return self.n_subs - j * self.block // self.sub
-        last = min(self.padded, (j + 1) * self.block + self.window)  # one past the last such c
+    def near_subs(self, j: int, stop: int | None = None) -> int:
+        """Row sub-blocks from start(J) on that can hold a lookahead token c <= b + W of block j
+        (and lie before row `stop`, a multiple of `sub`, when given)."""
+        last = self.padded if stop is None else stop
+        if self.window is not None:
+            last = min(last, (j + 1) * self.block + self.window)  # one past the last such c
         return -(-(last - j * self.block) // self.sub)
+
+
+class _Documents(NamedTuple):
+    """Document ids of a packed batch, padded like the inputs, and where each key block's rows end."""
+
+    ids: torch.Tensor  # [B, T_padded] long; the padding continues the last document
+    heads: int
+    stops: list[int]  # per key block j: one past the last row (a multiple of sub) of a document of j
+
+    @classmethod
+    def make(cls, document_ids: torch.Tensor | None, plan: _Plan, heads: int) -> _Documents | None:
+        if document_ids is None:
+            return None
+        ids = document_ids.to(torch.long)
+        ids = torch.cat([ids, ids[:, -1:].expand(-1, plan.padded - plan.steps)], dim=1).contiguous()
+        # ends[b, t]: one past the last token of t's document; the last key of each block has the
+        # latest document of the block, so its end bounds the rows that share one with the block.
+        ends = torch.searchsorted(ids, ids, right=True)[:, plan.block - 1 :: plan.block].amax(dim=0)
+        stops = (-(-ends // plan.sub) * plan.sub).clamp_(max=plan.padded).tolist()
+        return cls(ids, heads, stops)
+
+    def mask_scores(self, score: torch.Tensor, r0: int, r1: int) -> None:
+        """-inf into score [N, rows, keys] for the rows r0.. and keys r0..r1 of different documents."""
+        rows = r0 + score.shape[1]
+        other = ~same_document(self.ids[:, r0:rows], self.ids[:, r0:r1])
+        score.view(-1, self.heads, *score.shape[1:]).masked_fill_(other[:, None], float("-inf"))
+
+
+def _stop(plan: _Plan, docs: _Documents | None, j: int) -> int:
+    """One past the last row that key block j can matter to."""
+    return plan.padded if docs is None else docs.stops[j]
 
 
 class _Masks(NamedTuple):
@@ -217,12 +260,13 @@ def _key_block(
     gram: torch.Tensor,
     plan: _Plan,
     masks: _Masks,
+    stop: int,
 ) -> _KeyBlock:
-    """Lookahead weights, D and S^U of key block j (qu and qc pre-scaled)."""
+    """Lookahead weights, D and S^U of key block j for the rows before `stop` (qu and qc pre-scaled)."""
     n, _, dim = qu.shape
     op, work = qu.dtype, compute_dtype(qu.dtype)
     bk, sub = plan.block, plan.sub
-    near, s0 = plan.near_subs(j), j * bk // sub
+    near, s0 = plan.near_subs(j, stop), j * bk // sub
     c0, c1 = j * bk, j * bk + near * sub
     p_flat = torch.bmm(qu[:, c0 : c0 + bk], ku[:, c0:c1].transpose(1, 2)).sigmoid_()  # [N, block_b, near*sub]
     if plan.window is None:
@@ -238,20 +282,31 @@ def _key_block(
     s_near = torch.matmul(gram[:, s0 : s0 + near], p.transpose(-1, -2))  # [N, near, sub_a, block_b]
     s_near += torch.matmul(_subs(qc, plan)[:, s0 : s0 + near], d_excl_op.transpose(-1, -2))
     s_near = s_near.view(n, near * sub, bk)
-    if c1 < plan.padded:
-        s_u = torch.cat([s_near, torch.bmm(qc[:, c1:], d_total_op.transpose(1, 2))], dim=1)
+    if c1 < stop:
+        s_u = torch.cat([s_near, torch.bmm(qc[:, c1:stop], d_total_op.transpose(1, 2))], dim=1)
     else:
         s_u = s_near
     return _KeyBlock(near, p, d_excl, d_total, s_u, d_excl_op, d_total_op)
 
 
-def _scores(j: int, kb: _KeyBlock, qc: torch.Tensor, kc: torch.Tensor, plan: _Plan, masks: _Masks) -> torch.Tensor:
-    """Score column block A[rows >= start(J), J] in the compute dtype: [N, rows, block], -inf
-    above the diagonal."""
+def _scores(
+    j: int,
+    kb: _KeyBlock,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    plan: _Plan,
+    masks: _Masks,
+    docs: _Documents | None,
+    stop: int,
+) -> torch.Tensor:
+    """Score column block A[start(J) <= rows < stop, J] in the compute dtype: [N, rows, block],
+    -inf above the diagonal and between documents."""
     bk = plan.block
-    score = torch.bmm(qc[:, j * bk :], kc[:, j * bk : (j + 1) * bk].transpose(1, 2)).to(compute_dtype(qc.dtype))
+    score = torch.bmm(qc[:, j * bk : stop], kc[:, j * bk : (j + 1) * bk].transpose(1, 2)).to(compute_dtype(qc.dtype))
     score -= F.silu(kb.s_u)
     score[:, :bk].masked_fill_(masks.above_diagonal, float("-inf"))
+    if docs is not None:
+        docs.mask_scores(score, j * bk, (j + 1) * bk)
     return score
 
 
@@ -264,37 +319,41 @@ def _forward(
     vc: torch.Tensor,
     plan: _Plan,
     want_lookahead: bool = False,
+    docs: _Documents | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Packed inputs [N, T_padded, d] (the operands' dtype), qu and qc pre-scaled -> (o, lse
     [N, T_padded], U or None), all in the compute dtype.
 
     Online softmax over key blocks (column-outer): running max, sum and output for all rows.
-    U [N, T_padded, d] (the lookahead keys after the whole sequence) when `want_lookahead`.
+    U [N, T_padded, d] (the lookahead keys after the whole sequence) when `want_lookahead`
+    (without documents). With documents a block may hold no key of a row's document, so the
+    running max starts at the dtype's lowest finite value: such a block then rescales by
+    exp(0) = 1 and adds exp(-inf) = 0 where -inf - (-inf) would give NaN.
     """
     n, tp, dim = qu.shape
     op, work = qu.dtype, compute_dtype(qu.dtype)
     bk = plan.block
     masks = _masks(plan, op, qu.device)
     gram = _diagonal_gram(qc, vu, plan, masks)
-    row_max = qu.new_full((n, tp), float("-inf"), dtype=work)
+    row_max = qu.new_full((n, tp), float("-inf") if docs is None else torch.finfo(work).min, dtype=work)
     row_sum = qu.new_zeros(n, tp, dtype=work)
     acc = qu.new_zeros(n, tp, dim, dtype=work)
     lookahead = qu.new_empty(n, tp, dim, dtype=work) if want_lookahead else None
     for j in range(plan.n_blocks):
-        r0, r1 = j * bk, (j + 1) * bk
-        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks)
+        r0, r1, stop = j * bk, (j + 1) * bk, _stop(plan, docs, j)
+        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks, stop)
         if lookahead is not None:
             lookahead[:, r0:r1] = kb.d_total
-        score = _scores(j, kb, qc, kc, plan, masks)
-        m_old = row_max[:, r0:]
+        score = _scores(j, kb, qc, kc, plan, masks, docs, stop)
+        m_old = row_max[:, r0:stop]
         m_new = torch.maximum(m_old, score.amax(dim=-1))
         rescale = (m_old - m_new).exp_()
         weights = score.sub_(m_new.unsqueeze(-1)).exp_()
-        row_sum[:, r0:].mul_(rescale).add_(weights.sum(dim=-1))
+        row_sum[:, r0:stop].mul_(rescale).add_(weights.sum(dim=-1))
         if op == work:
-            acc[:, r0:].mul_(rescale.unsqueeze(-1)).baddbmm_(weights, vc[:, r0:r1])
+            acc[:, r0:stop].mul_(rescale.unsqueeze(-1)).baddbmm_(weights, vc[:, r0:r1])
         else:
-            acc[:, r0:].mul_(rescale.unsqueeze(-1)).add_(torch.bmm(weights.to(op), vc[:, r0:r1]))
+            acc[:, r0:stop].mul_(rescale.unsqueeze(-1)).add_(torch.bmm(weights.to(op), vc[:, r0:r1]))
         m_old.copy_(m_new)
     out = acc.div_(row_sum.unsqueeze(-1))
     lse = row_max.add_(row_sum.log_())
@@ -312,6 +371,7 @@ def _backward(
     lse: torch.Tensor,
     grad_out: torch.Tensor,
     plan: _Plan,
+    docs: _Documents | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients (compute dtype) w.r.t. the six packed inputs as `_forward` saw them (qu, qc
     pre-scaled); out and grad_out packed like them.
@@ -333,23 +393,24 @@ def _backward(
     dqc_subs, dvu_subs = _subs(dqc, plan), _subs(dvu, plan)
     qc_subs, vu_subs = _subs(qc, plan), _subs(vu, plan)
     for j in range(plan.n_blocks):
-        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks)
+        stop = _stop(plan, docs, j)
+        kb = _key_block(j, qu, ku, vu, qc, gram, plan, masks, stop)
         near, s0 = kb.near, j * bk // sub
         r0, r1, c1 = j * bk, (j + 1) * bk, j * bk + near * sub
         near_subs = slice(s0, s0 + near)
         # Softmax and causal-key part, as in flash attention.
-        probs = _scores(j, kb, qc, kc, plan, masks).sub_(lse[:, r0:].unsqueeze(-1)).exp_()
+        probs = _scores(j, kb, qc, kc, plan, masks, docs, stop).sub_(lse[:, r0:stop].unsqueeze(-1)).exp_()
         probs_op = probs if same else probs.to(op)
-        dvc[:, r0:r1] = torch.bmm(probs_op.transpose(1, 2), grad_out[:, r0:])
-        grad_score = torch.bmm(grad_out[:, r0:], vc[:, r0:r1].transpose(1, 2)).to(work)
-        grad_score.sub_(delta[:, r0:].unsqueeze(-1)).mul_(probs)
+        dvc[:, r0:r1] = torch.bmm(probs_op.transpose(1, 2), grad_out[:, r0:stop])
+        grad_score = torch.bmm(grad_out[:, r0:stop], vc[:, r0:r1].transpose(1, 2)).to(work)
+        grad_score.sub_(delta[:, r0:stop].unsqueeze(-1)).mul_(probs)
         del probs, probs_op
         grad_score_op = grad_score if same else grad_score.to(op)
         if same:
-            dqc[:, r0:].baddbmm_(grad_score, kc[:, r0:r1])
+            dqc[:, r0:stop].baddbmm_(grad_score, kc[:, r0:r1])
         else:
-            dqc[:, r0:].add_(torch.bmm(grad_score_op, kc[:, r0:r1]))
-        dkc[:, r0:r1] = torch.bmm(grad_score_op.transpose(1, 2), qc[:, r0:])
+            dqc[:, r0:stop].add_(torch.bmm(grad_score_op, kc[:, r0:r1]))
+        dkc[:, r0:r1] = torch.bmm(grad_score_op.transpose(1, 2), qc[:, r0:stop])
         neg_grad_su = torch.ops.aten.silu_backward(grad_score, kb.s_u.to(work))
         del grad_score, grad_score_op
         if not same:
@@ -361,13 +422,13 @@ def _backward(
         # D_J^(I) = sum_{I' < I} Y_I'  =>  dY_I' = sum_{I > I'} dD_J^(I) (+ the rows beyond):
         # a reverse exclusive scan, which like the forward only adds.
         neg_grad_y = _exclusive_scan(neg_grad_d.view(n, near, bk * dim), masks, reverse=True).view(n, near, bk, dim)
-        if c1 < tp:
+        if c1 < stop:
             neg_far = neg_grad_su[:, near * sub :]
             if same:
-                dqc[:, c1:].baddbmm_(neg_far, kb.d_total, alpha=-1)
+                dqc[:, c1:stop].baddbmm_(neg_far, kb.d_total, alpha=-1)
             else:
-                dqc[:, c1:].sub_(torch.bmm(neg_far, kb.d_total_op))
-            neg_grad_y += torch.bmm(neg_far.transpose(1, 2), qc[:, c1:]).unsqueeze(1)
+                dqc[:, c1:stop].sub_(torch.bmm(neg_far, kb.d_total_op))
+            neg_grad_y += torch.bmm(neg_far.transpose(1, 2), qc[:, c1:stop]).unsqueeze(1)
         neg_grad_y_op = neg_grad_y if same else neg_grad_y.to(op)
         # Y_I = P[J, I] VU_I and the diagonal term G_I P[J, I]^T.
         neg_grad_p = neg_grad_y_op @ vu_subs[:, near_subs].transpose(-1, -2)  # [N, near, block_b, sub_c]
@@ -403,15 +464,18 @@ def castle_attention_forward(
     window: int | None,
     scale: float,
     block_size: int,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [B, T, H, d] in the inputs' dtype, logsumexp [B * H, T_padded] in the compute dtype)."""
     plan = _Plan.make(qu.shape[1], block_size, window, scale)
-    out, lse, _ = _forward(*_pack_all((qu, ku, vu, qc, kc, vc), plan, operand_dtype(qu.dtype, qu.device)), plan)
+    docs = _Documents.make(document_ids, plan, qu.shape[2])
+    packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, operand_dtype(qu.dtype, qu.device))
+    out, lse, _ = _forward(*packed, plan, docs=docs)
     return _unpack(out, plan, qu.shape, qu.dtype), lse
 
 
 @castle_attention_forward.register_fake
-def _(qu, ku, vu, qc, kc, vc, window, scale, block_size):
+def _(qu, ku, vu, qc, kc, vc, window, scale, block_size, document_ids=None):
     plan = _Plan.make(qu.shape[1], block_size, window, scale)
     batch, _, heads, _ = qu.shape
     return qu.new_empty(qu.shape), qu.new_empty(batch * heads, plan.padded, dtype=compute_dtype(qu.dtype))
@@ -431,12 +495,14 @@ def castle_attention_backward(
     window: int | None,
     scale: float,
     block_size: int,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `castle_attention_forward` w.r.t. its six inputs, in their dtype."""
     plan = _Plan.make(qu.shape[1], block_size, window, scale)
+    docs = _Documents.make(document_ids, plan, qu.shape[2])
     dtype = operand_dtype(qu.dtype, qu.device)
     packed = _pack_all((qu, ku, vu, qc, kc, vc), plan, dtype)
-    grads = _backward(*packed, _pack(out, plan, dtype), lse, _pack(grad_out, plan, dtype), plan)
+    grads = _backward(*packed, _pack(out, plan, dtype), lse, _pack(grad_out, plan, dtype), plan, docs)
     # The packed qu and qc were pre-scaled, so their gradients carry one more factor.
     grads[0].mul_(plan.scale)
     grads[3].mul_(plan.scale)
@@ -444,20 +510,23 @@ def castle_attention_backward(
 
 
 @castle_attention_backward.register_fake
-def _(grad_out, qu, ku, vu, qc, kc, vc, out, lse, window, scale, block_size):
+def _(grad_out, qu, ku, vu, qc, kc, vc, out, lse, window, scale, block_size, document_ids=None):
     return tuple(qu.new_empty(qu.shape) for _ in range(6))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[:6], *output)
-    ctx.plan = inputs[6:]
+    document_ids = inputs[9] if len(inputs) > 9 else None
+    ctx.save_for_backward(*inputs[:6], *output, *(() if document_ids is None else (document_ids,)))
+    ctx.plan = inputs[6:9]
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_rule(ctx, grad_out, _grad_lse):
-    qu, ku, vu, qc, kc, vc, out, lse = ctx.saved_tensors
-    grads = castle_attention_backward(grad_out, qu, ku, vu, qc, kc, vc, out, lse, *ctx.plan)
-    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:6])), None, None, None)
+    qu, ku, vu, qc, kc, vc, out, lse, *document_ids = ctx.saved_tensors
+    grads = castle_attention_backward(
+        grad_out, qu, ku, vu, qc, kc, vc, out, lse, *ctx.plan, document_ids[0] if document_ids else None
+    )
+    return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:6])), None, None, None, None)
 
 
 castle_attention_forward.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -473,6 +542,7 @@ def castle_attention(
     window: int | None,
     scale: float,
     block_size: int,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CASTLE (window=None) or CASTLE-SWL (window=W >= 1) attention for training.
 
@@ -484,9 +554,10 @@ def castle_attention(
     the logsumexp, the lookahead sums D and the gradient sums are fp32; without those
     instructions everything is fp32. Gradients come back in the input dtype. O(T^2 d) time and
     O(T d + T * block_size) memory in forward and backward. `block_size` is a speed knob
-    (clipped to T); results do not depend on it beyond rounding.
+    (clipped to T); results do not depend on it beyond rounding. `document_ids` [B, T] (long,
+    assumed valid, None for one document per row): packed rows, see the module docstring.
     """
-    return castle_attention_forward(qu, ku, vu, qc, kc, vc, window, scale, block_size)[0]
+    return castle_attention_forward(qu, ku, vu, qc, kc, vc, window, scale, block_size, document_ids)[0]
 
 
 def forward_with_lookahead_keys(

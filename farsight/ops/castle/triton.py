@@ -25,6 +25,21 @@ Y_{J,I} = P[J, I] @ VU_I. Key-side gradients (dkc, dvc, dqu of J) stay in regist
 row-side ones (dqc, dvu, dku of I) are added with fp32 atomics, so their last bits vary from
 run to run on GPU. Memory: O(T d) in both passes (inputs, output, logsumexp, D).
 
+Packed rows (`document_ids`; see `farsight.ops.castle` for why masking the [query, key] score
+is the whole change): every kernel loads the document of each row and key of a tile and scores
+pairs of different documents -inf. The document of a token is named by its first token's index
+(DocStart [B, T]), and DocEnd [B, T] holds one past its last token. A tile (I, J), J <= I,
+holds a pair of one document exactly when J's last key's document reaches block I, that is
+when I < block_end(J) = ceil(DocEnd[last key of J] / BLOCK), or equally J >= block_start(I) =
+DocStart[first row of I] // BLOCK. Every other tile is skipped: the forward's walks start at
+block_start(I) and stop adding P[J, I] @ VU_I to D_J at block_end(J), and the backward starts
+at block_end(J) - 1. So that skipping never changes D, the kernels also give P[b, c] = 0 for c
+outside b's document (the pairs that read D are unchanged by it, as above): the final D is then
+the lookahead keys summed inside each document, whatever the tile, and the backward, whose tile
+may be smaller than the forward's, walks back from it exactly. A row may still find no key of
+its document in a tile it visits, so the online softmax takes exp against 0 where the running
+max is still -inf.
+
 Any T (blocks are masked), any d (padded to a power of two >= 16), fp32 / fp16 / bf16 with fp32
 scores, softmax and accumulation; fp16/bf16 operands are rounded to the input dtype before
 each tl.dot (as flash attention does). fp32 dots follow torch.get_float32_matmul_precision().
@@ -42,6 +57,7 @@ import triton
 import triton.language as tl
 
 from farsight.errors import BackendUnavailableError, InputTypeError
+from farsight.ops.documents import document_positions
 from farsight.ops.precision import amp_function
 from farsight.ops.triton_tiles import (
     INTERPRETED,
@@ -59,12 +75,28 @@ __all__ = ["castle_attention_triton", "castle_prefill_triton", "INTERPRETED"]
 
 
 @triton.jit
-def _lookahead_weights(qu_j, ku_i, keys, toks, T, window, scale, HAS_WINDOW: tl.constexpr, PREC: tl.constexpr):
-    """P[J, I]: sigmoid(scale * qu_b . ku_c) where b < c (<= b + W) and c < T, else 0."""
+def _lookahead_weights(
+    qu_j,
+    ku_i,
+    keys,
+    toks,
+    doc_j,
+    doc_i,
+    T,
+    window,
+    scale,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """P[J, I]: sigmoid(scale * qu_b . ku_c) where b < c (<= b + W), c < T and, with
+    documents, doc(c) == doc(b); else 0."""
     z = tl.dot(qu_j, tl.trans(ku_i), input_precision=PREC) * scale
     ok = (toks[None, :] > keys[:, None]) & (toks[None, :] < T)
     if HAS_WINDOW:
         ok = ok & (toks[None, :] <= keys[:, None] + window)
+    if HAS_DOCS:
+        ok = ok & (doc_i[None, :] == doc_j[:, None])
     return tl.where(ok, tl.sigmoid(z), 0.0)
 
 
@@ -76,19 +108,65 @@ def _diagonal_gram(qc_i, vu_i, rows, scale, PREC: tl.constexpr):
 
 
 @triton.jit
+def _documents(DocStart, b, idx, T, other):
+    """The document (its first token's index) of positions idx of batch row b; `other` past T."""
+    return tl.load(DocStart + b.to(tl.int64) * T + idx, mask=idx < T, other=other)
+
+
+@triton.jit
+def _block_start(DocStart, b, i, T, BLOCK: tl.constexpr):
+    """The first key block that shares a document with query block i: its first row's document's."""
+    return tl.load(DocStart + b.to(tl.int64) * T + i * BLOCK) // BLOCK
+
+
+@triton.jit
+def _block_end(DocEnd, b, j, T, BLOCK: tl.constexpr):
+    """One past the last query block that shares a document with key block j: its last key's document's end."""
+    return tl.cdiv(tl.load(DocEnd + b.to(tl.int64) * T + tl.minimum(j * BLOCK + BLOCK, T) - 1), BLOCK)
+
+
+@triton.jit
 def _silu(x):
     return x * tl.sigmoid(x)
 
 
 @triton.jit
-def _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC: tl.constexpr, NEAR: tl.constexpr):
-    """Scores A[I, J] (-inf where b > a or b >= T); the G @ P^T term only for near tiles."""
+def _fwd_tile_scores(
+    qc_i,
+    kc_j,
+    d_j,
+    g,
+    p,
+    rows,
+    keys,
+    doc_i,
+    doc_j,
+    T,
+    scale,
+    PREC: tl.constexpr,
+    NEAR: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Scores A[I, J] (-inf where b > a, b >= T or, with documents, doc(b) != doc(a)); the
+    G @ P^T term only for near tiles."""
     dt = qc_i.dtype
     s_u = tl.dot(qc_i, tl.trans(d_j.to(dt)), input_precision=PREC) * scale
     if NEAR:
         s_u += tl.dot(g.to(dt), tl.trans(p.to(dt)), input_precision=PREC)
     score = tl.dot(qc_i, tl.trans(kc_j), input_precision=PREC) * scale - _silu(s_u)
-    return tl.where((keys[None, :] <= rows[:, None]) & (keys[None, :] < T), score, float("-inf")), s_u
+    ok = (keys[None, :] <= rows[:, None]) & (keys[None, :] < T)
+    if HAS_DOCS:
+        ok = ok & (doc_i[:, None] == doc_j[None, :])
+    return tl.where(ok, score, float("-inf")), s_u
+
+
+@triton.jit
+def _exp_base(m, HAS_DOCS: tl.constexpr):
+    """The running max to take exp against: with documents a row may have met no key of its
+    document yet (max -inf), and then 0 keeps exp(-inf - max) from being NaN."""
+    if HAS_DOCS:
+        m = tl.where(m == float("-inf"), 0.0, m)
+    return m
 
 
 @triton.jit
@@ -103,6 +181,8 @@ def _castle_fwd_diag_kernel(
     Acc,
     M,
     L,
+    DocStart,
+    DocEnd,
     T,
     H,
     D,
@@ -113,49 +193,62 @@ def _castle_fwd_diag_kernel(
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
-    """Tile (I, J) = (pid0 + diag, pid0) of batch-head pid1.
+    """Tile (I, J) = (pid0 + diag, pid0) of batch-head pid1 (skipped with documents when no
+    pair of it shares one).
 
     Inputs [B, T, H, D]; Dsum / Acc [B, T, H, D] fp32 (running D and unnormalised output);
-    M / L [B, H, T] fp32 (running max and sum).
+    M / L [B, H, T] fp32 (running max and sum); DocStart / DocEnd [B, T] int32 (unused without
+    documents).
     """
     j = tl.program_id(0)
     bh = tl.program_id(1)
     i = j + diag
-    row_stride = H * D
-    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    keys = j * BLOCK + tl.arange(0, BLOCK)
-    rows = i * BLOCK + tl.arange(0, BLOCK)
-    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    dt = qc_i.dtype
+    live = True
+    if HAS_DOCS:
+        live = i < _block_end(DocEnd, bh // H, j, T, BLOCK)
+    if live:
+        row_stride = H * D
+        base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+        keys = j * BLOCK + tl.arange(0, BLOCK)
+        rows = i * BLOCK + tl.arange(0, BLOCK)
+        qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        doc_i, doc_j = rows, keys  # placeholders without documents
+        if HAS_DOCS:
+            doc_i = _documents(DocStart, bh // H, rows, T, -1)
+            doc_j = _documents(DocStart, bh // H, keys, T, -2)
+        dt = qc_i.dtype
 
-    p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
-    g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
-    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
+        g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+        score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, True, HAS_DOCS)
 
-    # Online softmax merge into the rows of I (every tile row holds a real key, so the max is finite).
-    stat = bh.to(tl.int64) * T + rows
-    row_ok = rows < T
-    m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
-    l_old = tl.load(L + stat, mask=row_ok, other=0.0)
-    acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    m_new = tl.maximum(m_old, tl.max(score, 1))
-    alpha = tl.exp(m_old - m_new)
-    e = tl.exp(score - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
-    tl.store(M + stat, m_new, mask=row_ok)
-    tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
-    store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
-    # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
-    store_rows(
-        Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D
-    )
+        # Online softmax merge into the rows of I (without documents every tile row holds a
+        # real key, so the max is finite).
+        stat = bh.to(tl.int64) * T + rows
+        row_ok = rows < T
+        m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
+        l_old = tl.load(L + stat, mask=row_ok, other=0.0)
+        acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        m_new = tl.maximum(m_old, tl.max(score, 1))
+        m_exp = _exp_base(m_new, HAS_DOCS)
+        alpha = tl.exp(m_old - m_exp)
+        e = tl.exp(score - m_exp[:, None])
+        acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
+        tl.store(M + stat, m_new, mask=row_ok)
+        tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
+        store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
+        # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
+        store_rows(
+            Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D
+        )
 
 
 @triton.jit
@@ -167,6 +260,7 @@ def _castle_fwd_far_kernel(
     Acc,
     M,
     L,
+    DocStart,
     T,
     H,
     D,
@@ -175,9 +269,11 @@ def _castle_fwd_far_kernel(
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """Windowed variant only: query block pid0 merges every key block J <= I - near, whose
-    lookahead sums are final (S^U = scale * QC_I @ U_J^T), flash-attention style."""
+    lookahead sums are final (S^U = scale * QC_I @ U_J^T), flash-attention style (from the
+    first key block of its first row's document on, with documents)."""
     i = tl.program_id(0)
     bh = tl.program_id(1)
     if i >= near:
@@ -190,15 +286,26 @@ def _castle_fwd_far_kernel(
         m_i = tl.load(M + stat, mask=row_ok, other=float("-inf"))
         l_i = tl.load(L + stat, mask=row_ok, other=0.0)
         acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        for j in range(0, i - near + 1):
+        j_first = 0
+        doc_i = rows  # placeholder without documents
+        if HAS_DOCS:
+            j_first = _block_start(DocStart, bh // H, i, T, BLOCK)
+            doc_i = _documents(DocStart, bh // H, rows, T, -1)
+        for j in range(j_first, i - near + 1):
             keys = j * BLOCK + tl.arange(0, BLOCK)
             kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
             vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
             u_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
+            doc_j = keys
+            if HAS_DOCS:
+                doc_j = _documents(DocStart, bh // H, keys, T, -2)
+            score, s_u = _fwd_tile_scores(
+                qc_i, kc_j, u_j, u_j, u_j, rows, keys, doc_i, doc_j, T, scale, PREC, False, HAS_DOCS
+            )
             m_new = tl.maximum(m_i, tl.max(score, 1))
-            alpha = tl.exp(m_i - m_new)
-            e = tl.exp(score - m_new[:, None])
+            m_exp = _exp_base(m_new, HAS_DOCS)
+            alpha = tl.exp(m_i - m_exp)
+            e = tl.exp(score - m_exp[:, None])
             l_i = l_i * alpha + tl.sum(e, 1)
             acc = acc * alpha[:, None] + tl.dot(e.to(qc_i.dtype), vc_j, input_precision=PREC)
             m_i = m_new
@@ -214,6 +321,8 @@ def _castle_fwd_lookahead_kernel(
     VU,
     Dsum,
     Snap,
+    DocStart,
+    DocEnd,
     T,
     H,
     D,
@@ -229,6 +338,7 @@ def _castle_fwd_lookahead_kernel(
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """Lookahead sums for the query blocks [g0, g1) of one group: key block J = j_lo + pid0 of
     batch-head pid1 holds D_J in registers, stores D_J^(I) into Snap[I - g0] for every query
@@ -236,7 +346,9 @@ def _castle_fwd_lookahead_kernel(
     after each, and writes D_J^(g1) back to Dsum.
 
     Inputs [B, T, H, D]; Dsum [B, T, H, D] fp32; Snap [G, B, snap_rows, H, D] in the input
-    dtype, key rows counted from block j_lo.
+    dtype, key rows counted from block j_lo. With documents (DocStart / DocEnd [B, T] int32) P
+    keeps each key's lookahead tokens to its document and J stops at block_end(J): the query
+    blocks beyond hold no row of J's documents.
     """
     j = j_lo + tl.program_id(0)
     bh = tl.program_id(1)
@@ -247,25 +359,34 @@ def _castle_fwd_lookahead_kernel(
     qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dt = qu_j.dtype
-    for i in range(tl.maximum(g0, j), tl.minimum(g1, j + near)):
+    i_stop = tl.minimum(g1, j + near)
+    doc_j = keys  # placeholder without documents
+    if HAS_DOCS:
+        i_stop = tl.minimum(i_stop, _block_end(DocEnd, bh // H, j, T, BLOCK))
+        doc_j = _documents(DocStart, bh // H, keys, T, -2)
+    for i in range(tl.maximum(g0, j), i_stop):
         store_rows(
             Snap, snap_base + (i - g0) * snap_stride, (j - j_lo) * BLOCK, snap_rows, D, row_stride, d_j, BLOCK, BLOCK_D
         )
         rows = i * BLOCK + tl.arange(0, BLOCK)
         ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+        doc_i = rows
+        if HAS_DOCS:
+            doc_i = _documents(DocStart, bh // H, rows, T, -1)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
         d_j += tl.dot(p.to(dt), vu_i, input_precision=PREC)
     store_rows(Dsum, base, j * BLOCK, T, D, row_stride, d_j, BLOCK, BLOCK_D)
 
 
 @triton.jit
-def _merge_tile(score, vc_j, m_i, l_i, acc, PREC: tl.constexpr):
+def _merge_tile(score, vc_j, m_i, l_i, acc, PREC: tl.constexpr, HAS_DOCS: tl.constexpr):
     """Online softmax: fold one tile of scores (and its values) into a row block's running max,
     sum and unnormalised output."""
     m_new = tl.maximum(m_i, tl.max(score, 1))
-    alpha = tl.exp(m_i - m_new)
-    e = tl.exp(score - m_new[:, None])
+    m_exp = _exp_base(m_new, HAS_DOCS)
+    alpha = tl.exp(m_i - m_exp)
+    e = tl.exp(score - m_exp[:, None])
     acc = acc * alpha[:, None] + tl.dot(e.to(vc_j.dtype), vc_j, input_precision=PREC)
     return m_new, l_i * alpha + tl.sum(e, 1), acc
 
@@ -282,6 +403,7 @@ def _castle_fwd_attend_kernel(
     Snap,
     Out,
     Lse,
+    DocStart,
     T,
     H,
     D,
@@ -296,13 +418,15 @@ def _castle_fwd_attend_kernel(
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """Query block I = g0 + pid0 of batch-head pid1, flash-attention style: its row max, sum
     and output stay in registers while it walks key blocks J = 0 .. I. Far blocks (I - J >=
     near, windowed only) read their final lookahead sums U_J from Dsum; near ones read D_J^(I)
     from Snap (written by the group's lookahead launch) and add the in-block term G_I P[J, I]^T.
 
-    Out [B, T, H, D] fp32 (normalised); Lse [B, H, T] fp32.
+    Out [B, T, H, D] fp32 (normalised); Lse [B, H, T] fp32. With documents (DocStart [B, T]
+    int32) the walk starts at the first key block of I's first row's document.
     """
     i = g0 + tl.program_id(0)
     bh = tl.program_id(1)
@@ -318,22 +442,35 @@ def _castle_fwd_attend_kernel(
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     first_near = tl.maximum(i - near + 1, 0)
-    for j in range(0, first_near):
+    j_first = 0
+    doc_i = rows  # placeholder without documents
+    if HAS_DOCS:
+        j_first = _block_start(DocStart, bh // H, i, T, BLOCK)
+        doc_i = _documents(DocStart, bh // H, rows, T, -1)
+    for j in range(j_first, first_near):
         keys = j * BLOCK + tl.arange(0, BLOCK)
         kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         u_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        score, s_u = _fwd_tile_scores(qc_i, kc_j, u_j, u_j, u_j, rows, keys, T, scale, PREC, False)
-        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
-    for j in range(first_near, i + 1):
+        doc_j = keys
+        if HAS_DOCS:
+            doc_j = _documents(DocStart, bh // H, keys, T, -2)
+        score, s_u = _fwd_tile_scores(
+            qc_i, kc_j, u_j, u_j, u_j, rows, keys, doc_i, doc_j, T, scale, PREC, False, HAS_DOCS
+        )
+        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC, HAS_DOCS)
+    for j in range(tl.maximum(first_near, j_first), i + 1):
         keys = j * BLOCK + tl.arange(0, BLOCK)
         qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         d_j = load_rows(Snap, snap_base, (j - j_lo) * BLOCK, snap_rows, D, row_stride, BLOCK, BLOCK_D)
-        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
-        score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, True)
-        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC)
+        doc_j = keys
+        if HAS_DOCS:
+            doc_j = _documents(DocStart, bh // H, keys, T, -2)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
+        score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, True, HAS_DOCS)
+        m_i, l_i, acc = _merge_tile(score, vc_j, m_i, l_i, acc, PREC, HAS_DOCS)
     # Every real row has its own key (b = a), so l > 0 there; padding rows are not stored.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     store_rows(Out, base, i * BLOCK, T, D, row_stride, acc / l_safe[:, None], BLOCK, BLOCK_D)
@@ -352,6 +489,7 @@ def _bwd_tile(
     dQC,
     dVU,
     dKU,
+    DocStart,
     qu_j,
     kc_j,
     vc_j,
@@ -364,7 +502,9 @@ def _bwd_tile(
     bh,
     base,
     keys,
+    doc_j,
     T,
+    H,
     D,
     row_stride,
     window,
@@ -374,6 +514,7 @@ def _bwd_tile(
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NEAR: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     """Gradients of tile (I, J); returns the updated key-block state (d_j, r_j, dkc, dvc, dqu).
 
@@ -388,16 +529,20 @@ def _bwd_tile(
     lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
     delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
     dt = qc_i.dtype
+    doc_i = rows  # placeholder without documents
+    if HAS_DOCS:
+        doc_i = _documents(DocStart, bh // H, rows, T, -1)
 
     if NEAR:
         vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
         ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        p = _lookahead_weights(qu_j, ku_i, keys, rows, T, window, scale, HAS_WINDOW, PREC)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
         d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
         g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
     else:
         p, g = d_j, d_j  # unused placeholders
-    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, T, scale, PREC, NEAR)
+    # exp(-inf - lse) = 0: pairs of different documents get no probability and no gradient
+    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, NEAR, HAS_DOCS)
     prob = tl.where((keys[None, :] <= rows[:, None]) & row_ok[:, None], tl.exp(score - lse[:, None]), 0.0)
     dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
     dprob = tl.dot(do_i, tl.trans(vc_j), input_precision=PREC)
@@ -443,6 +588,8 @@ def _castle_bwd_kernel(
     dQC,
     dKC,
     dVC,
+    DocStart,
+    DocEnd,
     T,
     H,
     D,
@@ -454,11 +601,14 @@ def _castle_bwd_kernel(
     PREC: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
-    """Key block pid0 of batch-head pid1 walks query blocks I = n_blocks-1 .. J.
+    """Key block pid0 of batch-head pid1 walks query blocks I = n_blocks-1 .. J (from
+    block_end(J) - 1 with documents, where the forward stopped adding to D_J).
 
     Dsum [B, T, H, D] fp32 is the final D (= U) of the forward; Lse / Delta [B, H, T] fp32;
-    dQC / dVU / dKU [B, T, H, D] fp32, zero-initialised (atomic); dQU / dKC / dVC like the inputs.
+    dQC / dVU / dKU [B, T, H, D] fp32, zero-initialised (atomic); dQU / dKC / dVC like the
+    inputs; DocStart / DocEnd [B, T] int32 (unused without documents).
     """
     j = tl.program_id(0)
     bh = tl.program_id(1)
@@ -473,9 +623,14 @@ def _castle_bwd_kernel(
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    last = n_blocks - 1
+    doc_j = keys  # placeholder without documents
+    if HAS_DOCS:
+        last = tl.minimum(last, _block_end(DocEnd, bh // H, j, T, BLOCK) - 1)
+        doc_j = _documents(DocStart, bh // H, keys, T, -2)
     # Far tiles first (I >= J + near, where P[J, I] = 0), then the near ones down to I = J.
-    first_near = tl.minimum(n_blocks - 1, j + near - 1)
-    for step in range(0, n_blocks - 1 - first_near):
+    first_near = tl.minimum(last, j + near - 1)
+    for step in range(0, last - first_near):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
             QU,
             KU,
@@ -487,6 +642,7 @@ def _castle_bwd_kernel(
             dQC,
             dVU,
             dKU,
+            DocStart,
             qu_j,
             kc_j,
             vc_j,
@@ -495,11 +651,13 @@ def _castle_bwd_kernel(
             dkc,
             dvc,
             dqu,
-            n_blocks - 1 - step,
+            last - step,
             bh,
             base,
             keys,
+            doc_j,
             T,
+            H,
             D,
             row_stride,
             window,
@@ -509,6 +667,7 @@ def _castle_bwd_kernel(
             BLOCK,
             BLOCK_D,
             False,
+            HAS_DOCS,
         )
     for step in range(0, first_near - j + 1):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
@@ -522,6 +681,7 @@ def _castle_bwd_kernel(
             dQC,
             dVU,
             dKU,
+            DocStart,
             qu_j,
             kc_j,
             vc_j,
@@ -534,7 +694,9 @@ def _castle_bwd_kernel(
             bh,
             base,
             keys,
+            doc_j,
             T,
+            H,
             D,
             row_stride,
             window,
@@ -544,6 +706,7 @@ def _castle_bwd_kernel(
             BLOCK,
             BLOCK_D,
             True,
+            HAS_DOCS,
         )
     out_ty = dKC.dtype.element_ty
     store_rows(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
@@ -562,7 +725,7 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
 # 32/64 x 4/8 warps x 1/2 stages): 4 warps and one pipeline stage were fastest or within 10% for
 # d=64 and d=128, with and without a window. The other kernels: see `autotuned`.
 _DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
-_TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW"]
+_TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW", "HAS_DOCS"]
 _castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(8, 2), restore_value=["Dsum"])
 # The attention launch per head-dim range: 64-row tiles of d <= 64 spill least with 4 warps,
 # 32-row tiles of d = 128 not at all with 8 (`benchmarks/kernel_resources.py`, Triton 3.6).
@@ -580,13 +743,36 @@ FORWARD_SCHEDULE = "grouped"
 SNAPSHOT_BYTES = 1 << 30
 
 
+def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document ids [B, T] -> (DocStart, DocEnd) [B, T] int32 contiguous: the index of the first
+    token of each token's document (which names the document) and one past its last."""
+    ids = document_ids.long().contiguous()
+    start = torch.arange(ids.shape[1], device=ids.device) - document_positions(ids)
+    end = torch.searchsorted(ids, ids, right=True)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def _document_args(docs: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor) -> dict[str, Any]:
+    """The kernels' document arguments; without documents any tensor stands in for the unused pointers."""
+    start, end = docs if docs is not None else (like, like)
+    return dict(DocStart=start, DocEnd=end, HAS_DOCS=docs is not None)
+
+
 def _forward(
-    inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int, group: int | None = None
+    inputs: list[torch.Tensor],
+    window: int | None,
+    scale: float,
+    block: int,
+    block_d: int,
+    group: int | None = None,
+    docs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Kernel-dtype contiguous inputs -> (out fp32 [B, T, H, d], lse [B, H, T], U [B, T, H, d] fp32)."""
+    """Kernel-dtype contiguous inputs -> (out fp32 [B, T, H, d], lse [B, H, T], U [B, T, H, d] fp32).
+
+    With `docs` (`document_bounds`) U is only summed as far as each key block's documents reach."""
     if FORWARD_SCHEDULE == "diagonal":
-        return _forward_diagonal(inputs, window, scale, block, block_d)
-    return _forward_grouped(inputs, window, scale, block, block_d, group)
+        return _forward_diagonal(inputs, window, scale, block, block_d, docs)
+    return _forward_grouped(inputs, window, scale, block, block_d, group, docs)
 
 
 def group_size(batch: int, heads: int, n_blocks: int, snapshot_block_bytes: int, device: torch.device) -> int:
@@ -598,7 +784,13 @@ def group_size(batch: int, heads: int, n_blocks: int, snapshot_block_bytes: int,
 
 
 def _forward_grouped(
-    inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int, group: int | None
+    inputs: list[torch.Tensor],
+    window: int | None,
+    scale: float,
+    block: int,
+    block_d: int,
+    group: int | None,
+    docs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Query blocks in groups of G. Per group, one launch computes every lookahead sum D_J^(I)
     the group's tiles need (key-block programs carry D_J on chip and store snapshots), then one
@@ -619,22 +811,33 @@ def _forward_grouped(
     snap = torch.empty((group, batch, snap_rows, heads, dim), dtype=qu.dtype, device=qu.device)
     snap_stride = snap[0].numel()
     meta = dict(HAS_WINDOW=window is not None, PREC=dot_precision(qu.dtype), BLOCK=block, BLOCK_D=block_d)
+    doc_args = _document_args(docs, dsum)
+    doc_start = dict(DocStart=doc_args["DocStart"], HAS_DOCS=doc_args["HAS_DOCS"])
     with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
         for g0 in range(0, n_blocks, group):
             g1 = min(n_blocks, g0 + group)
             j_lo = max(0, g0 - near + 1)  # key blocks before it have their final sums in dsum
             _castle_fwd_lookahead_kernel[(g1 - j_lo, batch * heads)](
-                qu, ku, vu, dsum, snap, steps, heads, dim, window or 0, scale,
-                g0, g1, j_lo, snap_rows, snap_stride, near, **meta,
+                qu, ku, vu, dsum, snap, T=steps, H=heads, D=dim, window=window or 0, scale=scale,
+                g0=g0, g1=g1, j_lo=j_lo, snap_rows=snap_rows, snap_stride=snap_stride, near=near,
+                **doc_args, **meta,
             )  # fmt: skip
             _ATTEND_KERNELS[block_d <= 64][(g1 - g0, batch * heads)](
-                qu, ku, vu, qc, kc, vc, dsum, snap, out, lse, steps, heads, dim, window or 0, scale,
-                g0, j_lo, snap_rows, snap_stride, near, **meta,
+                qu, ku, vu, qc, kc, vc, dsum, snap, out, lse, T=steps, H=heads, D=dim, window=window or 0,
+                scale=scale, g0=g0, j_lo=j_lo, snap_rows=snap_rows, snap_stride=snap_stride, near=near,
+                **doc_start, **meta,
             )  # fmt: skip
     return out, lse, dsum
 
 
-def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: float, block: int, block_d: int):
+def _forward_diagonal(
+    inputs: list[torch.Tensor],
+    window: int | None,
+    scale: float,
+    block: int,
+    block_d: int,
+    docs: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """One launch per block diagonal (Algorithm 1); the running softmax state and D in global memory."""
     qu, ku, vu, qc, kc, vc = inputs
     batch, steps, heads, dim = qu.shape
@@ -651,6 +854,7 @@ def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: flo
         BLOCK_D=block_d,
         **_DIAGONAL_LAUNCH,
     )
+    doc_args = _document_args(docs, dsum)
     with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
         for diag in range(near):
             _castle_fwd_diag_kernel[(n_blocks - diag, batch * heads)](
@@ -664,12 +868,13 @@ def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: flo
                 acc,
                 row_max,
                 row_sum,
-                steps,
-                heads,
-                dim,
-                window or 0,
-                scale,
-                diag,
+                T=steps,
+                H=heads,
+                D=dim,
+                window=window or 0,
+                scale=scale,
+                diag=diag,
+                **doc_args,
                 **meta,
             )
         if near < n_blocks:
@@ -682,11 +887,13 @@ def _forward_diagonal(inputs: list[torch.Tensor], window: int | None, scale: flo
                 acc,
                 row_max,
                 row_sum,
-                steps,
-                heads,
-                dim,
-                scale,
-                near,
+                DocStart=doc_args["DocStart"],
+                T=steps,
+                H=heads,
+                D=dim,
+                scale=scale,
+                near=near,
+                HAS_DOCS=doc_args["HAS_DOCS"],
                 **meta,
             )
     out = acc.div_(row_sum.transpose(1, 2).unsqueeze(-1))
@@ -722,24 +929,26 @@ def backward_block(block: int, block_d: int) -> int:
 
 class _CastleTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block, group, bwd_block):  # type: ignore[override]
+    def forward(ctx: Any, qu, ku, vu, qc, kc, vc, window, scale, block, group, bwd_block, document_ids):  # type: ignore[override]
         check_block("backward_block", bwd_block)
         inputs, block, block_d = _prepare((qu, ku, vu, qc, kc, vc), block)
         ctx.backward_block = bwd_block
+        docs = None if document_ids is None or qu.numel() == 0 else document_bounds(document_ids)
         if qu.numel() == 0:
             out = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
             lse = dsum = out
         else:
-            out, lse, dsum = _forward(inputs, window, scale, block, block_d, group)
+            out, lse, dsum = _forward(inputs, window, scale, block, block_d, group, docs)
         out = out.to(inputs[0].dtype)
-        ctx.save_for_backward(*inputs, out, lse, dsum)
+        ctx.save_for_backward(*inputs, out, lse, dsum, *(docs or ()))
         ctx.config = (window, scale, block, block_d)
         ctx.dtype = qu.dtype
         return out.to(qu.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
-        *inputs, out, lse, dsum = ctx.saved_tensors
+        *inputs, out, lse, dsum = ctx.saved_tensors[:9]
+        docs = tuple(ctx.saved_tensors[9:]) or None
         window, scale, block, block_d = ctx.config
         block = ctx.backward_block or backward_block(block, block_d)
         qu = inputs[0]
@@ -764,23 +973,24 @@ class _CastleTriton(torch.autograd.Function):
                     dqc,
                     dkc,
                     dvc,
-                    steps,
-                    heads,
-                    dim,
-                    window or 0,
-                    scale,
-                    n_blocks,
-                    _near_diagonals(n_blocks, block, window),
+                    T=steps,
+                    H=heads,
+                    D=dim,
+                    window=window or 0,
+                    scale=scale,
+                    n_blocks=n_blocks,
+                    near=_near_diagonals(n_blocks, block, window),
                     HAS_WINDOW=window is not None,
                     PREC=dot_precision(qu.dtype),
                     BLOCK=block,
                     BLOCK_D=block_d,
+                    **_document_args(docs, dsum),
                 )
         grads = [
             g.to(ctx.dtype) if needed else None
             for g, needed in zip((dqu, dku, dvu, dqc, dkc, dvc), ctx.needs_input_grad[:6])
         ]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def castle_attention_triton(
@@ -796,6 +1006,7 @@ def castle_attention_triton(
     block: int | None = None,
     group: int | None = None,
     backward_block: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Six [B, T, H, d] inputs -> o [B, T, H, d]; same semantics as `castle_parallel_reference`.
 
@@ -805,10 +1016,12 @@ def castle_attention_triton(
     key tile (default: next power of two of T, at most 64, or 32 when d > 64); `group` is the
     number of query blocks per launch pair of the forward (default: `group_size`);
     `backward_block` is the backward's tile (default: `backward_block(block, d)`).
+    `document_ids` [B, T] (assumed valid; None for one document per row): packed rows, see the
+    module docstring.
     """
     scale = qu.shape[-1] ** -0.5 if scale is None else float(scale)
     function = amp_function(_CastleTriton, qu.device.type)
-    return function.apply(qu, ku, vu, qc, kc, vc, window, scale, block, group, backward_block)
+    return function.apply(qu, ku, vu, qc, kc, vc, window, scale, block, group, backward_block, document_ids)
 
 
 def castle_prefill_triton(

@@ -11,6 +11,14 @@ it) and the ALiBi bias, so the mask and the bias cost no pass of their own:
     backward: dP = dO V_w^T;  dS = P * (dP - rowsum(P * dP));  dq = scale dS K_w,
               dK_w = dS^T (scale q),  dV_w = P^T dO
 
+Packed rows (document_ids [B, Tk], `farsight.ops.documents`): the keys of other documents get
+-inf too. Per call, one [B * n_blocks, block, span] tile of 0 / -inf (each block's row ids
+against its key window's ids, shared by the heads) is added to the band-and-ALiBi addend where
+each head's scores are initialised: that sum replaces the unmasked path's copy of the addend
+into the scores, and is then accumulated into by the GEMM (baddbmm_ in place). The GEMMs, the
+softmax and the whole backward are those of the unmasked path: the saved probabilities are 0 on
+hidden keys, so every gradient product ignores them.
+
 Every product takes the inputs' dtype (bf16/fp16 products accumulate in fp32 inside the GEMM and
 round their result once); the softmax and its backward are ATen's fused kernels, which keep the
 row max, the sums and the exponentials in fp32 and write bf16/fp16 probabilities directly. So a
@@ -35,6 +43,7 @@ import torch
 from farsight.ops.checks import compute_dtype
 from farsight.ops.library import custom_op
 from farsight.ops.precision import software_matmul_dtypes
+from farsight.ops.window.blockwise import pad_document_ids
 
 # Tuned on a 2-core AMX Xeon (W = 512, d = 64, bf16 f+b): 128-row blocks cut the band's unused
 # corners (span 640 for 512 keys) while the GEMMs stay large.
@@ -191,6 +200,19 @@ def _fold_product(
     return out.copy_(keys) if scale == 1.0 else torch.mul(keys, scale, out=out)
 
 
+def _document_addend(document_ids: torch.Tensor, geo: _Geometry, dtype: torch.dtype) -> torch.Tensor:
+    """document_ids [B, Tk] -> [B * n_blocks, block, span] in `dtype`: -inf where a block's row and
+    a key of its window lie in different documents, 0 elsewhere. Padded rows and keys extend the
+    first and last documents (the band and the masking of keys before 0 hide the padded keys)."""
+    batch = document_ids.shape[0]
+    keys = pad_document_ids(document_ids, geo.pad_left, geo.pad_right)[:, geo.start :]
+    key_ids = keys.unfold(1, geo.span, geo.block)[:, : geo.n_blocks]  # [B, n_blocks, span]
+    query_ids = pad_document_ids(document_ids[:, geo.offset :], 0, geo.pad_right).view(batch, geo.n_blocks, geo.block)
+    other = query_ids[..., :, None] != key_ids[..., None, :]  # [B, n_blocks, block, span]
+    addend = torch.zeros(other.shape, dtype=dtype, device=document_ids.device).masked_fill_(other, float("-inf"))
+    return addend.view(-1, geo.block, geo.span)
+
+
 def _scores(
     qb: torch.Tensor,
     kw: torch.Tensor,
@@ -199,16 +221,26 @@ def _scores(
     geo: _Geometry,
     batch: int,
     gemm: torch.dtype,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """addend + scale * qb kw^T per head: [H, B * n_blocks, block, span], keys before 0 masked."""
+    """addend (+ documents) + scale * qb kw^T per head: [H, B * n_blocks, block, span], keys before
+    0 masked. `documents` is `_document_addend`'s tile, the same for every head."""
     heads = qb.shape[0]
     scores = qb.new_empty(heads, qb.shape[1], geo.block, geo.span)
     for h in range(heads):
-        bias = addend[h].expand(qb.shape[1], -1, -1)
-        if gemm == qb.dtype:
-            torch.baddbmm(bias, qb[h], kw[h].transpose(1, 2), alpha=scale, out=scores[h])
+        if documents is None:
+            bias = addend[h].expand(qb.shape[1], -1, -1)
+            if gemm == qb.dtype:
+                torch.baddbmm(bias, qb[h], kw[h].transpose(1, 2), alpha=scale, out=scores[h])
+            else:
+                scores[h] = torch.baddbmm(bias.to(gemm), qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm), alpha=scale)
+        elif gemm == qb.dtype:
+            # the sum takes the place of the addend's copy into the output (one pass either way)
+            torch.add(documents, addend[h], out=scores[h])
+            scores[h].baddbmm_(qb[h], kw[h].transpose(1, 2), alpha=scale)
         else:
-            scores[h] = torch.baddbmm(bias.to(gemm), qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm), alpha=scale)
+            bias = (documents + addend[h]).to(gemm)
+            scores[h] = torch.baddbmm(bias, qb[h].to(gemm), kw[h].transpose(1, 2).to(gemm), alpha=scale)
     if geo.padded_blocks:
         cols = torch.arange(geo.span, device=qb.device)
         first = geo.offset - geo.nwin * geo.block + torch.arange(geo.padded_blocks, device=qb.device) * geo.block
@@ -227,15 +259,18 @@ def banded_attention_forward(
     window: int,
     block: int,
     scale: float,
+    document_ids: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, Tq, H, d], k/v [B, Tk, H, d] -> (o [B, Tq, H, d], probabilities [H, B * n_blocks,
-    block, span] for the backward), all in q's dtype."""
+    """q [B, Tq, H, d], k/v [B, Tk, H, d], document_ids [B, Tk] long or None -> (o [B, Tq, H, d],
+    probabilities [H, B * n_blocks, block, span] for the backward), all in q's dtype."""
     batch, tq, heads, dim = q.shape
     geo = _Geometry(tq, k.shape[1], window, block)
     gemm = _gemm_dtype(q)
     values = None if slopes is None else tuple(float(s) for s in slopes.tolist())
     addend = _addend(values, heads, block, window, q.dtype, q.device)
-    scores = _scores(geo.queries(q), geo.windows(k), addend, scale, geo, batch, gemm)
+    documents = None if document_ids is None else _document_addend(document_ids, geo, q.dtype)
+    scores = _scores(geo.queries(q), geo.windows(k), addend, scale, geo, batch, gemm, documents)
+    del documents
     probs = torch.softmax(scores.view(-1, geo.block, geo.span), dim=-1)
     del scores
     out = _bmm(probs, geo.windows(v).view(-1, geo.span, dim), gemm)
@@ -243,7 +278,7 @@ def banded_attention_forward(
 
 
 @banded_attention_forward.register_fake
-def _(q, k, v, slopes, window, block, scale):
+def _(q, k, v, slopes, window, block, scale, document_ids):
     batch, tq, heads, _ = q.shape
     geo = _Geometry(tq, k.shape[1], window, block)
     return q.new_empty(q.shape), q.new_empty(heads * batch * geo.n_blocks, block, geo.span)
@@ -286,7 +321,7 @@ def _(grad_out, q, k, v, probs, window, block, scale):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, _, window, block, scale = inputs
+    q, k, v, _, window, block, scale, _ = inputs
     ctx.save_for_backward(q, k, v, output[1])
     ctx.geometry = (window, block, scale)
     ctx.mark_non_differentiable(output[1])
@@ -295,7 +330,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_out, _grad_probs):
     q, k, v, probs = ctx.saved_tensors
     dq, dk, dv = banded_attention_backward(grad_out, q, k, v, probs, *ctx.geometry)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 banded_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -309,11 +344,15 @@ def sliding_window_attention_banded(
     alibi_slopes: torch.Tensor | None = None,
     scale: float | None = None,
     block_size: int | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq; queries are the last Tq positions) ->
     [B, Tq, H, d] in q's dtype, the semantics of `sliding_window_attention_reference` without key
-    padding. Inputs assumed valid (`farsight.ops.window.sliding_window_attention` checks them);
-    differentiable in q, k and v (not in the slopes, which are read as numbers)."""
+    padding; document_ids [B, Tk] (integer, non-decreasing along a row) keeps each query to its
+    own document's keys. Inputs assumed valid (`farsight.ops.window.sliding_window_attention`
+    checks them); differentiable in q, k and v (not in the slopes, which are read as numbers)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     block = min(block_size, q.shape[1]) if block_size else banded_block_size(window, q.shape[1])
-    return banded_attention_forward(q, k, v, alibi_slopes, window, block, scale)[0]
+    if document_ids is not None:
+        document_ids = document_ids.long()
+    return banded_attention_forward(q, k, v, alibi_slopes, window, block, scale, document_ids)[0]

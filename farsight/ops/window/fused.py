@@ -1,10 +1,12 @@
 """Sliding-window attention through PyTorch's fused kernels: FlexAttention and SDPA.
 
-`sliding_window_attention_flex` describes the window (and key padding) as a FlexAttention block
-mask and ALiBi as a score_mod, so the compiled kernel skips every key block outside the band:
-O(T * W) work, O(T) memory, with its own fused backward. FlexAttention has no backward on CPU
-and is slow uncompiled, so `farsight.ops.window` only dispatches it for CUDA tensors; the
-uncompiled form (compile=False) runs forward-only on CPU, which the tests use to check the masks.
+`sliding_window_attention_flex` describes the window (and key padding, and document boundaries)
+as a FlexAttention block mask and ALiBi as a score_mod, so the compiled kernel skips every key
+block outside the band (or wholly in other documents): O(T * W) work, O(T) memory, with its own
+fused backward. FlexAttention has no backward on CPU and is slow uncompiled, so
+`farsight.ops.window` only dispatches it for CUDA tensors; the uncompiled form (compile=False)
+runs forward-only on CPU, which the tests use to check the masks (and `window_mask_mod` runs on
+plain index grids, which they compare with the reference mask).
 
 `sliding_window_attention_sdpa` passes a dense [Tq, Tk] mask (additive when ALiBi is on) to
 F.scaled_dot_product_attention: any device, but O(Tq * Tk) memory for the mask.
@@ -17,7 +19,8 @@ misread by cuDNN), so with ALiBi fp16/bf16 inputs go through SDPA in fp32.
 
 Positions follow `sliding_window_attention_reference`: query i sits at absolute position
 Tk - Tq + i; key j is visible when 0 <= pos - j < window; a query always keeps itself even
-when key_padding_mask hides it.
+when key_padding_mask hides it; with document_ids [B, Tk] (`farsight.ops.documents`) only the
+keys of the query's own document are visible.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from farsight.ops.checks import compute_dtype
+from farsight.ops.documents import same_document
 
 
 def flex_available() -> bool:
@@ -50,12 +54,20 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _window_mask_mod(window: int, offset: int, key_padding_mask: torch.Tensor | None):
+def window_mask_mod(
+    window: int, offset: int, key_padding_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+):
+    """FlexAttention's mask_mod for queries at the last Tq of Tk positions (offset = Tk - Tq):
+    True where query q_idx sees key kv_idx. Plain tensor arithmetic, so it also runs on index
+    grids outside FlexAttention (the tests compare it with the reference mask that way)."""
+
     def mask_mod(b, h, q_idx, kv_idx):
         distance = q_idx + offset - kv_idx
         keep = (distance >= 0) & (distance < window)
         if key_padding_mask is not None:
             keep = keep & (key_padding_mask[b, kv_idx] | (distance == 0))
+        if document_ids is not None:
+            keep = keep & (document_ids[b, q_idx + offset] == document_ids[b, kv_idx])
         return keep
 
     return mask_mod
@@ -66,7 +78,7 @@ def _band_block_mask(tq: int, tk: int, window: int, device: torch.device, compil
     """Block mask of the plain band (no padding), cached: training calls repeat one shape."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    mod = _window_mask_mod(window, tk - tq, None)
+    mod = window_mask_mod(window, tk - tq)
     return create_block_mask(mod, None, None, tq, tk, device=device, _compile=compile_mask)
 
 
@@ -79,20 +91,25 @@ def sliding_window_attention_flex(
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     compile: bool = True,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq) -> [B, Tq, H, d] with FlexAttention.
 
-    Inputs are assumed valid (`farsight.ops.window.sliding_window_attention` checks them).
+    key_padding_mask [B, Tk] bool (True = real key); document_ids [B, Tk] integer ids of the
+    keys' documents (the queries' are the last Tq), None when every row is one document (the
+    block mask of the plain band is then cached). Inputs are assumed valid
+    (`farsight.ops.window.sliding_window_attention` checks them).
     `compile=False` runs FlexAttention eagerly (a dense fallback: for tests, not for speed).
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     tq, tk = q.shape[1], k.shape[1]
     offset = tk - tq
-    if key_padding_mask is None:
+    if key_padding_mask is None and document_ids is None:
         block_mask = _band_block_mask(tq, tk, window, q.device, compile)
     else:
-        mod = _window_mask_mod(window, offset, key_padding_mask)
+        # per row: the block mask also skips the key blocks that lie wholly in other documents
+        mod = window_mask_mod(window, offset, key_padding_mask, document_ids)
         block_mask = create_block_mask(mod, q.shape[0], None, tq, tk, device=q.device, _compile=compile)
     score_mod = None
     if alibi_slopes is not None:
@@ -123,12 +140,15 @@ def sliding_window_attention_sdpa(
     alibi_slopes: torch.Tensor | None = None,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `sliding_window_attention_flex`, through SDPA with a dense mask."""
     tq, tk = q.shape[1], k.shape[1]
     keep, distance = _band(tq, tk, window, q.device)
     if key_padding_mask is not None:
         keep = keep & (key_padding_mask[:, None, None, :] | (distance == 0))  # [B, 1, Tq, Tk]
+    if document_ids is not None:
+        keep = keep & same_document(document_ids[:, tk - tq :], document_ids)[:, None]  # [B, 1, Tq, Tk]
     mask: torch.Tensor = keep
     work = q.dtype
     if alibi_slopes is not None:
@@ -136,7 +156,7 @@ def sliding_window_attention_sdpa(
         # fp16/bf16 q, k, v go in as fp32 too.
         work = compute_dtype(q.dtype)
         bias = -alibi_slopes.to(work)[:, None, None] * distance.to(work)  # [H, Tq, Tk]
-        # Every row keeps its own position (distance 0), so no row is all -inf.
+        # Every row keeps its own position (distance 0, own document), so no row is all -inf.
         mask = torch.where(keep, bias, float("-inf"))
     heads_first = [x.transpose(1, 2).to(work) for x in (q, k, v)]  # [B, H, T, d]
     out = F.scaled_dot_product_attention(*heads_first, attn_mask=mask, scale=scale)
