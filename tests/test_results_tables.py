@@ -35,6 +35,14 @@ def test_every_table_is_placed_in_a_page(tables):
     assert placed == set(tables.TABLES)
 
 
+def test_every_table_of_the_results_page_is_generated(tables):
+    """docs/results.md has no table typed by hand: each one lies between a table's markers."""
+    text = (ROOT / "docs/results.md").read_text()
+    outside = tables.BLOCK.sub("", text)
+    typed = [line for line in outside.splitlines() if line.startswith("|")]
+    assert typed == [], f"docs/results.md: tables outside the generated markers: {typed[:2]}"
+
+
 def test_a_number_edited_by_hand_is_caught_and_the_prose_kept(tables):
     text = (ROOT / "docs/results.md").read_text()
     block = re.search(r"<!-- table: r1-passkey .*?<!-- end table -->", text, re.DOTALL).group(0)
