@@ -51,10 +51,17 @@ class CausalSelfAttention(_QKVAttention):
         return KVCache()
 
     def forward(
-        self, x: torch.Tensor, cache: KVCache | None = None, document_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        pad: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, D]; document_ids [B, T] (a packed row, no cache): each token attends only
-        to its own document, whose RoPE positions restart at 0."""
+        """x [B, T, D] continuing `cache` (or from position 0). pad [B] long, optional: the
+        stream positions before pad[b] are left padding, hidden from every query but their own
+        (a causal-retrieval model's aligned prompt; packed rows have none). document_ids [B, T]
+        (a packed row, no cache): each token attends only to its own document, whose RoPE
+        positions restart at 0."""
         b, t, _ = x.shape
         if document_ids is not None:
             check_no_cache(cache)
@@ -68,11 +75,17 @@ class CausalSelfAttention(_QKVAttention):
         if cache is not None:
             k, v = cache.append(k, v)
         past = k.shape[2] - t
-        if past == 0 or t == 1:
+        real = padding_mask(pad, 0, k.shape[2])  # [B, Tk], None when no key is padding
+        if real is None and (past == 0 or t == 1):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
         else:
             # SDPA's is_causal aligns the mask top-left; new queries follow `past` cached keys.
-            mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(past)
+            keys = torch.arange(k.shape[2], device=x.device)
+            queries = past + torch.arange(t, device=x.device)[:, None]
+            mask = keys <= queries  # [T, Tk]
+            if real is not None:
+                # a padding query keeps its own key, so that its row stays finite
+                mask = mask & (real[:, None, None, :] | (keys == queries))  # [B, 1, T, Tk]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(o.transpose(1, 2).reshape(b, t, -1))
 

@@ -7,7 +7,9 @@ follow what the cache holds. A class may declare `positions` (supported position
 the first is the default) and `config_fields` (the config fields it requires, e.g. "window").
 A kind that trains on packed rows takes `forward(x, None, document_ids=...)` ([B, T] document
 ids, farsight.ops.documents) and lets each token attend only to its own document; every
-built-in kind does.
+built-in kind does. A kind in a causal-retrieval model (farsight.models.causal_retrieval) also
+takes `pad` [B] (the positions before pad[b] are left padding, hidden from every query but their
+own); the causal and sliding kinds do.
 """
 
 from __future__ import annotations

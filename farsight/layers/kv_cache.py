@@ -10,18 +10,23 @@ from farsight.ops.buffers import GrowingBuffer
 class KVCache:
     """All past keys and values, [B, H, t, d] (the layout SDPA takes), in buffers that double
     when full so that appending one token does not copy the whole history; a token's rows are
-    never rewritten, so each doubling's copy is spread over the appends before it."""
+    never rewritten, so each doubling's copy is spread over the appends before it.
+
+    A shallow copy is a snapshot (what a causal-retrieval session keeps to undo a call): it
+    shares the buffers but keeps its own `length`, and appending to it first truncates the
+    buffers to that length, dropping the rows the discarded copy appended (GrowingBuffer moves
+    rows written again anew)."""
 
     def __init__(self) -> None:
+        self.length = 0
         self._k = GrowingBuffer(dim=2, min_capacity=64, spread_growth=True)
         self._v = GrowingBuffer(dim=2, min_capacity=64, spread_growth=True)
 
-    @property
-    def length(self) -> int:
-        return self._k.length
-
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, H, T, d] -> all keys and values so far, [B, H, length, d] (views)."""
+        self._k.truncate(self.length)
+        self._v.truncate(self.length)
+        self.length += k.shape[2]
         return self._k.append(k), self._v.append(v)
 
 

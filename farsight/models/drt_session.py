@@ -1,12 +1,18 @@
-"""Streaming inference for DRT over contexts of any length (docs/design.md §2.6).
+"""Streaming inference over contexts of any length for a causal-retrieval LM: DRT or any model
+built from farsight.models.causal_retrieval (docs/design.md §2.6).
 
-A session owns the state the model's span forward carries: one rolling KV cache of W slots per
-decoder layer, the lower-layer rows of the incomplete chunk, the current retrieval per group and
-the chunk memory (landmark keys on the compute device, chunk K/V in the chosen tier). Tokens go
-in as tensors or as an iterator of token blocks (a 16M-token file can stream from disk); the
-runtime inserts a landmark after every S real tokens and runs many chunks per span, so the
-lower layers, the encoder, retrieval and the upper layers are vectorised over a segment while
-nothing grows with the context except the chunk memory.
+A session owns the state the model's span forward carries: one decoding cache per decoder
+layer (DRT's rolling W-slot caches), the lower-layer rows of the incomplete chunk, the current
+retrieval per group and the chunk memory (landmark keys on the compute device, chunk K/V in the
+chosen tier). Tokens go in as tensors or as an iterator of token blocks (a 16M-token file can
+stream from disk); the runtime inserts a landmark after every S real tokens and runs many chunks
+per span, so the lower layers, the encoder, retrieval and the upper layers are vectorised over a
+segment while nothing grows with the context except the chunk memory (and the caches of layers
+that attend to everything).
+
+The session reads the model only through the component's interface: `config` (chunk_size,
+landmark_id, pad_id), `slots_per_chunk`, `new_caches()`, `pad_slots`, `run_span`, `norm` and
+`lm_head`.
 """
 
 from __future__ import annotations
@@ -18,15 +24,14 @@ from typing import Any
 import torch
 
 from farsight.errors import InputError
-from farsight.layers.kv_cache import SlidingKVCache
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_state import DRTState, RetrievalInfo
 from farsight.models.session import Session
 
 
 class DRTSession(Session):
-    """The Session protocol (farsight.models.session) over a DRT model's span forward; the
-    landmark slots never reach the caller.
+    """The Session protocol (farsight.models.session) over a causal-retrieval model's span
+    forward; the landmark slots never reach the caller.
 
     memory: "device", "host" (RAM, pinned on CUDA) or "disk" (a new file at `path`, an existing
     one only with overwrite=True; a temporary file by default). kv_dtype: storage dtype of the
@@ -63,7 +68,7 @@ class DRTSession(Session):
         self._pads_due = 0  # alignment pads still to be fed in front of the prompt's first block
         self.state = DRTState(
             memory=self.memory,
-            caches=[SlidingKVCache(self.config.window) for _ in model.layers()],
+            caches=model.new_caches(),
             record=RetrievalInfo([], []) if record_retrieval else None,
         )
 
@@ -78,8 +83,9 @@ class DRTSession(Session):
         self.state.pad = self.model.pad_slots(lead)
 
     def _mark(self) -> dict[str, Any]:
-        # shallow copies are snapshots: a span replaces the caches' tensors, the pending rows and
-        # the carried retrievals rather than writing into them, and the memory only grows
+        # shallow copies are snapshots: a span replaces the pending rows and the carried
+        # retrievals rather than writing into them, a cache's copy keeps what it held
+        # (`new_caches`), and the memory only grows
         state = self.state
         return {
             "slots": state.slots,

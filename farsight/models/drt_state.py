@@ -1,16 +1,17 @@
-"""The state a DRT span forward hands to the next span, and its retrieval records.
+"""The state a causal-retrieval span forward hands to the next span, and its retrieval records.
 
-Shared by the model (farsight.models.drt) and its streaming session (farsight.models.drt_session)
-so that neither imports the other's internals.
+Shared by the component (farsight.models.causal_retrieval, DRT's and any model's built from it)
+and its streaming session (farsight.models.drt_session) so that neither imports the other's
+internals.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from farsight.layers.kv_cache import SlidingKVCache
 from farsight.models.chunk_memory import ChunkMemory
 
 
@@ -49,7 +50,7 @@ class CarriedRetrieval:
 
 @dataclass
 class PackedLayout:
-    """A packed row on DRT's chunk grid: every document starts on a chunk boundary (the last chunk
+    """A packed row on the chunk grid: every document starts on a chunk boundary (the last chunk
     of the document before it is right-padded, as a document run alone pads its last chunk).
 
     token_slots [B, L]: the slot of each input token; slot_documents [B, P]: the document id of
@@ -67,17 +68,17 @@ class PackedLayout:
 class DRTState:
     """What a span hands to the next one.
 
-    caches: one rolling KV cache per decoder layer, or None in the training forward (one span
-    from slot 0, everything in the autograd graph); slots: slots processed so far; pending:
-    lower-layer outputs of the incomplete chunk [B, r, D]; retrieval: per group, the retrieval
-    the current chunk reads (None before the first span); record: every retrieval made, if kept;
-    pad: [B] long, the slots before pad[b] are left padding (masked out of every attention and of
-    retrieval), or None without padding; packed: where a packed row's documents sit (training
-    forward only), or None for one stream.
+    caches: one decoding cache per decoder layer (DRT's: a rolling KV cache), or None in the
+    training forward (one span from slot 0, everything in the autograd graph); slots: slots
+    processed so far; pending: lower-layer outputs of the incomplete chunk [B, r, D]; retrieval:
+    per group, the retrieval the current chunk reads (None before the first span); record: every
+    retrieval made, if kept; pad: [B] long, the slots before pad[b] are left padding (masked out
+    of every attention and of retrieval), or None without padding; packed: where a packed row's
+    documents sit (training forward only), or None for one stream.
     """
 
     memory: ChunkMemory
-    caches: list[SlidingKVCache] | None
+    caches: list[Any] | None
     slots: int = 0
     pending: torch.Tensor | None = None
     retrieval: list[CarriedRetrieval] | None = None

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,31 @@ def test_sliding_with_window_covering_everything_is_causal_attention():
     causal.load_state_dict(sliding.state_dict())
     x = torch.randn(1, 20, 24, dtype=torch.float64)
     torch.testing.assert_close(sliding(x), causal(x))
+
+
+def test_causal_attention_hides_left_padding_as_the_sliding_window_does():
+    cfg = _config(attention="sliding", window=64, position="rope")
+    sliding = SlidingWindowAttention(cfg).double()
+    causal = CausalSelfAttention(_config(attention="causal")).double()
+    causal.load_state_dict(sliding.state_dict())
+    x = torch.randn(2, 20, 24, dtype=torch.float64)
+    pad = torch.tensor([0, 7])
+    want = sliding(x, pad=pad)
+    torch.testing.assert_close(causal(x, pad=pad), want)
+    cache = causal.new_cache()
+    parts = [causal(x[:, :5], cache, pad=pad)] + [causal(x[:, i : i + 1], cache, pad=pad) for i in range(5, 9)]
+    torch.testing.assert_close(torch.cat([*parts, causal(x[:, 9:], cache, pad=pad)], 1), want)
+
+
+def test_a_kv_cache_copy_is_a_snapshot():
+    attn = CausalSelfAttention(_config(attention="causal")).double()
+    x = torch.randn(1, 12, 24, dtype=torch.float64)
+    cache = attn.new_cache()
+    attn(x[:, :6], cache)
+    snapshot = copy.copy(cache)
+    attn(torch.randn(1, 4, 24, dtype=torch.float64), cache)  # a continuation that is undone
+    torch.testing.assert_close(attn(x[:, 6:], snapshot), attn(x)[:, 6:])
+    assert snapshot.length == 12
 
 
 def test_rotary_frequencies_survive_a_cast_to_bf16():
