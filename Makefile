@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PIP_FLAGS := --disable-pip-version-check -q
 CORPUS := data/stdlib-byte
 
-.PHONY: install lint format test test-slow test-all demo demo-train bench clean r1 r2 r3 r4 r5 r6 r7 summarize code-corpus results
+.PHONY: install lint format test test-slow test-all demo demo-train bench clean r1 r2 r3 r4 r5 r6 r7 summarize ruler code-corpus results
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ r1 r2 r3 r4 r5 r6: $(STAMP) $(CORPUS)/meta.json
 # (configs/lm/summarize/) and scores their greedy answers with ROUGE by input length.
 summarize: $(STAMP)
 	bash experiments/summarize.sh
+
+# lm-eval's own RULER tasks at 4K-128K tokens on byte-level models fine-tuned on this CPU
+# (experiments/ruler.sh): drt-x2, drt-x1 and baselm-2l from the shipped base models, a passkey stage
+# then the RULER mix (configs/lm/ruler/), models/ruler-drt-x2 exported; finished runs and result
+# files are reused.
+ruler: $(STAMP)
+	bash experiments/ruler.sh
 
 # A BPE corpus of long real documents held out by package, page and book (experiments/code-corpus.sh):
 # Python source, the Python documentation and Gutenberg books, a 16K-entry BPE, token files.

@@ -376,7 +376,9 @@ def evaluate(
 
     if include_path is not None:
         check_task_data(include_path, tasks)
-    manager = task_manager(tasks, include_path, {"pretrained": str(pretrained), **(metadata or {})})
+    # the tasks load the tokenizer from this path: a run's newest checkpoint is a model directory, the run is not
+    directory = resolve_model_dir(pretrained)
+    manager = task_manager(tasks, include_path, {"pretrained": str(directory), **(metadata or {})})
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f"in {include_path} or " if include_path else ""

@@ -305,3 +305,27 @@ def test_eval_harness_metadata_reaches_the_tasks_with_the_models_tokenizer(tiny_
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_drt_dir))  # what RULER's generators do with it
     assert tokenizer("The quick brown fox").input_ids
+
+
+def test_eval_harness_on_a_training_run_names_its_newest_checkpoint_to_the_tasks(
+    tiny_drt_dir, tasks, tmp_path, monkeypatch
+):
+    """A run directory holds no tokenizer the tasks could load: `pretrained` names the run's newest
+    checkpoint, a model directory that transformers' AutoTokenizer loads (RULER's generators do)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    import farsight.hf.harness as harness
+
+    run = tmp_path / "run"
+    for step in ("step_00000005", "step_00000010"):
+        shutil.copytree(tiny_drt_dir, run / "checkpoints" / step)
+    seen = []
+    real = harness.task_manager
+    monkeypatch.setattr(harness, "task_manager", lambda *a: seen.append(a[2]) or real(*a))
+    argv = ["eval", "harness", "--model", str(run), "--tasks", "farsight_passkey_mc", "--include-path", str(tasks)]
+    assert main([*argv, "--limit", "1"]) == 0
+    newest = run / "checkpoints" / "step_00000010"
+    assert seen == [{"pretrained": str(newest)}]
+    assert AutoTokenizer.from_pretrained(seen[0]["pretrained"])("The grass is green.").input_ids

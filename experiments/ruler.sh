@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# RULER on byte-level models trained on a CPU (make ruler). drt-x2, drt-x1 and baselm-2l start from
+# the shipped base models (models/base-*, the language-model pre-trainings of configs/lm/pretrain/)
+# and take one two-stage recipe: passkeys from 128 tokens (configs/lm/ruler/stage1-<model>.yaml),
+# then the RULER mix in varied wordings to 4K (configs/lm/ruler/<model>.yaml). The fine-tuned drt-x2
+# is exported to models/ruler-drt-x2. Then every model answers lm-eval's own offline RULER tasks
+# (their items, templates and scoring; lm-eval builds them with the model's byte tokenizer) at
+# LENGTHS tokens, LIMIT items per task and length, through `farsight eval harness`, and the
+# shipped model also through lm-eval's standard `hf` model; and farsight's passkey from 1K to 1M.
+# Finished runs and result files are reused, so a second call only does what is missing.
+# Run from the repository root. LENGTHS, LIMIT, TASKS and MODELS narrow a quick check (OUT and
+# SHIPPED redirect its files).
+set -euo pipefail
+F=.venv/bin/farsight
+OUT=${OUT:-results/ruler}
+LENGTHS=${LENGTHS:-4096,16384,65536,131072}
+LIMIT=${LIMIT:-50}
+TASKS=${TASKS:-niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe}
+read -r -a MODELS <<< "${MODELS:-drt-x2 drt-x1 baselm-2l}"
+SHIPPED=${SHIPPED:-models/ruler-drt-x2}
+mkdir -p "$OUT"
+bash experiments/lm-data.sh
+
+for model in "${MODELS[@]}"; do
+    [ -f "models/base-$model/config.json" ] || { echo "models/base-$model is missing" >&2; exit 1; }
+    $F train "configs/lm/ruler/stage1-$model.yaml" --no-progress
+    $F train "configs/lm/ruler/$model.yaml" --no-progress
+done
+
+for model in "${MODELS[@]}"; do
+    # lm-eval's RULER tasks through farsight's lm-eval model (streaming sessions, any length), one
+    # call per length: lm-eval's --limit takes a task's first items, which are all of its first length
+    for length in ${LENGTHS//,/ }; do
+        [ -f "$OUT/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/$model" --tasks "$TASKS" \
+            --metadata "{\"max_seq_lengths\": [$length]}" --limit "$LIMIT" --dtype bf16 --out "$OUT/$model-lm-eval-$length.json"
+    done
+    # the passkey from 1K to 1M tokens, in the corpus's held-out text
+    [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" \
+        --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
+        --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
+done
+
+if [[ " ${MODELS[*]} " == *" drt-x2 "* ]]; then
+    [ -f "$SHIPPED/config.json" ] || $F export runs/lm/ruler/drt-x2 "$SHIPPED" --dtype bf16 --card \
+        --results "$OUT/drt-x2-passkey.json" --sample "The grass is green."
+    # the shipped directory through lm-eval's standard "hf" model (transformers + farsight's Auto classes)
+    for length in ${LENGTHS//,/ }; do
+        [ -f "$OUT/drt-x2-hf-$length.json" ] || .venv/bin/python - "$SHIPPED" "$TASKS" "$length" "$LIMIT" \
+            "$OUT/drt-x2-hf-$length.json" <<'EOF'
+import json, sys
+
+import lm_eval
+import torch
+
+import farsight.hf  # noqa: F401  (registers farsight's classes with transformers' Auto classes)
+
+directory, tasks, length, limit, out = sys.argv[1:]
+device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's hf model assumes CUDA otherwise
+result = lm_eval.simple_evaluate(
+    model="hf", model_args=f"pretrained={directory},dtype=bfloat16,device={device}", tasks=tasks.split(","),
+    metadata={"max_seq_lengths": [int(length)]}, limit=int(limit),
+)
+with open(out, "w") as handle:
+    json.dump({"lm_eval": lm_eval.__version__, "results": result["results"]}, handle, indent=1, default=str)
+EOF
+    done
+fi
