@@ -148,7 +148,7 @@ def check_no_cache(cache: object) -> None:
     """Packed documents are a training (cacheless) forward: a decoding cache holds one stream."""
     if cache is not None:
         raise InputError(
-            "document_ids cannot be combined with a decoding cache: a cache continues one stream; "
+            "document_ids cannot be combined with decoding caches: a cache continues one stream; "
             "decode each document in a session of its own"
         )
 

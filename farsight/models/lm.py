@@ -18,6 +18,7 @@ from torch import nn
 from farsight.config import ConfigBase
 from farsight.data.tokenizers import TOKENIZER_FILENAME
 from farsight.errors import InputError, ModelFileError
+from farsight.layers.attention import check_no_cache
 from farsight.models.io import (
     CONFIG_FILE,
     HF_SHIM_FILE,
@@ -179,10 +180,7 @@ def check_packed_input(
     if document_ids is None:
         return None
     if caches is not None:
-        raise InputError(
-            "document_ids cannot be combined with decoding caches: a cache continues one stream; "
-            "decode each document in a session of its own"
-        )
+        check_no_cache(caches)
     if attention_mask is not None:
         raise InputError(
             "pass document_ids or attention_mask, not both: a packed row has no padding to mask "

@@ -28,6 +28,7 @@ from farsight.data.batches import build_batch_source
 from farsight.errors import ConfigError, FarsightError, MissingDependencyError
 from farsight.files import claim_output_folder, folder_lock
 from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
+from farsight.ops.documents import document_starts
 from farsight.process_memory import current_rss_bytes, release_freed_memory
 from farsight.progress import progress_bar
 from farsight.train import distributed as dist_utils
@@ -109,9 +110,7 @@ def answer_counts(
         all_right = (right.sum(1) == answer.sum(1)) & rows
         return torch.stack([right.sum(), answer.sum(), all_right.sum(), rows.sum()])
     # one group per (row, document) of the predicted tokens, numbered in order along the rows
-    documents = document_ids[:, 1:]
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    starts = document_starts(document_ids[:, 1:])
     group = starts.flatten().long().cumsum(0) - 1
     size = int(starts.sum())
     answers = torch.zeros(size, dtype=torch.long, device=answer.device).index_add_(0, group, answer.flatten().long())

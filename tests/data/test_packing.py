@@ -17,6 +17,7 @@ from farsight.data.token_files import load_token_dataset, prepare_corpus
 from farsight.data.tokenizers import load_tokenizer
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 from farsight.ops.documents import check_document_ids
+from tests.data.sft_records import pairs, write_jsonl
 
 TOK = load_tokenizer("byte")
 # the training documents' texts, in bytes (each is followed by its eos): short and long, one of a single byte
@@ -116,22 +117,11 @@ def test_a_pack_that_is_not_true_or_false_is_refused_in_one_line(data, message):
 # ---- supervised examples ------------------------------------------------------------------------
 
 
-def records(n, seed=0):
-    """n prompt/completion records of 20 to about 150 byte tokens."""
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
-    out = []
-    for i in range(n):
-        prompt = " ".join(rng.choice(words, size=int(rng.integers(1, 22)))) + f" #{i}:"
-        out.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, size=int(rng.integers(1, 4))))})
-    return out
-
-
 @pytest.fixture(scope="module")
 def sft_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed-sft")
     for name, n, seed in (("train", 40, 0), ("val", 8, 1)):
-        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(n, seed)))
+        write_jsonl(root / f"{name}.jsonl", pairs(n, seed))
     prepare_sft([root / "train.jsonl"], TOK, root / "data", val_sources=[root / "val.jsonl"], progress=False)
     return root / "data"
 

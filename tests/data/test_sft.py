@@ -23,24 +23,9 @@ from farsight.data.sft_batches import pad_examples
 from farsight.data.token_files import TokenDataError, prepare_corpus
 from farsight.data.tokenizers import load_tokenizer, train_bpe_tokenizer
 from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
+from tests.data.sft_records import pairs, write_jsonl
 
 TOK = load_tokenizer("byte")
-
-
-def write_jsonl(path, records):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-def pairs(n, seed=0):
-    """n prompt/completion records of varied lengths (prompts 5 to ~120 bytes)."""
-    rng = np.random.default_rng(seed)
-    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta"]
-    out = []
-    for i in range(n):
-        prompt = " ".join(rng.choice(words, size=int(rng.integers(1, 20)))) + f" #{i}:"
-        out.append({"prompt": prompt, "completion": " " + " ".join(rng.choice(words, size=int(rng.integers(1, 4))))})
-    return out
 
 
 @pytest.fixture(scope="module")

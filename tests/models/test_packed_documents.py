@@ -89,12 +89,18 @@ def test_changing_one_document_leaves_the_others_unchanged_bit_for_bit(kind):
     assert not torch.equal(before[~others], after[~others])
 
 
+@pytest.mark.parametrize("precision", ["autocast", "pure"])
 @pytest.mark.parametrize("kind", MODELS)
-def test_packed_rows_under_bf16_autocast_follow_the_documents_alone(kind):
+def test_packed_rows_in_bf16_follow_the_documents_alone(kind, precision):
     model = make_model(kind).float()
     ids, documents = packed_row(LAYOUTS[0], torch.Generator().manual_seed(4))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        packed = model(ids[None], document_ids=documents[None]).logits[0].float()
+    with torch.no_grad():
+        if precision == "pure":
+            packed = model.to(torch.bfloat16)(ids[None], document_ids=documents[None]).logits[0].float()
+            model.float()
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                packed = model(ids[None], document_ids=documents[None]).logits[0].float()
     with torch.no_grad():
         start, alone = 0, []
         for n in LAYOUTS[0]:
