@@ -1,13 +1,19 @@
 """Static resource report of the Triton kernels: compiled for a GPU target on any machine (no GPU
 needed), with the registers, spilled bytes, local loads/stores and matrix instructions of each.
 
-    python benchmarks/kernel_resources.py [--dtype bf16] [--dims 64,128] [--arch 90]
+    python benchmarks/kernel_resources.py [--dtype bf16] [--dims 64,128] [--arch 90] [--float-type fp64] [--first-launch]
 
 Spills are what a GPU run cannot show cheaply and what these kernels' speed hangs on: a kernel
 whose tiles do not fit its registers keeps them in local memory (LDL/STL in the machine code).
 Triton compiles for `--arch` (90: Hopper, sm_90a) with its own ptxas and reads the cubin with
 the cuobjdump it ships. The figures depend on the Triton version (printed), so compare them
 within one version; `pip install --target DIR triton==X` and PYTHONPATH=DIR reports another.
+
+Float scalars (`scale`) are typed fp32, as Triton's own launcher passes a Python float; inside a
+torch.compile'd graph, Inductor launches the kernels with them typed fp64, and `--float-type fp64`
+compiles that variant (a kernel whose loop-carried values would turn fp64 fails to compile).
+`--first-launch` compiles only each kernel's first listed launch setting. Exits non-zero when a
+kernel fails to compile.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ INT64_ARGS = ("KeyMask", "Index", "Slots", "Offsets")
 INT32_ARGS = ("DocStart", "DocEnd")  # CASTLE's per-token document bounds (packed rows)
 
 
-def signature(fn, dtype: str, constexprs: dict) -> dict:
+def signature(fn, dtype: str, constexprs: dict, float_type: str = "fp32") -> dict:
     def kind(name: str) -> str:
         if name in constexprs:
             return "constexpr"
@@ -46,16 +52,18 @@ def signature(fn, dtype: str, constexprs: dict) -> dict:
             return "*i64"
         if name in INT32_ARGS:
             return "*i32"
-        return "fp32" if name == "scale" else "i32"
+        return float_type if name == "scale" else "i32"
 
     return {name: kind(name) for name in fn.arg_names}
 
 
-def resources(kernel, dtype: str, constexprs: dict, warps: int, stages: int, arch: int) -> dict:
+def resources(
+    kernel, dtype: str, constexprs: dict, warps: int, stages: int, arch: int, float_type: str = "fp32"
+) -> dict:
     fn = kernel if isinstance(kernel, triton.runtime.JITFunction) else kernel.fn
     source = ASTSource(
         fn=fn,
-        signature=signature(fn, dtype, constexprs),
+        signature=signature(fn, dtype, constexprs, float_type),
         constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()},
     )
     start = time.perf_counter()
@@ -104,20 +112,28 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--dims", default="64,128", help="head dims (comma-separated)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    parser.add_argument(
+        "--float-type",
+        default="fp32",
+        choices=["fp32", "fp64"],
+        help="type of float scalars (fp64: as under torch.compile)",
+    )
+    parser.add_argument("--first-launch", action="store_true", help="only each kernel's first launch setting")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the report compiles the kernels for a GPU")
     rows = []
     for dim in (int(d) for d in args.dims.split(",")):
         for name, kernel, constexprs, launches in cases(dim):
-            for warps, stages in launches:
+            for warps, stages in launches[:1] if args.first_launch else launches:
                 row = {"kernel": name, "d": dim, "block": constexprs.get("BLOCK", constexprs.get("BLOCK_Q"))}
                 row.update(warps=warps, stages=stages)
-                row.update(resources(kernel, args.dtype, constexprs, warps, stages, args.arch))
+                row.update(resources(kernel, args.dtype, constexprs, warps, stages, args.arch, args.float_type))
                 rows.append(row)
                 print(f"  {name} d={dim} {warps} warps {stages} stages: {row['stack bytes']} stack bytes", flush=True)
     print(
-        f"\nTriton {triton.__version__}, sm_{args.arch}, {args.dtype} inputs; spills = stack bytes, local loads/stores"
+        f"\nTriton {triton.__version__}, sm_{args.arch}, {args.dtype} inputs, {args.float_type} scalars; "
+        "spills = stack bytes, local loads/stores"
     )
     print(format_table(rows, list(rows[0])))
     return 0

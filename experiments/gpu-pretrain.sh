@@ -49,7 +49,7 @@
 # the time limit), PROBE_STEPS (40), WARMUP_TOKENS (3276800: the configs' 200 steps of 16K tokens),
 # PRECISION (bf16-mixed), COMPILE (true), DEVICE (cuda), EVAL_BATCHES (8), RUNS
 # (runs/gpu-pretrain), CORPUS (data/gpu-pretrain/corpus.tar.xz), CORPUS_SHA256, SET (more
-# `--set` overrides, space-separated), PYTHON (.venv/bin/python if there, else python3).
+# `--set` overrides, space-separated), SET_<MODEL> (overrides for one model, e.g. SET_DRT_X2), PYTHON (.venv/bin/python if there, else python3).
 # DRY_RUN=1: the same steps on the CPU at a tiny scale: a d_model-64 four-layer model of each kind,
 # 1024-token windows, 2 a step, 300K tokens, fp32, not compiled, RUNS=runs/gpu-pretrain-dry.
 #

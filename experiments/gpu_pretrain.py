@@ -56,6 +56,14 @@ SMALL_FILE = "runs.tar.xz"
 LOG_FILE = "log.txt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TINY = ["model.d_model=64", "model.n_layers=4", "model.n_heads=2"]  # DRY_RUN's model
+# What a model's probe tries, in order, until one runs: the defaults; the PyTorch paths instead of
+# farsight's Triton kernels (a Triton release that fails to compile them); those, not compiled.
+# The run keeps the first setting its probe ran with. (environment, `--set` overrides)
+FALLBACKS: list[tuple[dict[str, str], list[str]]] = [
+    ({}, []),
+    ({"FARSIGHT_TRITON": "0"}, []),
+    ({"FARSIGHT_TRITON": "0"}, ["train.compile=false"]),
+]
 
 
 def say(message: str) -> None:
@@ -188,6 +196,12 @@ def python() -> str:
     return os.environ.get("PYTHON") or (str(venv) if venv.exists() else sys.executable)
 
 
+def model_sets(model: str) -> list[str]:
+    """SET_<MODEL> (the name upper-cased, "-" as "_"): `--set` overrides for that model alone,
+    e.g. SET_DRT_X2="train.compile=false"."""
+    return os.environ.get("SET_" + model.upper().replace("-", "_"), "").split()
+
+
 def train_command(s: dict[str, Any], model: str, steps: int, extra: list[str]) -> list[str]:
     """`farsight train` of configs/bpe/pretrain/MODEL.yaml with this run's data, length and budget."""
     sets = [
@@ -203,6 +217,7 @@ def train_command(s: dict[str, Any], model: str, steps: int, extra: list[str]) -
         f"train.eval_batches={s['eval_batches']}",
         "train.keep_last=2",
         *s["set"],
+        *model_sets(model),
         *extra,
     ]
     command = [python(), "-m", "farsight.cli", "train", str(s["configs"] / f"{model}.yaml"), "--no-progress"]
@@ -211,11 +226,21 @@ def train_command(s: dict[str, Any], model: str, steps: int, extra: list[str]) -
     return command
 
 
-def run_training(command: list[str], limit_s: float, log_prefix: str, grace_s: float) -> tuple[int, float, bool]:
-    """Run `farsight train`, its output into ours; after limit_s a SIGINT (the trainer checkpoints
-    and stops), grace_s later a SIGKILL. (exit status, wall seconds, stopped by the limit)."""
+def run_training(
+    command: list[str], limit_s: float, log_prefix: str, grace_s: float, env: dict[str, str] | None = None
+) -> tuple[int, float, bool]:
+    """Run `farsight train` (with `env` added to the environment), its output into ours; after
+    limit_s a SIGINT (the trainer checkpoints and stops), grace_s later a SIGKILL. (exit status,
+    wall seconds, stopped by the limit)."""
     began = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env={**os.environ, **(env or {})},
+    )
 
     def forward() -> None:
         assert process.stdout is not None
@@ -324,29 +349,28 @@ def make_plan(s: dict[str, Any], deadline: float) -> dict[str, Any]:
     tps = s["tokens_per_step"]
     rates: dict[str, float] = {}
     overheads: dict[str, float] = {}
+    fallbacks: dict[str, int] = {}
     if s["adapt"]:
         for model in s["models"]:
             run = s["runs"] / model
+            wall = 0.0
             if latest_step(run) < s["probe_steps"]:
-                command = train_command(
-                    s,
-                    model,
-                    s["probe_steps"],
-                    ["train.log_interval=5", "train.eval_interval=1000000", "train.checkpoint_interval=1000000"],
-                )
-                limit = deadline - time.monotonic() - s["reserve_s"]
-                code, wall, _ = run_training(command, limit, f"[probe {model}]", grace(s))
-                if code != 0:
-                    sys.exit(f"error: the probe of {model} exited with {code}; see the log above")
-                say(f"stage probe {model}: {wall:.1f}s")
-            else:
-                wall = 0.0
+                found = probe(s, model, deadline)
+                if found is None:
+                    continue
+                fallbacks[model], wall = found
             rate = measured_rate(run, 5) or measured_rate(run, 0)
             if rate is None:
-                sys.exit(f"error: {run}/metrics.jsonl holds no tokens/s to plan with")
+                say(f"{model}: skipped, {run}/metrics.jsonl holds no tokens/s to plan with")
+                continue
             rates[model] = rate
-            overheads[model] = max(15.0, wall - s["probe_steps"] * tps / rate)
+            # the probe's start-up beyond its steps, compilation included; the run that resumes it
+            # finds the compiled kernels cached (on an H200 it took a fifth to two fifths of the
+            # probe's), so half of it is planned for the run
+            overheads[model] = max(15.0, 0.5 * (wall - s["probe_steps"] * tps / rate))
             say(f"{model}: {rate:,.0f} tokens/s; start-up, compile, evaluation and saving {overheads[model]:.0f}s")
+        if not rates:
+            sys.exit("error: no model's probe ran; see the log above")
         left = deadline - time.monotonic() - s["reserve_s"]
         fits = (0.9 * left - sum(overheads.values())) / sum(1 / r for r in rates.values())
         tokens = min(s["tokens"], int(fits))
@@ -360,7 +384,8 @@ def make_plan(s: dict[str, Any], deadline: float) -> dict[str, Any]:
         )
     else:
         tokens = s["tokens"]
-    steps = max(s["probe_steps"] + 1, tokens // tps)
+    # TOKENS is a floor (whole steps of at least that many tokens); a count cut down to fit the time is not
+    steps = max(s["probe_steps"] + 1, -(-tokens // tps) if tokens == s["tokens"] else tokens // tps)
     say(f"plan: {steps} steps of {tps:,} tokens = {steps * tps:,} tokens per model")
     plan = {
         "settings": {k: s[k] for k in ("seq_len", "batch", "warmup_steps", "set", "data")},
@@ -369,10 +394,36 @@ def make_plan(s: dict[str, Any], deadline: float) -> dict[str, Any]:
         "tokens_per_step": tps,
         "rates": rates,
         "overheads": overheads,
-        "models": s["models"],
+        "models": list(rates) if s["adapt"] else s["models"],
         "extra": s["extra"],
+        "fallbacks": fallbacks,
     }
     return plan
+
+
+def probe(s: dict[str, Any], model: str, deadline: float) -> tuple[int, float] | None:
+    """Train `model`'s first PROBE_STEPS steps with the first of FALLBACKS that runs (a failed
+    attempt's folder is kept beside the run as MODEL.failed-N). (its index, wall seconds), or
+    None when none ran."""
+    run = s["runs"] / model
+    quiet = ["train.log_interval=5", "train.eval_interval=1000000", "train.checkpoint_interval=1000000"]
+    for index, (env, sets) in enumerate(FALLBACKS):
+        limit = deadline - time.monotonic() - s["reserve_s"]
+        if limit < 30:
+            say(f"{model}: no time left to probe")
+            return None
+        command = train_command(s, model, s["probe_steps"], [*quiet, *sets])
+        code, wall, _ = run_training(command, limit, f"[probe {model}]", grace(s), env)
+        if code == 0 and latest_step(run) >= s["probe_steps"]:
+            say(f"stage probe {model}: {wall:.1f}s" + (f" with {env} {sets}" if index else ""))
+            return index, wall
+        failed = run.with_name(f"{model}.failed-{index}")
+        if run.exists():
+            shutil.rmtree(failed, ignore_errors=True)
+            run.rename(failed)
+        more = f"; trying {FALLBACKS[index + 1]}" if index + 1 < len(FALLBACKS) else "; skipping it"
+        say(f"the probe of {model} with {env} {sets} exited with {code} after {wall:.1f}s{more}")
+    return None
 
 
 def train_planned(s: dict[str, Any], plan: dict[str, Any], deadline: float, out: Path) -> int:
@@ -380,6 +431,8 @@ def train_planned(s: dict[str, Any], plan: dict[str, Any], deadline: float, out:
     status = 0
     rates = plan.get("rates") or {}
     default_rate = min(rates.values()) if rates else s["rate"]
+    fallbacks = plan.get("fallbacks") or {}
+    extra_fallback = max(fallbacks.values(), default=0)  # models not probed take the furthest one needed
     for model in [*plan["models"], *plan["extra"]]:
         run = s["runs"] / model
         done = latest_step(run)
@@ -406,7 +459,9 @@ def train_planned(s: dict[str, Any], plan: dict[str, Any], deadline: float, out:
             f"{model}: steps {done} -> {steps} ({steps * tps:,} tokens), about {predicted:.0f}s, stopped after "
             f"{limit:.0f}s; a checkpoint every {interval} steps"
         )
-        code, wall, stopped = run_training(train_command(s, model, steps, extra), limit, f"[{model}]", grace(s))
+        env, sets = FALLBACKS[fallbacks.get(model, extra_fallback)]
+        command = train_command(s, model, steps, [*extra, *sets])
+        code, wall, stopped = run_training(command, limit, f"[{model}]", grace(s), env)
         reached = latest_step(run)
         rate_now = measured_rate(run, done + min(10, (reached - done) // 2))
         say(

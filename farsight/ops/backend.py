@@ -5,11 +5,16 @@ backend and fails with one clear line when a forced backend cannot run for lack 
 "auto" means: the Triton kernels for CUDA tensors (not fp64) when triton is installed, else the
 PyTorch path "torch"; an op whose fast path is not Triton passes its own rule. Triton is only
 looked up here, never imported, so that farsight imports without it.
+
+The environment variable FARSIGHT_TRITON=0 makes "auto" pass over farsight's Triton kernels
+(GCA, CASTLE) for the PyTorch paths, e.g. where a Triton release fails to compile them; an
+explicit backend="triton" still runs them.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,9 +31,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def triton_enabled() -> bool:
+    """False when the environment sets FARSIGHT_TRITON=0: "auto" then never picks a Triton kernel."""
+    return os.environ.get("FARSIGHT_TRITON", "1") != "0"
+
+
 def triton_or_torch(x: torch.Tensor) -> str:
-    """The default "auto" rule: "triton" for CUDA tensors (fp32/fp16/bf16) when triton is installed."""
-    use_triton = x.is_cuda and x.dtype != torch.float64 and triton_available()
+    """The default "auto" rule: "triton" for CUDA tensors (fp32/fp16/bf16) when triton is installed
+    and FARSIGHT_TRITON is not 0."""
+    use_triton = x.is_cuda and x.dtype != torch.float64 and triton_enabled() and triton_available()
     return "triton" if use_triton else "torch"
 
 

@@ -202,6 +202,7 @@ def _castle_fwd_diag_kernel(
     M / L [B, H, T] fp32 (running max and sum); DocStart / DocEnd [B, T] int32 (unused without
     documents).
     """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     j = tl.program_id(0)
     bh = tl.program_id(1)
     i = j + diag
@@ -274,6 +275,7 @@ def _castle_fwd_far_kernel(
     """Windowed variant only: query block pid0 merges every key block J <= I - near, whose
     lookahead sums are final (S^U = scale * QC_I @ U_J^T), flash-attention style (from the
     first key block of its first row's document on, with documents)."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     i = tl.program_id(0)
     bh = tl.program_id(1)
     if i >= near:
@@ -350,6 +352,7 @@ def _castle_fwd_lookahead_kernel(
     keeps each key's lookahead tokens to its document and J stops at block_end(J): the query
     blocks beyond hold no row of J's documents.
     """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     j = j_lo + tl.program_id(0)
     bh = tl.program_id(1)
     row_stride = H * D
@@ -428,6 +431,7 @@ def _castle_fwd_attend_kernel(
     Out [B, T, H, D] fp32 (normalised); Lse [B, H, T] fp32. With documents (DocStart [B, T]
     int32) the walk starts at the first key block of I's first row's document.
     """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     i = g0 + tl.program_id(0)
     bh = tl.program_id(1)
     row_stride = H * D
@@ -610,6 +614,7 @@ def _castle_bwd_kernel(
     dQC / dVU / dKU [B, T, H, D] fp32, zero-initialised (atomic); dQU / dKC / dVC like the
     inputs; DocStart / DocEnd [B, T] int32 (unused without documents).
     """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     j = tl.program_id(0)
     bh = tl.program_id(1)
     row_stride = H * D

@@ -192,6 +192,7 @@ def _gca_fwd_kernel(
     [B, n, N_SLOTS, S] (bool as uint8) when HAS_KEY_MASK, Lse [B, n, N_SLOTS, H, Lq] fp32.
     Rows [0, main_rows) go in blocks of BLOCK_Q; with TAIL > 0 the last block also does rows
     [main_rows, Lq) as one TAIL-row tile."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     bth = tl.program_id(0)
     h = bth % H
     bt = bth // H  # b * n + t: the query chunk (and its row of Index/Weight)
@@ -308,6 +309,7 @@ def _gca_bwd_kernel(
     Jacobian (its 1 is a constant): dS = P * (dP - rowsum(P * dP)).
     ONE_TILE: S <= BLOCK_S. TAIL > 0 (only with ONE_TILE) makes the last block also take rows [main_rows, Lq).
     """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     bth = tl.program_id(0)
     h = bth % H
     bt = bth // H
@@ -450,6 +452,7 @@ def _gca_bwd_kv_kernel(
     Slots[Offsets[c] : Offsets[c + 1]] (global slot ids (b * n + t) * N_SLOTS + j), and adds each
     one's share from its query rows, with the row term r the query-major kernel stored.
     dK/dV [B, m, S, H, D] in the input dtype; one tile holds the chunk (S <= BLOCK_S)."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     bc = tl.program_id(0)
     h = tl.program_id(1)
     row_stride = H * D
