@@ -19,7 +19,9 @@
 #   data order (same seed, length and batch), into runs/gpu-pretrain/MODEL:
 #   1. probe: the first PROBE_STEPS steps of each of MODELS (inside the warmup, whose learning rate
 #      does not depend on the run's length, so they are the run's own steps): tokens/s and start-up
-#      time (compilation included);
+#      time (compilation included); a probe that fails (a compiled model whose gradient vanished
+#      stops with an error) is tried again uncompiled, then also with FARSIGHT_TRITON=0, and the
+#      run keeps the setting that worked;
 #   2. plan (runs/gpu-pretrain/plan.json): the steps every model trains, TOKENS or, with ADAPT=1,
 #      as many as let all MODELS finish before BUDGET_S, the same for each;
 #   3. each of MODELS resumes its probe to that many steps, with a checkpoint every CKPT_S seconds

@@ -56,12 +56,12 @@ SMALL_FILE = "runs.tar.xz"
 LOG_FILE = "log.txt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TINY = ["model.d_model=64", "model.n_layers=4", "model.n_heads=2"]  # DRY_RUN's model
-# What a model's probe tries, in order, until one runs: the defaults; the PyTorch paths instead of
-# farsight's Triton kernels (a Triton release that fails to compile them); those, not compiled.
-# The run keeps the first setting its probe ran with. (environment, `--set` overrides)
+# What a model's probe tries, in order, until one runs: the defaults; not compiled (a compiled model
+# whose gradient vanished stops with an error); also the PyTorch paths instead of farsight's Triton
+# kernels. The run keeps the first setting its probe ran with. (environment, `--set` overrides)
 FALLBACKS: list[tuple[dict[str, str], list[str]]] = [
     ({}, []),
-    ({"FARSIGHT_TRITON": "0"}, []),
+    ({}, ["train.compile=false"]),
     ({"FARSIGHT_TRITON": "0"}, ["train.compile=false"]),
 ]
 

@@ -42,7 +42,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from farsight.train.config import load_train_config
-    from farsight.train.trainer import TrainingDiverged, train
+    from farsight.train.trainer import GradientLost, TrainingDiverged, train
 
     config = load_train_config(args.config, args.set)
     if args.no_progress:
@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
             allow_config_change=args.allow_config_change,
             allow_data_change=args.allow_data_change,
         )
-    except TrainingDiverged as exc:
+    except (TrainingDiverged, GradientLost) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_DIVERGED
     if result.status == "interrupted":

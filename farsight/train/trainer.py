@@ -88,6 +88,11 @@ class TrainingDiverged(FarsightError, RuntimeError):
     """The loss or gradient became NaN/inf; nothing was updated and the last checkpoint is intact."""
 
 
+class GradientLost(FarsightError, RuntimeError):
+    """A step with a non-zero loss gave every parameter a zero (or no) gradient: the model would
+    not learn. Nothing was updated. Seen with a compiled model whose autograd graph was lost."""
+
+
 @dataclass
 class TrainResult:
     status: str  # "completed" or "interrupted"
@@ -571,6 +576,16 @@ class Trainer:
             raise TrainingDiverged(
                 f"{what} is {loss_value if what == 'loss' else grad_norm} at step {self.step + 1}; stopped without "
                 f"updating the weights. Last good checkpoint: {latest or 'none saved yet'}. {fix}."
+            )
+        if grad_norm == 0.0 and loss_value != 0.0:
+            cause = (
+                "the compiled model lost its autograd graph; set train.compile=false"
+                if self.compiled is not None
+                else "check that the model's parameters require grad and the loss depends on them"
+            )
+            raise GradientLost(
+                f"no parameter received a gradient at step {self.step + 1} (loss {loss_value:.4g}, gradient "
+                f"norm 0); stopped without updating the weights: {cause}"
             )
         if self.scaler is None:
             self.optimizer.step()

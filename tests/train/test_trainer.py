@@ -15,7 +15,7 @@ from farsight.errors import MissingFileError
 from farsight.models import DRTForCausalLM, load_model
 from farsight.train.checkpoint import CheckpointError, list_checkpoints
 from farsight.train.config import TrainConfig, apply_overrides, load_train_config
-from farsight.train.trainer import Trainer, TrainingDiverged, lr_at, train
+from farsight.train.trainer import GradientLost, Trainer, TrainingDiverged, lr_at, train
 from tests.train.conftest import tiny_config, tiny_sft_config
 
 
@@ -205,6 +205,18 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(token_dir, tmp_pat
         trainer.fit()
     assert [s for s, _ in list_checkpoints(tmp_path / "nan" / "checkpoints")] == [1, 2]
     load_model(tmp_path / "nan")
+
+
+def test_a_step_whose_gradient_vanished_everywhere_stops(token_dir, tmp_path):
+    """A non-zero loss whose gradient reaches no parameter (as a compiled model that lost its
+    autograd graph gave on a GPU) stops at that step instead of training a model that cannot learn."""
+    trainer = Trainer(tiny_config(token_dir, tmp_path / "zero", checkpoint_interval=1))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    for p in trainer.model.parameters():
+        p.register_hook(torch.zeros_like)
+    with pytest.raises(GradientLost, match=r"no parameter received a gradient at step 1 \(loss [0-9.]+"):
+        trainer.fit()
+    assert all(torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
 
 
 def test_corrupted_checkpoint_is_reported(token_dir, tmp_path):
