@@ -1,56 +1,89 @@
 #!/usr/bin/env bash
 # R7: a DRT that does more than the passkey. BPE models of about 13M parameters (d_model 256, 8
-# layers; 8-9M without the embedding) pre-trained on 50M tokens of long real documents
-# (configs/bpe/pretrain/; corpus and 16K BPE: experiments/code-corpus.sh), fine-tuned on a retrieval
-# mix in many wordings (configs/bpe/finetune/), then scored: the in-span check of the baseline,
-# lm-eval's own RULER tasks at 4K-128K through `farsight eval harness`, farsight's RULER-style
-# tasks, the passkey to 1M, perplexity vs length (1x-32x), and the paper's two claims (drt-x1 vs
-# baselm-2l at parameter parity; G=2 vs G=1 on 2-hop NIAH).
+# layers; 8-9M without the embedding) pre-trained on long real documents (configs/bpe/pretrain/;
+# corpus and 16K BPE: experiments/code-corpus.sh), fine-tuned on a retrieval mix in many wordings
+# (configs/bpe/finetune/), then scored: the in-span check of the baseline, lm-eval's own RULER tasks
+# at 4K-128K through `farsight eval harness`, farsight's RULER-style tasks, the passkey to 1M,
+# perplexity vs length (1x-32x), and the paper's two claims (drt-x1 vs baselm-2l at parameter
+# parity; G=2 vs G=1 on 2-hop NIAH).
 # Hours per model on a 2-core CPU (precision auto: bf16-mixed where the CPU has bf16 matrix
 # instructions); every run resumes where it stopped and a finished run is reused.
 # Run from the repository root: `make r7`.
+#
+# Settings (environment):
+#   PRETRAIN (runs/bpe/pretrain): the pre-trained runs. The default folder's runs are pre-trained
+#     here (50M tokens, configs/bpe/pretrain/); from another folder, e.g. PRETRAIN=runs/gpu-pretrain
+#     for the GPU pre-trainings that `experiments/gpu-pretrain.sh reassemble` wrote, the models
+#     found there are scored and the others skipped.
+#   MODELS ("drt-x2 baselm-2l drt-x1"): the models to fine-tune and score; the comparisons take
+#     those of their models that are listed.
+#   RUNS (runs/bpe): fine-tunes under RUNS/finetune, exports under RUNS/export.
+#   OUT (results/r7), FIG_PREFIX (r7): where the records and figures go.
+#   LIMIT (50): lm-eval items per task and length.
 set -euo pipefail
 F=.venv/bin/farsight
-OUT=results/r7
+P=${PRETRAIN:-runs/bpe/pretrain}
+R=${RUNS:-runs/bpe}
+OUT=${OUT:-results/r7}
 FIG=docs/figures
+PREFIX=${FIG_PREFIX:-r7}
+LIMIT=${LIMIT:-50}
 CORPUS=data/code-bpe16k-tokens
+read -r -a MODELS <<< "${MODELS:-drt-x2 baselm-2l drt-x1}"
 mkdir -p "$OUT" "$FIG"
 bash experiments/code-corpus.sh
-MODELS=(drt-x2 baselm-2l drt-x1)
+has() { [[ " ${MODELS[*]} " == *" $1 "* ]]; }
+if [ "$P" = runs/bpe/pretrain ]; then
+    for model in "${MODELS[@]}"; do
+        $F train "configs/bpe/pretrain/$model.yaml" --no-progress
+    done
+else
+    found=()
+    for model in "${MODELS[@]}"; do
+        if [ -d "$P/$model/checkpoints" ]; then found+=("$model"); else echo "r7: no $P/$model, skipping $model"; fi
+    done
+    MODELS=("${found[@]}")
+fi
 for model in "${MODELS[@]}"; do
-    $F train "configs/bpe/pretrain/$model.yaml" --no-progress
+    $F train "configs/bpe/finetune/$model.yaml" --no-progress \
+        --set "train.init_from=$P/$model" --set "train.out_dir=$R/finetune/$model"
+    [ -f "$R/export/$model/config.json" ] || $F export "$R/finetune/$model" "$R/export/$model" --dtype bf16
 done
-for model in "${MODELS[@]}"; do
-    $F train "configs/bpe/finetune/$model.yaml" --no-progress
-    [ -f "runs/bpe/export/$model/config.json" ] || $F export "runs/bpe/finetune/$model" "runs/bpe/export/$model" --dtype bf16
-done
-P=runs/bpe/pretrain
-$F eval runs $P/drt-x2 $P/baselm-2l $P/drt-x1 --out "$OUT/models.json" --labels "drt-x2,baselm-2l,drt-x1" \
-    --plot "$FIG/r7-loss.png" --title "BPE pre-training: 50M tokens, 4K windows, same order"
+runs=() labels=()
+for model in "${MODELS[@]}"; do runs+=("$P/$model"); labels+=("$model"); done
+$F eval runs "${runs[@]}" --out "$OUT/models.json" --labels "$(IFS=,; echo "${labels[*]}")" \
+    --plot "$FIG/$PREFIX-loss.png" --title "BPE pre-training: 4K windows, same order"
 # perplexity on the same held-out windows from the training length (4K) to 32x
-$F eval ppl --model $P/drt-x2 --model $P/baselm-2l --model $P/drt-x1 --lengths 4k,8k,16k,32k,64k,128k \
+ppl=()
+for run in "${runs[@]}"; do ppl+=(--model "$run"); done
+$F eval ppl "${ppl[@]}" --lengths 4k,8k,16k,32k,64k,128k \
     --corpus "$CORPUS" --split val --windows 12 --window-length 128k --batch-size 1 --dtype bf16 \
-    --out "$OUT/ppl.json" --plot "$FIG/r7-ppl.png"
+    --out "$OUT/ppl.json" --plot "$FIG/$PREFIX-ppl.png"
 COMMON=(--corpus "$CORPUS" --split val --align 1 --dtype bf16)
 # the in-span check: a needle inside every model's window (depth 1), at the fine-tune's lengths
 for model in "${MODELS[@]}"; do
-    $F eval passkey --model "runs/bpe/finetune/$model" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" \
+    $F eval passkey --model "$R/finetune/$model" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" \
         --out "$OUT/inspan-$model.json"
 done
-# lm-eval's own RULER tasks (their templates and items), 50 items per task and length
+# lm-eval's own RULER tasks (their templates and items), LIMIT items per task and length
 RULER=niah_single_1,niah_multikey_2,niah_multikey_3,vt,cwe,fwe
 for model in drt-x2 baselm-2l; do
-    $F eval harness --model "runs/bpe/export/$model" --tasks "$RULER" --limit 50 --dtype bf16 \
+    has "$model" || continue
+    $F eval harness --model "$R/export/$model" --tasks "$RULER" --limit "$LIMIT" --dtype bf16 \
         --metadata '{"max_seq_lengths": [4096, 16384, 65536, 131072]}' --out "$OUT/lm-eval-ruler-$model.json"
 done
-# farsight's RULER-style tasks (RULER's wording) in real-text haystacks, and the passkey to 1M
-$F eval ruler --model runs/bpe/finetune/drt-x2 --tasks all --lengths 4k,16k,64k,128k --trials 10 \
-    --corpus "$CORPUS" --split val --dtype bf16 --out "$OUT/ruler-drt-x2.json"
-$F eval passkey --model runs/bpe/finetune/drt-x2 --lengths 4k,16k,64k,256k,1m --depths 0,0.25,0.5,0.75,1 \
-    --trials 10 --long-trials 4 "${COMMON[@]}" --out "$OUT/passkey-drt-x2.json" --plot "$FIG/r7-passkey.png"
-# G=2 vs G=1 on 2-hop NIAH with two distractor chains: 100 samples per length (a 95% interval of about +-10%)
-for model in drt-x2 drt-x1; do
-    $F eval niah2hop --model "runs/bpe/finetune/$model" --lengths 4k,16k --depths 0,0.25,0.5,0.75,1 --trials 20 \
-        --task-option distractors=2 "${COMMON[@]}" --out "$OUT/niah2hop-$model.json"
-done
-$F eval compare "$OUT"/niah2hop-{drt-x2,drt-x1}.json --labels "drt-x2,drt-x1" | tee "$OUT/niah2hop.txt"
+if has drt-x2; then
+    # farsight's RULER-style tasks (RULER's wording) in real-text haystacks, and the passkey to 1M
+    $F eval ruler --model "$R/finetune/drt-x2" --tasks all --lengths 4k,16k,64k,128k --trials 10 \
+        --corpus "$CORPUS" --split val --dtype bf16 --out "$OUT/ruler-drt-x2.json"
+    $F eval passkey --model "$R/finetune/drt-x2" --lengths 4k,16k,64k,256k,1m --depths 0,0.25,0.5,0.75,1 \
+        --trials 10 --long-trials 4 "${COMMON[@]}" --out "$OUT/passkey-drt-x2.json" --plot "$FIG/$PREFIX-passkey.png"
+fi
+if has drt-x2 && has drt-x1; then
+    # G=2 vs G=1 on 2-hop NIAH with two distractor chains: 100 samples per length (a 95% interval of about +-10%)
+    for model in drt-x2 drt-x1; do
+        $F eval niah2hop --model "$R/finetune/$model" --lengths 4k,16k --depths 0,0.25,0.5,0.75,1 --trials 20 \
+            --task-option distractors=2 "${COMMON[@]}" --out "$OUT/niah2hop-$model.json"
+    done
+    $F eval compare "$OUT"/niah2hop-{drt-x2,drt-x1}.json --labels "drt-x2,drt-x1" | tee "$OUT/niah2hop.txt"
+fi

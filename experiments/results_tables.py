@@ -609,6 +609,51 @@ def packing() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# BPE pre-training on a GPU (experiments/gpu-pretrain.sh; `farsight eval runs` over the reassembled runs)
+
+GPU_PRETRAIN_RUNS = {  # run directory -> (label, its metrics in results/runs/, how it ran)
+    "runs/gpu-pretrain-16m/drt-x2": ("drt-x2", "gpu-pretrain-16m/drt-x2", "eager (compile failed)"),
+    "runs/gpu-pretrain-16m/drt-x1": ("drt-x1", "gpu-pretrain-16m/drt-x1", "eager (compile failed)"),
+    "runs/gpu-pretrain-16m/baselm-2l": ("baselm-2l", "gpu-pretrain-16m/baselm-2l", "compiled: gradient 0"),
+    "runs/gpu-pretrain/drt-x2": ("drt-x2", "gpu-pretrain/drt-x2", "eager"),
+}
+BPE_EMBEDDING = 16384 * 256  # the tied embedding of every configs/bpe model
+
+
+@table("gpu-pretrain", "results/gpu/pretrain-runs.json, results/runs/gpu-pretrain{,-16m}/*/metrics.jsonl")
+def gpu_pretrain() -> list[str]:
+    lines = header(
+        "model",
+        "parameters (non-embedding)",
+        "tokens",
+        "steps",
+        "held-out loss",
+        "train loss",
+        "tokens/s (median)",
+        "time training (start-up included)",
+        "how it ran",
+    )
+    for run in record("results/gpu/pretrain-runs.json")["runs"]:
+        label, metrics, how = GPU_PRETRAIN_RUNS[run["run"]]
+        # the first logged interval holds the start-up
+        rates = [r["tokens_per_s"] for r in jsonl(f"results/runs/{metrics}/metrics.jsonl") if "tokens_per_s" in r][1:]
+        lines.append(
+            row(
+                code(label),
+                f"{run['parameters'] / 1e6:.2f}M ({(run['parameters'] - BPE_EMBEDDING) / 1e6:.2f}M)",
+                f"{run['tokens'] / 1e6:.1f}M",
+                str(run["steps"]),
+                f"{run['val_loss']:.3f}",
+                f"{run['train_loss']:.3f}",
+                f"{statistics.median(rates) / 1000:,.0f}k",
+                minutes_seconds(run["train_hours"] * 3600),
+                how,
+            )
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 
 R6 = "results/r6"
