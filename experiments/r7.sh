@@ -19,7 +19,9 @@
 #     those of their models that are listed.
 #   RUNS (runs/bpe): fine-tunes under RUNS/finetune, exports under RUNS/export.
 #   OUT (results/r7), FIG_PREFIX (r7): where the records and figures go.
-#   LIMIT (50): lm-eval items per task and length.
+#   LIMIT (50), LENGTHS (4096,16384,65536,131072), RULER (niah_single_1,niah_multikey_2,
+#     niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe): lm-eval's RULER items per task and length, the
+#     lengths, the tasks.
 set -euo pipefail
 F=.venv/bin/farsight
 P=${PRETRAIN:-runs/bpe/pretrain}
@@ -28,6 +30,8 @@ OUT=${OUT:-results/r7}
 FIG=docs/figures
 PREFIX=${FIG_PREFIX:-r7}
 LIMIT=${LIMIT:-50}
+LENGTHS=${LENGTHS:-4096,16384,65536,131072}
+RULER=${RULER:-niah_single_1,niah_multikey_2,niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe}
 CORPUS=data/code-bpe16k-tokens
 read -r -a MODELS <<< "${MODELS:-drt-x2 baselm-2l drt-x1}"
 mkdir -p "$OUT" "$FIG"
@@ -45,8 +49,14 @@ else
     MODELS=("${found[@]}")
 fi
 for model in "${MODELS[@]}"; do
+    start=$P/$model
+    if [ -f "configs/bpe/finetune/stage1-$model.yaml" ]; then  # the passkey from short lengths first
+        $F train "configs/bpe/finetune/stage1-$model.yaml" --no-progress \
+            --set "train.init_from=$start" --set "train.out_dir=$R/finetune/stage1-$model"
+        start=$R/finetune/stage1-$model
+    fi
     $F train "configs/bpe/finetune/$model.yaml" --no-progress \
-        --set "train.init_from=$P/$model" --set "train.out_dir=$R/finetune/$model"
+        --set "train.init_from=$start" --set "train.out_dir=$R/finetune/$model"
     [ -f "$R/export/$model/config.json" ] || $F export "$R/finetune/$model" "$R/export/$model" --dtype bf16
 done
 runs=() labels=()
@@ -65,12 +75,15 @@ for model in "${MODELS[@]}"; do
     $F eval passkey --model "$R/finetune/$model" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" \
         --out "$OUT/inspan-$model.json"
 done
-# lm-eval's own RULER tasks (their templates and items), LIMIT items per task and length
-RULER=niah_single_1,niah_multikey_2,niah_multikey_3,vt,cwe,fwe
+# lm-eval's own RULER tasks (their templates and items), LIMIT items per task and length, one call
+# per length (lm-eval's --limit takes a task's first items, which are all of its first length)
 for model in drt-x2 baselm-2l; do
     has "$model" || continue
-    $F eval harness --model "$R/export/$model" --tasks "$RULER" --limit "$LIMIT" --dtype bf16 \
-        --metadata '{"max_seq_lengths": [4096, 16384, 65536, 131072]}' --out "$OUT/lm-eval-ruler-$model.json"
+    for length in ${LENGTHS//,/ }; do
+        [ -f "$OUT/lm-eval-ruler-$model-$length.json" ] || $F eval harness --model "$R/export/$model" \
+            --tasks "$RULER" --limit "$LIMIT" --dtype bf16 --metadata "{\"max_seq_lengths\": [$length]}" \
+            --out "$OUT/lm-eval-ruler-$model-$length.json"
+    done
 done
 if has drt-x2; then
     # farsight's RULER-style tasks (RULER's wording) in real-text haystacks, and the passkey to 1M

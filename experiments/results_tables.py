@@ -653,6 +653,57 @@ def gpu_pretrain() -> list[str]:
     return lines
 
 
+R7_GPU = "results/r7-gpu"
+R7_GPU_LM_EVAL = (4096, 16384)
+
+
+@table(
+    "r7-gpu-retrieval",
+    "results/r7-gpu/passkey-{drt-x2-no-stage1,stage1-drt-x2,drt-x2}.json, "
+    "results/r7-gpu/lm-eval-ruler-drt-x2-{4096,16384}.json",
+)
+def r7_gpu_retrieval() -> list[str]:
+    stages = (
+        ("passkey-drt-x2-no-stage1", "retrieval mix only"),
+        ("passkey-stage1-drt-x2", "passkey stage"),
+        ("passkey-drt-x2", "passkey stage, then the retrieval mix"),
+    )
+    lengths = sorted({n for name, _ in stages for n in by_length(f"{R7_GPU}/{name}.json")})
+    lines = header("`drt-x2` fine-tuned on", "task", *map(length_name, lengths))
+    for name, label in stages:
+        grid = by_length(f"{R7_GPU}/{name}.json")
+        lines.append(row(label, "passkey, exact match %", *(rate_cell(grid.get(n)) for n in lengths)))
+    for task in ("niah_single_1", "niah_multikey_2", "ruler_fwe"):
+        cells = {}
+        for n in R7_GPU_LM_EVAL:
+            result = record(f"{R7_GPU}/lm-eval-ruler-drt-x2-{n}.json")["results"][task]
+            items = result["sample_len"]
+            hits = round(result[f"{n},none"] * items)
+            cells[n] = f"{hits} of {items} ({interval(*wilson(hits, items))})"
+        label = f"lm-eval `{task}`" + (" (held out)" if task == "ruler_fwe" else "")
+        lines.append(row(stages[-1][1], label, *(cells.get(n, "") for n in lengths)))
+    return lines
+
+
+R7_GPU_PPL_RUNS = (
+    ("runs/gpu-pretrain/drt-x2", "`drt-x2`, 99.9M tokens"),
+    ("runs/gpu-pretrain-16m/drt-x2", "`drt-x2`, 16.4M tokens"),
+    ("runs/gpu-pretrain-16m/drt-x1", "`drt-x1`, 16.4M tokens"),
+)
+
+
+@table("r7-gpu-ppl", "results/r7-gpu/ppl.json")
+def r7_gpu_ppl() -> list[str]:
+    path = f"{R7_GPU}/ppl.json"
+    lengths = sorted(int(n) for n in record(path)["results"][R7_GPU_PPL_RUNS[0][0]]["by_length"])
+    lines = header("model", *(f"{length_name(n)} ({n // lengths[0]}x)" for n in lengths))
+    for run, label in R7_GPU_PPL_RUNS:
+        lines.append(row(label, *(f"{ppl_entry(path, run, n)['nll']:.4f}" for n in lengths)))
+    x2, x1 = (run for run, _ in R7_GPU_PPL_RUNS[1:])
+    lines.append(row("`drt-x1` − `drt-x2` at 16.4M", *(difference_cell(paired(path, x1, x2, n)) for n in lengths)))
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 
