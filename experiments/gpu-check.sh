@@ -8,7 +8,7 @@
 # Each part writes its log into OUT_DIR as it goes (a machine lent for minutes may be taken
 # back before the end):
 # 1. The quick CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the
-#    CPU) and tests/ops/test_autocast.py (every op backend under autocast and in pure bf16):
+#    CPU, and compiled against eager) and tests/ops/test_autocast.py (every op backend under autocast and in pure bf16):
 #    about 25 s on an H200. OUT_DIR/tests-cuda.log.
 # 2. `farsight train` on the GPU in bf16-mixed, 40 steps of 8 x 2048 tokens, for a CASTLE model,
 #    the same model with causal attention and a DRT of the same width: the median tokens/s of

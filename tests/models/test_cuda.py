@@ -2,7 +2,8 @@
 under bf16/fp16 autocast (with triton installed CUDA picks the Triton GCA and CASTLE kernels; at
 these 37 tokens the sliding window runs the blockwise op, FlexAttention being for 128 queries and
 more), streaming sessions on each chunk-memory tier, and CASTLE decoding on both ways of updating
-U, all at odd sizes.
+U, all at odd sizes; and a compiled training step (the trainer's torch.compile) against the eager
+one, at 160 tokens, where the window op takes FlexAttention.
 
 Skipped without a GPU (CI has none); `experiments/gpu-check.sh` runs these natively on a lent
 machine, with the ops' own CUDA cases (tests/ops/test_autocast.py, FlexAttention included, and the
@@ -12,7 +13,7 @@ Triton kernel tests).
 import pytest
 import torch
 
-from farsight.models import DRTConfig, DRTForCausalLM
+from farsight.models import DRTConfig, DRTForCausalLM, TransformerConfig, TransformerForCausalLM
 from farsight.ops.castle import castle_decode, castle_parallel_reference, castle_prefill, inference
 from tests.models.test_precision import KINDS, V, ids
 from tests.models.test_precision import make as make_cpu_model
@@ -76,6 +77,50 @@ def test_autocast_training_step_on_cuda_approximates_the_cpu_fp32_step(kind, dty
     # can be off by more than the dtype's tolerance on its own, on the CPU too
     flat = [torch.cat([grads[name].flatten() for name in want_grads]) for grads in (want_grads, got_grads)]
     assert_close_rms(f"{kind} gradients", *flat, 2 * RMS_RATIO[dtype])
+
+
+def compiled_against_eager(kind, device, dtype=torch.bfloat16, length=160):
+    """Parameter gradients of one autocast training step of `kind` as the trainer takes it (the
+    loss alone, `return_logits=False`), eager and then through the trainer's torch.compile
+    (farsight.train.compile), on the same batch. 160 tokens: the sliding window takes
+    FlexAttention on CUDA (128 queries and more). "sliding-16k" has a 16,384-entry vocabulary,
+    whose loss head is the chunked loss (CHUNKED_LOSS_MIN_VOCAB), as the BPE models'."""
+    from farsight.train.compile import compile_model
+
+    if kind == "sliding-16k":
+        torch.manual_seed(0)
+        config = TransformerConfig(vocab_size=16384, d_model=32, n_layers=2, n_heads=4, attention="sliding", window=6)
+        model = TransformerForCausalLM(config)
+    else:
+        model = make(kind)
+    model = model.to(device).train()
+    x = ids(2, length).to(device)
+
+    def gradients():
+        model.zero_grad()
+        with torch.autocast(x.device.type, dtype=dtype):
+            loss = model(x, labels=x, return_logits=False).loss
+        loss.backward()
+        return {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
+
+    eager = gradients()
+    compiled = compile_model(model)
+    try:
+        return eager, gradients()
+    finally:
+        compiled.remove()
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "sliding-16k"])
+def test_compiled_training_step_on_cuda_has_the_eager_gradients(kind):
+    """On an H200 the compiled BPE baselm-2l trained with a gradient of exactly 0 (its loss stayed
+    at ln(vocabulary)); compiled and eager steps must give every parameter the same gradient."""
+    eager, got = compiled_against_eager(kind, "cuda")
+    for name, grad in got.items():
+        assert torch.isfinite(grad).all(), name
+        assert grad.abs().sum() > 0 or eager[name].abs().sum() == 0, f"{name}: no gradient when compiled"
+    flat = [torch.cat([grads[name].flatten() for name in eager]) for grads in (eager, got)]
+    assert_close_rms(f"{kind} compiled gradients", *flat, 2 * RMS_RATIO[torch.bfloat16])
 
 
 @pytest.mark.parametrize("memory", ["device", "host", "disk"])
