@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ("docs/results.md", "README.md")
 MINUS = "\u2212"
@@ -611,16 +613,31 @@ def packing() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # BPE pre-training on a GPU (experiments/gpu-pretrain.sh; `farsight eval runs` over the reassembled runs)
 
-GPU_PRETRAIN_RUNS = {  # run directory -> (label, its metrics in results/runs/, how it ran)
-    "runs/gpu-pretrain-16m/drt-x2": ("drt-x2", "gpu-pretrain-16m/drt-x2", "eager (compile failed)"),
-    "runs/gpu-pretrain-16m/drt-x1": ("drt-x1", "gpu-pretrain-16m/drt-x1", "eager (compile failed)"),
-    "runs/gpu-pretrain-16m/baselm-2l": ("baselm-2l", "gpu-pretrain-16m/baselm-2l", "compiled: gradient 0"),
-    "runs/gpu-pretrain/drt-x2": ("drt-x2", "gpu-pretrain/drt-x2", "eager"),
+GPU_PRETRAIN_LOGS = {  # the runs folder of each call -> its log
+    "runs/gpu-pretrain-16m": "results/gpu/pretrain-h200-16m.log",
+    "runs/gpu-pretrain": "results/gpu/pretrain-h200-100m.log",
 }
 BPE_EMBEDDING = 16384 * 256  # the tied embedding of every configs/bpe model
 
 
-@table("gpu-pretrain", "results/gpu/pretrain-runs.json, results/runs/gpu-pretrain{,-16m}/*/metrics.jsonl")
+def gpu_run_mode(run: str, metrics: list[dict]) -> str:
+    """How a GPU run trained, from its records: compiled or eager (train.compile in its config),
+    eager after the compiler failed (the trainer's note in the call's log), and a gradient norm
+    of 0 in every logged step."""
+    folder, model = run.rsplit("/", 1)
+    config = yaml.safe_load((ROOT / "results" / run / "config.yaml").read_text())
+    failed = f"[{model}] note: torch.compile failed" in (ROOT / GPU_PRETRAIN_LOGS[folder]).read_text()
+    mode = "eager (compile failed)" if failed else "compiled" if config["train"]["compile"] else "eager"
+    if all(r["grad_norm"] == 0 for r in metrics if "grad_norm" in r):
+        mode += ": gradient 0"
+    return mode
+
+
+@table(
+    "gpu-pretrain",
+    "results/gpu/pretrain-runs.json, results/gpu/pretrain-h200-{16m,100m}.log, "
+    "results/runs/gpu-pretrain{,-16m}/*/{config.yaml,metrics.jsonl}",
+)
 def gpu_pretrain() -> list[str]:
     lines = header(
         "model",
@@ -634,12 +651,12 @@ def gpu_pretrain() -> list[str]:
         "how it ran",
     )
     for run in record("results/gpu/pretrain-runs.json")["runs"]:
-        label, metrics, how = GPU_PRETRAIN_RUNS[run["run"]]
+        metrics = jsonl(f"results/{run['run']}/metrics.jsonl")  # kept at the run's path below results/
         # the first logged interval holds the start-up
-        rates = [r["tokens_per_s"] for r in jsonl(f"results/runs/{metrics}/metrics.jsonl") if "tokens_per_s" in r][1:]
+        rates = [r["tokens_per_s"] for r in metrics if "tokens_per_s" in r][1:]
         lines.append(
             row(
-                code(label),
+                code(run["run"].rsplit("/", 1)[-1]),
                 f"{run['parameters'] / 1e6:.2f}M ({(run['parameters'] - BPE_EMBEDDING) / 1e6:.2f}M)",
                 f"{run['tokens'] / 1e6:.1f}M",
                 str(run["steps"]),
@@ -647,7 +664,7 @@ def gpu_pretrain() -> list[str]:
                 f"{run['train_loss']:.3f}",
                 f"{statistics.median(rates) / 1000:,.0f}k",
                 minutes_seconds(run["train_hours"] * 3600),
-                how,
+                gpu_run_mode(run["run"], metrics),
             )
         )
     return lines

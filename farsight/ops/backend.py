@@ -32,8 +32,13 @@ def triton_available() -> bool:
 
 
 def triton_enabled() -> bool:
-    """False when the environment sets FARSIGHT_TRITON=0: "auto" then never picks a Triton kernel."""
-    return os.environ.get("FARSIGHT_TRITON", "1") != "0"
+    """False when the environment sets FARSIGHT_TRITON=0: "auto" then never picks a Triton kernel.
+    Unset, empty or 1 leave it on; any other value is refused (FARSIGHT_TRITON=false must not
+    quietly mean on)."""
+    value = os.environ.get("FARSIGHT_TRITON", "")
+    if value not in ("", "0", "1"):
+        raise InputError(f"FARSIGHT_TRITON must be 0 (no Triton kernels for backend='auto') or 1, got {value!r}")
+    return value != "0"
 
 
 def triton_or_torch(x: torch.Tensor) -> str:

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from farsight.errors import InputError
 from farsight.ops import backend
 
 
@@ -34,3 +35,10 @@ def test_farsight_triton_env_switches_auto(triton_installed, monkeypatch, value,
 def test_explicit_triton_ignores_the_env(triton_installed, monkeypatch):
     monkeypatch.setenv("FARSIGHT_TRITON", "0")
     assert backend.resolve_backend("triton", cuda_like(), ("auto", "torch", "triton")) == "triton"
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no"])
+def test_farsight_triton_refuses_other_values(triton_installed, monkeypatch, value):
+    monkeypatch.setenv("FARSIGHT_TRITON", value)
+    with pytest.raises(InputError, match=f"FARSIGHT_TRITON must be 0 .* or 1, got '{value}'"):
+        backend.resolve_backend("auto", cuda_like(), ("auto", "torch", "triton"))
