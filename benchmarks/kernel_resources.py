@@ -1,7 +1,8 @@
 """Static resource report of the Triton kernels: compiled for a GPU target on any machine (no GPU
 needed), with the registers, spilled bytes, local loads/stores and matrix instructions of each.
 
-    python benchmarks/kernel_resources.py [--dtype bf16] [--dims 64,128] [--arch 90] [--float-type fp64] [--first-launch]
+    python benchmarks/kernel_resources.py [--dtype bf16] [--dims 64,128] [--arch 90] [--float-type fp64]
+        [--launches default|all] [--variants plain|all] [--check]
 
 Spills are what a GPU run cannot show cheaply and what these kernels' speed hangs on: a kernel
 whose tiles do not fit its registers keeps them in local memory (LDL/STL in the machine code).
@@ -12,18 +13,26 @@ within one version; `pip install --target DIR triton==X` and PYTHONPATH=DIR repo
 Float scalars (`scale`) are typed fp32, as Triton's own launcher passes a Python float; inside a
 torch.compile'd graph, Inductor launches the kernels with them typed fp64, and `--float-type fp64`
 compiles that variant (a kernel whose loop-carried values would turn fp64 fails to compile).
-`--first-launch` compiles only each kernel's first listed launch setting. Exits non-zero when a
-kernel fails to compile.
+Each kernel is compiled with the tiles farsight picks for long inputs at each head dim and its
+own default launch setting (`--launches all` adds the other settings autotuning tries), with its
+boolean switches off (`--variants all`: every combination). `--check` is the gate
+`tests/ops/test_triton_compile.py` runs: every kernel at its own launch setting must be
+spill-free with at least 64 query rows per tile, except the KNOWN_SHORTFALLS listed below.
+Exits non-zero when a kernel fails to compile or the check fails (3: the check was not run, as the
+Triton version differs from CHECKED_TRITON).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -32,6 +41,7 @@ from triton.compiler import ASTSource
 import farsight.ops.castle.triton as castle_kernels
 import farsight.ops.gca.triton as gca_kernels
 from farsight.eval.efficiency import format_table
+from farsight.ops.triton_tiles import LAUNCH_CONFIGS
 
 # argument name -> Triton type, per kernel family; other scalars are i32
 POINTER_DTYPE_ARGS = ("QU", "KU", "VU", "QC", "KC", "VC", "Snap", "dO", "dQU", "dKC", "dVC", "Q", "K", "V", "Out", "dQ")
@@ -90,21 +100,108 @@ def resources(
     }
 
 
-def cases(dim: int) -> list[tuple[str, object, dict, list[tuple[int, int]]]]:
-    block = 64 if dim <= 64 else 32
-    castle = dict(HAS_WINDOW=False, HAS_DOCS=False, PREC="ieee", BLOCK=block, BLOCK_D=dim)
-    castle_backward = {**castle, "BLOCK": castle_kernels.backward_block(block, dim)}
-    gca = dict(HAS_KEY_MASK=False, DOT_PRECISION="ieee", BLOCK_Q=64, TAIL=16, BLOCK_S=64, BLOCK_D=dim)
-    return [
-        ("castle forward: lookahead", castle_kernels._castle_fwd_lookahead_kernel, castle, [(4, 2), (8, 2)]),
-        ("castle forward: attend", castle_kernels._castle_fwd_attend_kernel, castle, [(4, 2), (8, 2)]),
-        ("castle forward: diagonal", castle_kernels._castle_fwd_diag_kernel, castle, [(4, 1)]),
-        ("castle backward", castle_kernels._castle_bwd_kernel, castle_backward, [(4, 1), (8, 1)]),
-        ("gca forward", gca_kernels._gca_fwd_kernel, {**gca, "SOFTMAX_ONE": True}, [(4, 2), (8, 2)]),
-        ("gca backward, atomic", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True, "KEY_GRADS": True}, [(4, 2)]),
-        ("gca backward, rows", gca_kernels._gca_bwd_kernel, {**gca, "ONE_TILE": True, "KEY_GRADS": False}, [(8, 2)]),
-        ("gca backward, dk/dv", gca_kernels._gca_bwd_kv_kernel, gca, [(8, 2)]),
-    ]
+# DRT's chunks (S = 64 keys; 65 query rows: the landmark row rides as a tail tile)
+GCA_KEYS, GCA_QUERY_ROWS = 64, 65
+
+# The Triton version the check's figures hold for (the dev install pins it): spills change with
+# the compiler, so other versions get the report but not the check.
+CHECKED_TRITON = "3.9.0"
+
+NOT_CHECKED = 3  # the exit status of --check under another Triton version
+
+# What the kernels do not meet yet, by (kernel, d): (most spilled bytes, fewest query rows per
+# tile, over the variants) and why. `--check` fails on any other case short of zero spills and 64
+# rows, on a listed case worse than its entry, and on an entry that no longer falls short.
+KNOWN_SHORTFALLS = {
+    ("castle forward: attend", 64): (128, 64, "the near tiles' lookahead terms spill at 64-row tiles"),
+    ("castle forward: attend", 128): (0, 32, "32-row tiles (the forward tile of d = 128)"),
+    ("castle forward: lookahead", 128): (0, 32, "32-row tiles (the forward tile of d = 128)"),
+    ("castle backward", 64): (16, 32, "the fused backward spills even at 32-row tiles"),
+    ("castle backward", 128): (0, 16, "16-row tiles"),
+    ("castle backward: values", 64): (0, 32, "32-row tiles: 64-row ones spill hundreds of bytes"),
+    ("castle backward: values", 128): (0, 16, "16-row tiles"),
+    ("castle backward: lookahead", 64): (0, 32, "32-row tiles: 64-row ones spill hundreds of bytes"),
+    ("castle backward: lookahead", 128): (0, 16, "16-row tiles"),
+    ("gca backward: rows", 128): (352, 64, "spills at 64-row tiles of d = 128"),
+    ("gca backward: dk/dv", 128): (0, 32, "steps through 32 query rows at a time (64 spill)"),
+}
+
+
+def _flags(names: tuple[str, ...], every: bool) -> list[dict]:
+    """Each combination of the boolean constexprs `names` (every=True), or all of them False."""
+    combos = [[]]
+    for name in names:
+        combos = [[*c, (name, v)] for c in combos for v in ((False, True) if every else (False,))]
+    return [dict(c) for c in combos]
+
+
+def cases(
+    dim: int, every_variant: bool = False, castle_backward: int | None = None
+) -> list[tuple[str, object, dict, int]]:
+    """(name, kernel, constexprs, query rows per tile) of every Triton kernel at head dim `dim`
+    with the tiles farsight picks for long inputs (DRT's chunk shape for GCA); with
+    `every_variant` once per combination of its boolean switches (window, documents, key mask,
+    softmax_1, one key tile per chunk), else with them off. `castle_backward` overrides the
+    CASTLE backward's tile."""
+    block = castle_kernels.forward_block(dim)
+    backward = castle_backward or castle_kernels.backward_block(block, dim)
+    castle = dict(PREC="ieee", BLOCK=block, BLOCK_D=dim)
+    block_q, tail, _ = gca_kernels.row_layout(GCA_QUERY_ROWS, None)
+    gca = dict(DOT_PRECISION="ieee", BLOCK_Q=block_q, TAIL=tail, BLOCK_S=GCA_KEYS, BLOCK_D=dim)
+    kv_rows = gca_kernels.kv_rows(block_q, dim)
+    rows = []
+    for flags in _flags(("HAS_WINDOW", "HAS_DOCS"), every_variant):
+        rows += [
+            ("castle forward: lookahead", castle_kernels._castle_fwd_lookahead_kernel, {**castle, **flags}, block),
+            ("castle forward: attend", castle_kernels._ATTEND_KERNELS[dim <= 64], {**castle, **flags}, block),
+        ]
+        for name, kernel in (
+            ("castle backward", castle_kernels._castle_bwd_kernel),
+            ("castle backward: values", castle_kernels._castle_bwd_values_kernel),
+            ("castle backward: lookahead", castle_kernels._castle_bwd_lookahead_kernel),
+        ):
+            rows.append((name, kernel, {**castle, **flags, "BLOCK": backward}, backward))
+    for flags in _flags(("HAS_KEY_MASK", "SOFTMAX_ONE"), every_variant):
+        rows.append(("gca forward", gca_kernels._gca_fwd_kernel, {**gca, **flags}, block_q))
+    for flags in _flags(("HAS_KEY_MASK", "ONE_TILE"), every_variant):
+        flags.setdefault("ONE_TILE", True)
+        rows.append(("gca backward: rows", gca_kernels._gca_bwd_rows_kernel, {**gca, **flags}, block_q))
+    for flags in _flags(("HAS_KEY_MASK",), every_variant):
+        rows.append(
+            ("gca backward: dk/dv", gca_kernels._gca_bwd_kv_kernel, {**gca, **flags, "KV_ROWS": kv_rows}, kv_rows)
+        )
+    return rows
+
+
+def _compile_case(args: argparse.Namespace, job: tuple) -> dict:
+    """One row of the report: case `index` of `cases(dim)` compiled with (warps, stages)."""
+    dim, index, warps, stages = job
+    name, kernel, constexprs, query_rows = cases(dim, args.variants == "all", args.castle_backward_block)[index]
+    variant = ", ".join(k.lower() for k, v in constexprs.items() if v is True)
+    row = {"kernel": name, "variant": variant, "d": dim, "rows": query_rows, "warps": warps, "stages": stages}
+    row.update(resources(kernel, args.dtype, constexprs, warps, stages, args.arch, args.float_type))
+    row["default"] = (warps, stages) == kernel.default_launch
+    return row
+
+
+def shortfalls(rows: list[dict]) -> list[str]:
+    """The check: every case spill-free with at least 64 query rows per tile, except the
+    KNOWN_SHORTFALLS, which must be no worse than listed and still fall short somewhere."""
+    problems, short = [], set()
+    for row in rows:
+        key = (row["kernel"], row["d"])
+        spills, least_rows, _ = KNOWN_SHORTFALLS.get(key, (0, 64, ""))
+        if row["stack bytes"] > 0 or row["rows"] < 64:
+            short.add(key)
+        if row["stack bytes"] > spills or row["rows"] < least_rows:
+            problems.append(
+                f"{row['kernel']} (d={row['d']}, {row['variant'] or 'plain'}, {row['warps']} warps): "
+                f"{row['stack bytes']} spilled bytes, {row['rows']}-row tiles (allowed: {spills}, {least_rows})"
+            )
+    for key in sorted(KNOWN_SHORTFALLS.keys() - short):
+        if any((row["kernel"], row["d"]) == key for row in rows):
+            problems.append(f"{key[0]} (d={key[1]}) meets the check now: take it out of KNOWN_SHORTFALLS")
+    return problems
 
 
 def main() -> int:
@@ -118,24 +215,50 @@ def main() -> int:
         choices=["fp32", "fp64"],
         help="type of float scalars (fp64: as under torch.compile)",
     )
-    parser.add_argument("--first-launch", action="store_true", help="only each kernel's first launch setting")
+    parser.add_argument(
+        "--launches", default="default", choices=["default", "all"], help="each kernel's own launch setting, or all"
+    )
+    parser.add_argument(
+        "--variants", default="plain", choices=["plain", "all"], help="switches off, or every combination"
+    )
+    parser.add_argument("--castle-backward-block", type=int, help="the CASTLE backward's tile (default: its own)")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 unless every case meets the check (see shortfalls)"
+    )
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the report compiles the kernels for a GPU")
-    rows = []
+    plan = []  # (dim, case index, warps, stages)
     for dim in (int(d) for d in args.dims.split(",")):
-        for name, kernel, constexprs, launches in cases(dim):
-            for warps, stages in launches[:1] if args.first_launch else launches:
-                row = {"kernel": name, "d": dim, "block": constexprs.get("BLOCK", constexprs.get("BLOCK_Q"))}
-                row.update(warps=warps, stages=stages)
-                row.update(resources(kernel, args.dtype, constexprs, warps, stages, args.arch, args.float_type))
-                rows.append(row)
-                print(f"  {name} d={dim} {warps} warps {stages} stages: {row['stack bytes']} stack bytes", flush=True)
+        for index, (_, kernel, _, _) in enumerate(cases(dim, args.variants == "all", args.castle_backward_block)):
+            launches = [kernel.default_launch]
+            if args.launches == "all":
+                launches += [launch for launch in LAUNCH_CONFIGS if launch != kernel.default_launch]
+            plan += [(dim, index, warps, stages) for warps, stages in launches]
+    compile_case = partial(_compile_case, args)
+    # Compiling is single-threaded: one process per core (forked, so each has the kernels imported).
+    with ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) as pool:
+        rows = []
+        for row in pool.map(compile_case, plan):
+            rows.append(row)
+            print(
+                f"  {row['kernel']} [{row['variant']}] d={row['d']} {row['warps']} warps: {row['stack bytes']} stack bytes"
+            )
+    checked = [row for row in rows if row.pop("default")]  # the rows at each kernel's own launch setting
     print(
         f"\nTriton {triton.__version__}, sm_{args.arch}, {args.dtype} inputs, {args.float_type} scalars; "
-        "spills = stack bytes, local loads/stores"
+        "rows = query rows per tile; spills = stack bytes, local loads/stores"
     )
     print(format_table(rows, list(rows[0])))
+    if args.check:
+        if triton.__version__ != CHECKED_TRITON:
+            print(f"check: not run: its figures hold for Triton {CHECKED_TRITON}, not {triton.__version__}")
+            return NOT_CHECKED
+        problems = shortfalls(checked)
+        for problem in problems:
+            print(f"check: {problem}")
+        print(f"check: {'failed' if problems else 'passed'} ({len(KNOWN_SHORTFALLS)} known shortfalls)")
+        return 1 if problems else 0
     return 0
 
 

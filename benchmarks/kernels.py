@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 import farsight.ops.castle.triton as castle_triton
-import farsight.ops.gca.triton as gca_kernels
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, time_fn, write_json
 from farsight.ops.castle import castle_attention
 from farsight.ops.gca import gca
@@ -173,15 +172,19 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
             for window in plan["castle_windows"]:
                 variant = "castle" if window is None else f"swl-{window}"
                 fwd_f, fb_f = castle_flop(batch, steps, dim, window)
-                impls = {}
-                for schedule in ("grouped", "diagonal"):
-                    castle_triton.FORWARD_SCHEDULE = schedule
-                    op = partial(castle_attention, *xs, window=window, backend="triton")
-                    impls[f"triton-{schedule}"] = measure(op, xs, quick)
-                castle_triton.FORWARD_SCHEDULE = "grouped"
+                impls, errors = {}, {}
                 torch_path = partial(castle_attention, *xs, window=window, backend="torch")
-                error = agreement(partial(castle_attention, *xs, window=window, backend="triton"), torch_path, xs)
-                print(f"  {variant} d={dim} B={batch} T={steps}: triton vs torch path rel. RMS {error:.2e}", flush=True)
+                for layout in ("fused", "passes"):  # the backward's layout (castle_triton.BACKWARD)
+                    castle_triton.BACKWARD = layout
+                    op = partial(castle_attention, *xs, window=window, backend="triton")
+                    errors[f"triton-{layout}"] = agreement(op, torch_path, xs)
+                    impls[f"triton-{layout}"] = measure(op, xs, quick)
+                    print(
+                        f"  {variant} d={dim} B={batch} T={steps} {layout} backward: triton vs torch path "
+                        f"rel. RMS {errors[f'triton-{layout}']:.2e}",
+                        flush=True,
+                    )
+                castle_triton.BACKWARD = "fused"
                 if peer is not None and window is None:
                     scale = dim**-0.5
                     peer_inputs = leaves((batch, CASTLE_HEADS, steps, dim), 6)  # q, k, v, qu, ku, vu
@@ -191,7 +194,7 @@ def run_castle(plan: dict, quick: bool, peer: Callable | None) -> list[dict]:
                     row["flop/sdpa"] = fb_f / sdpa_fb
                     row["time/sdpa"] = _ratio(row["f+b ms"], sdpa["f+b ms"])
                     row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
-                    row["vs torch path"] = error if name.startswith("triton-grouped") else None
+                    row["vs torch path"] = errors.get(name)
                     rows.append(row)
                     print(
                         f"  {row['case']} {name}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True
@@ -236,18 +239,14 @@ def run_gca(plan: dict, quick: bool) -> list[dict]:
             [q, k, v, weight],
         )
         print(f"  gca B={batch} T={steps}: triton vs torch path rel. RMS {error:.2e}", flush=True)
-        for impl in ("triton-split", "triton-atomic", "torch"):
-            backend, _, layout = impl.partition("-")
-            if layout:
-                gca_kernels.BACKWARD = layout
-            result = measure(partial(gca, q, k, v, index, weight, backend=backend), [q, k, v, weight], quick)
+        for impl in ("triton", "torch"):
+            result = measure(partial(gca, q, k, v, index, weight, backend=impl), [q, k, v, weight], quick)
             row = {"case": f"B={batch} T={steps}", "impl": impl, **rates(result, fwd_f, fb_f)}
             row["sdpa f+b TF/s"] = sdpa["f+b TF/s"]
             row["rate vs sdpa"] = _ratio(row["f+b TF/s"], sdpa["f+b TF/s"])
-            row["vs torch path"] = error if impl == "triton-split" else None
+            row["vs torch path"] = error if impl == "triton" else None
             rows.append(row)
             print(f"  gca {row['case']} {impl}: {row['f+b ms']} ms, {row['rate vs sdpa']} of SDPA's rate", flush=True)
-        gca_kernels.BACKWARD = "split"
         del q, k, v, weight, index
     return rows
 

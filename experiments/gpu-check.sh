@@ -10,10 +10,12 @@
 # 1. The quick CUDA tests: tests/models/test_cuda.py (every model kind on the GPU against the
 #    CPU, and compiled against eager) and tests/ops/test_autocast.py (every op backend under autocast and in pure bf16):
 #    about 25 s on an H200. OUT_DIR/tests-cuda.log.
-# 2. `farsight train` on the GPU in bf16-mixed, 40 steps of 8 x 2048 tokens, for a CASTLE model,
-#    the same model with causal attention and a DRT of the same width: the median tokens/s of
-#    the logged steps after the first ten in OUT_DIR/train-summary.txt (OUT_DIR/train-*.log hold
-#    the trainer's output).
+# 2. `farsight train` on the GPU in bf16-mixed, 40 steps (TRAIN_STEPS) of 8 x 2048 and 2 x 8192
+#    tokens (TRAIN_SHAPES), d_model 512, 8 layers, for causal attention, CASTLE with each
+#    backward layout (castle, castle-passes), BaseLM and DRT x2 (TRAIN_KINDS): the median
+#    tokens/s of the logged steps after the first ten and each one's ratio to causal in
+#    OUT_DIR/train-summary.txt (OUT_DIR/train-KIND-SHAPE.log hold the trainer's output).
+#    TRAIN_DEVICE=cpu runs it as a dry run.
 # 3. The Triton kernel tests with their slow CUDA cases (TRITON_TESTS_TIMEOUT seconds, default
 #    600). OUT_DIR/tests-triton.log.
 # 4. benchmarks/kernels.py: CASTLE, GCA and the window op against causal SDPA at training shapes
@@ -36,31 +38,41 @@ quick_tests() {
 }
 
 train_runs() {
-    local data=$work/stdlib-byte kind config
+    local data=$work/stdlib-byte kind config shape batch seq layout
     $python -m farsight.cli data prepare --source stdlib --tokenizer byte --out "$data" >/dev/null 2>&1 || return 1
     local width=(--set model.d_model=512 --set model.n_layers=8 --set model.n_heads=8 --set model.head_dim=64)
-    local run=(--set data.path="$data" --set data.seq_len=2048 --set data.batch_size=8 --set train.steps=40
-        --set train.device=cuda --set train.precision=bf16-mixed --set train.log_interval=5
-        --set train.eval_interval=1000 --set train.checkpoint_interval=1000 --no-progress --restart)
-    for kind in castle causal drt; do
-        config=configs/castle/$kind.yaml
-        [ "$kind" = drt ] && config=configs/lm/pretrain/drt-x1.yaml
-        if ! $python -m farsight.cli train "$config" "${width[@]}" --set train.out_dir="$work/run-$kind" "${run[@]}" \
-            >"$out/train-$kind.log" 2>&1; then
-            tail -5 "$out/train-$kind.log"
-            return 1
-        fi
+    local run=(--set data.path="$data" --set train.steps="${TRAIN_STEPS:-40}" --set train.device="${TRAIN_DEVICE:-cuda}"
+        --set train.precision=bf16-mixed --set train.log_interval=5 --set train.eval_interval=1000
+        --set train.checkpoint_interval=1000 --no-progress --restart)
+    for shape in ${TRAIN_SHAPES:-8x2048 2x8192}; do
+        batch=${shape%x*} seq=${shape#*x}
+        for kind in ${TRAIN_KINDS:-causal castle castle-passes baselm drt-x2}; do
+            layout=fused # castle-passes: the CASTLE backward in two passes (farsight.ops.castle.triton.BACKWARD)
+            case $kind in
+                causal | castle) config=configs/castle/$kind.yaml ;;
+                castle-passes) config=configs/castle/castle.yaml layout=passes ;;
+                *) config=configs/lm/pretrain/$kind.yaml ;;
+            esac
+            if ! FARSIGHT_CASTLE_BACKWARD=$layout $python -m farsight.cli train "$config" "${width[@]}" "${run[@]}" \
+                --set data.batch_size="$batch" --set data.seq_len="$seq" --set train.out_dir="$work/run-$kind-$shape" \
+                >"$out/train-$kind-$shape.log" 2>&1; then
+                tail -5 "$out/train-$kind-$shape.log"
+                return 1
+            fi
+        done
     done
     $python - "$work" <<'EOF' | tee "$out/train-summary.txt"
-import json, statistics, sys
+import json, pathlib, statistics, sys
 speed = {}
-for kind in ("castle", "causal", "drt"):
-    rows = [json.loads(line) for line in open(f"{sys.argv[1]}/run-{kind}/metrics.jsonl")]
+for run in sorted(pathlib.Path(sys.argv[1]).glob("run-*")):
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     steps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 10]
-    speed[kind] = statistics.median(steps)
-    print(f"{kind:7s} {speed[kind]:12.0f} tokens/s (median of {len(steps)} logged steps after step 10)")
-for kind in ("castle", "drt"):
-    print(f"causal / {kind}: {speed['causal'] / speed[kind]:.2f}x")
+    kind, shape = run.name[len("run-"):].rsplit("-", 1)
+    speed[kind, shape] = statistics.median(steps)
+    print(f"{kind:14s} {shape:8s} {speed[kind, shape]:12.0f} tokens/s (median of {len(steps)} logged steps after step 10)")
+for (kind, shape), rate in speed.items():
+    if kind != "causal" and ("causal", shape) in speed:
+        print(f"{shape}: causal / {kind}: {speed['causal', shape] / rate:.2f}x")
 EOF
 }
 

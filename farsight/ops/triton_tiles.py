@@ -85,7 +85,9 @@ def autotuned(
         return kernel
     configs = LAUNCH_CONFIGS if AUTOTUNE else [default]
     configs = [triton.Config({}, num_warps=warps, num_stages=stages) for warps, stages in configs]
-    return triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero, restore_value=restore_value)(kernel)
+    tuned = triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero, restore_value=restore_value)(kernel)
+    tuned.default_launch = default  # read by benchmarks/kernel_resources.py
+    return tuned
 
 
 def tile_size(size: int, cap: int) -> int:

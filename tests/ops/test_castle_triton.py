@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 import farsight.ops.castle as castle_ops  # noqa: E402
 import farsight.ops.castle.triton as castle_triton  # noqa: E402
+from farsight.errors import InputError  # noqa: E402
 from farsight.ops.castle import (  # noqa: E402
     castle_attention,
     castle_decode,
@@ -109,10 +110,29 @@ def test_backward_tile_differs_from_the_forwards(window) -> None:
     assert_matches_reference(make_inputs(1, 70, 2, 8), window, block=32, backward_block=16)
 
 
-@pytest.mark.parametrize("window", [None, 20])
-def test_diagonal_forward_schedule(monkeypatch, window) -> None:
-    monkeypatch.setattr(castle_triton, "FORWARD_SCHEDULE", "diagonal")
-    assert_matches_reference(make_inputs(1, 40, 2, 8), window, block=16)
+@pytest.mark.parametrize(
+    "steps,window,dtype,blocks",
+    [
+        (17, None, torch.float32, dict(block=16)),
+        (40, 5, torch.float32, dict(block=16)),
+        (70, 20, torch.float32, dict(block=32, backward_block=16)),
+        (40, None, torch.float16, dict(block=16)),
+    ],
+)
+def test_backward_in_passes(monkeypatch, steps, window, dtype, blocks) -> None:
+    # The values pass and the lookahead pass together give the fused kernel's six gradients:
+    # several key blocks, a partial last block, far tiles (window 5), a backward tile smaller
+    # than the forward's, and half precision.
+    monkeypatch.setattr(castle_triton, "BACKWARD", "passes")
+    assert_matches_reference(make_inputs(1, steps, 2, 8, dtype), window, **blocks)
+
+
+def test_unknown_backward_layout_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(castle_triton, "BACKWARD", "fast")
+    inputs = [x.requires_grad_(True) for x in make_inputs(1, 17, 1, 8)]
+    out = castle_attention_triton(*inputs, block=16)
+    with pytest.raises(InputError, match="FARSIGHT_CASTLE_BACKWARD"):
+        out.sum().backward()
 
 
 def test_prefill_lookahead_keys_do_not_depend_on_the_group() -> None:

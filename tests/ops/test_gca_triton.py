@@ -94,13 +94,6 @@ def assert_matches_reference(
     assert bool((got[4][empty] == 0).all()), "empty slots must get exactly zero weight gradient"
 
 
-@pytest.fixture(params=["atomic", "split"])
-def backward_layout(request, monkeypatch) -> str:
-    """Run a test with each backward layout: fp32 atomics for dk/dv, or the key-major kernel."""
-    monkeypatch.setattr(gca_triton_module, "BACKWARD", request.param)
-    return request.param
-
-
 def test_inverted_index_lists_each_chunks_retrievals() -> None:
     index = torch.tensor([[[1, -1], [0, 1]], [[-1, -1], [2, 2]]])  # B=2, n=2, K=2, m=3
     slots, offsets = gca_triton_module._retrievals_by_chunk(index, 3)
@@ -117,7 +110,7 @@ def test_kernels_are_interpreted_on_cpu() -> None:
 
 
 @pytest.mark.parametrize("softmax_one", [True, False])
-def test_matches_reference(softmax_one: bool, backward_layout: str) -> None:
+def test_matches_reference(softmax_one: bool) -> None:
     inputs = make_inputs(**(LARGE if CUDA else SMALL))
     assert_matches_reference(inputs, softmax_one)
     on, off = (gca_triton(*inputs, softmax_one=flag) for flag in (True, False))
@@ -134,9 +127,9 @@ def test_several_tiles_per_chunk_and_query_blocks(softmax_one: bool) -> None:
 
 @pytest.mark.parametrize("softmax_one", [True, False])
 @pytest.mark.parametrize("lq", [65, 130])
-def test_landmark_row_rides_on_the_last_block(softmax_one: bool, lq: int, backward_layout: str) -> None:
-    # DRT's query chunks have S + 1 rows: 64 in one block, the 65th as a 16-row tail tile of it;
-    # with two blocks only the last carries the tail (the first sees empty tail rows).
+def test_landmark_row_rides_on_the_last_block(softmax_one: bool, lq: int) -> None:
+    # DRT's query chunks have S + 1 rows: 64 in one block, the 65th as a 16-row tail tile (after
+    # the last block in the forward, a program of its own in the backward).
     assert row_layout(65, None) == (64, 16, 64) and row_layout(130, None) == (64, 16, 128)
     assert row_layout(64, None) == (64, 0, 64) and row_layout(65, 64) == (64, 0, 65)
     assert row_layout(90, None) == (64, 0, 90)  # 26 rows left: a second block
@@ -145,8 +138,18 @@ def test_landmark_row_rides_on_the_last_block(softmax_one: bool, lq: int, backwa
 
 
 @pytest.mark.parametrize("softmax_one", [True, False])
+def test_landmark_row_with_several_key_tiles_and_wide_heads(softmax_one: bool) -> None:
+    # The tail tile with chunks of two key tiles (S = 20, 16-row key tiles: the key-major
+    # kernel runs a program per key tile), and d = 72, padded to 128, where the key-major kernel
+    # steps through the query rows 32 at a time (two steps, then the tail).
+    assert gca_triton_module.kv_rows(64, 128) == 32 and gca_triton_module.kv_rows(64, 64) == 64
+    inputs = make_inputs(batch=1, n=2, m=3, s=20, heads=1, dim=72, n_slots=2, lq=65)
+    assert_matches_reference(inputs, softmax_one, block_s=16)
+
+
+@pytest.mark.parametrize("softmax_one", [True, False])
 @pytest.mark.parametrize("lq,blocks", [(65, {}), (17, {"block_q": 16, "block_s": 16})], ids=["one-tile", "tiles"])
-def test_key_mask(softmax_one: bool, lq: int, blocks: dict, backward_layout: str) -> None:
+def test_key_mask(softmax_one: bool, lq: int, blocks: dict) -> None:
     # One key tile per chunk with the landmark tail, and several key tiles (a whole tile masked)
     # with several query blocks; a fully masked slot adds zero for both softmax variants.
     inputs = make_inputs(batch=2, n=2, m=3, s=20, heads=2, dim=8, n_slots=3, lq=lq)
@@ -156,7 +159,7 @@ def test_key_mask(softmax_one: bool, lq: int, blocks: dict, backward_layout: str
     torch.testing.assert_close(dispatched, gca(*inputs, softmax_one=softmax_one, key_mask=mask, backend="torch"))
 
 
-def test_more_slots_than_chunks_and_one_query_row(backward_layout: str) -> None:
+def test_more_slots_than_chunks_and_one_query_row() -> None:
     assert_matches_reference(make_inputs(batch=1, n=3, m=2, s=5, heads=1, dim=3, n_slots=5))
     assert_matches_reference(make_inputs(batch=2, n=2, m=3, s=3, heads=2, dim=4, n_slots=2, lq=1))
 
@@ -210,12 +213,12 @@ def test_extreme_scores_stay_finite(softmax_one: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(dtype: torch.dtype, backward_layout: str) -> None:
+def test_half_precision(dtype: torch.dtype) -> None:
     # The interpreter's bf16 tl.dot is wrong, so under it bf16 runs in fp32 (inside gca_triton).
     assert_matches_reference(make_inputs(**(LARGE if CUDA else SMALL), dtype=dtype))
 
 
-def test_no_memory_chunks_gives_zeros(backward_layout: str) -> None:
+def test_no_memory_chunks_gives_zeros() -> None:
     q, k, v, index, weight = make_inputs(batch=1, n=2, m=0, s=4, heads=1, dim=4, n_slots=2)
     index.fill_(-1)
     o, dq, dk, dv, dw = outputs_and_grads(gca_triton, q, k, v, index, weight)

@@ -1,7 +1,9 @@
-"""Every Triton kernel compiles for a Hopper GPU (sm_90) on this machine, no GPU needed, with its
+"""Every Triton kernel compiles for a Hopper GPU (sm_90) on this machine, no GPU needed: with its
 float scalars typed both as Triton's launcher passes a Python float (fp32) and as torch.compile's
-Inductor does (fp64): a kernel whose loop-carried values turned fp64 under Inductor failed to
-compile inside a compiled model."""
+Inductor does (fp64), since a kernel whose loop-carried values turned fp64 under Inductor failed
+to compile inside a compiled model; and, at d=64 and d=128 in every variant, at its own launch
+setting without spilling registers, with tiles of at least 64 query rows, except the shortfalls
+`benchmarks/kernel_resources.py` lists (and which must still fall short)."""
 
 import importlib.util
 import os
@@ -16,15 +18,25 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("float_type", ["fp32", "fp64"])
-def test_kernels_compile_for_sm90(float_type):
-    # the kernels are compiled, not interpreted: a fresh process without TRITON_INTERPRET
+def _report(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/kernel_resources.py in a fresh process without TRITON_INTERPRET: the kernels
+    are compiled, not interpreted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, "benchmarks/kernel_resources.py", "--dims", "64", "--first-launch"]
-    done = subprocess.run(
-        [*command, "--float-type", float_type], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    command = [sys.executable, "benchmarks/kernel_resources.py", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_kernels_compile_with_fp64_scalars():
+    done = _report("--dims", "64", "--float-type", "fp64")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"{float_type} scalars" in done.stdout
+    assert "fp64 scalars" in done.stdout
     assert done.stdout.count(" 64 ") >= 8, done.stdout  # a row per kernel at d=64
+
+
+def test_kernels_fit_their_registers_at_their_own_launch_settings():
+    done = _report("--dims", "64,128", "--variants", "all", "--check")
+    if done.returncode == 3:  # another Triton than the dev pin, for which the figures hold
+        pytest.skip(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "check: passed" in done.stdout

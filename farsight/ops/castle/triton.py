@@ -8,22 +8,25 @@ token; blocks of BLOCK positions, I the query block, J the key block):
     D_J^(I)   = sum_{c < start(I)} P[J, c] vu_c              (a BLOCK x d state per key block)
     A[I, J]   = scale * QC_I @ KC_J^T - SiLU(S^U[I, J])  (b <= a),   O = row_softmax(A) @ VC
 
-Forward (Algorithm 1): one launch per block diagonal k = I - J, walked in order k = 0, 1, ...;
-program j of launch k owns tile (j + k, j). It reads D_J^(I) from a [B, T, H, d] fp32 buffer,
-forms S^U and the scores, merges them into the running max / sum / output of the rows of I
-(fp32 buffers; within a launch every program owns distinct rows, so no atomics) and adds
-P[J, I] @ VU_I to D_J. With a window W, P[J, I] vanishes once k > ceil(W / BLOCK), so D is
-final after those "near" diagonals and all remaining tiles go to one row-major launch (a
-flash-attention loop whose S^U term is QC_I @ U_J^T). The final D is the lookahead key matrix
-U after the whole sequence, which is what the prefill (Algorithm 4) caches.
+Forward (Algorithm 1, in groups of query blocks): Algorithm 1 walks the block diagonals
+k = I - J so that every tile finds D_J^(I) in memory. Here G query blocks go at a time: a
+lookahead launch, one program per key block J, carries D_J in registers, stores D_J^(I) for each
+query block I of the group into a snapshot buffer and adds P[J, I] @ VU_I; then an attention
+launch, one program per query block, keeps its row max, sum and output in registers,
+flash-attention style, reading D_J^(I) from the snapshots. With a window W, P[J, I] vanishes
+once I - J > ceil(W / BLOCK), so D_J is final after those "near" blocks and far tiles read it
+from the final sums. The final D is the lookahead key matrix U after the whole sequence, which
+is what the prefill (Algorithm 4) caches.
 
-Backward (Algorithm 3, rescheduled): one program per key block J walks the query blocks in
-REVERSE order I = N-1 .. J. Going back, D_J^(I) is recovered from the saved final D by
+Backward (Algorithm 3, rescheduled): each program owns a key block J and walks the query blocks
+in REVERSE order I = N-1 .. J. Going back, D_J^(I) is recovered from the saved final D by
 subtracting P[J, I] @ VU_I (as in the paper; the CPU path avoids that subtraction with scans),
 and R_J = sum_{I' > I} dD_J^(I') is accumulated, which is exactly the gradient of
 Y_{J,I} = P[J, I] @ VU_I. Key-side gradients (dkc, dvc, dqu of J) stay in registers;
 row-side ones (dqc, dvu, dku of I) are added with fp32 atomics, so their last bits vary from
-run to run on GPU. Memory: O(T d) in both passes (inputs, output, logsumexp, D).
+run to run on GPU. `BACKWARD` picks one kernel that carries all of J's state ("fused") or two
+passes over the same walk that each carry part of it ("passes"). Memory: O(T d) in both
+directions (inputs, output, logsumexp, D).
 
 Packed rows (`document_ids`; see `farsight.ops.castle` for why masking the [query, key] score
 is the whole change): every kernel loads the document of each row and key of a tile and scores
@@ -50,13 +53,14 @@ set TRITON_INTERPRET=1 before importing it (the kernels are created at import).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from farsight.errors import BackendUnavailableError, InputTypeError
+from farsight.errors import BackendUnavailableError, InputError, InputTypeError
 from farsight.ops.documents import document_positions
 from farsight.ops.precision import amp_function
 from farsight.ops.triton_tiles import (
@@ -167,153 +171,6 @@ def _exp_base(m, HAS_DOCS: tl.constexpr):
     if HAS_DOCS:
         m = tl.where(m == float("-inf"), 0.0, m)
     return m
-
-
-@triton.jit
-def _castle_fwd_diag_kernel(
-    QU,
-    KU,
-    VU,
-    QC,
-    KC,
-    VC,
-    Dsum,
-    Acc,
-    M,
-    L,
-    DocStart,
-    DocEnd,
-    T,
-    H,
-    D,
-    window,
-    scale,
-    diag,
-    HAS_WINDOW: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    """Tile (I, J) = (pid0 + diag, pid0) of batch-head pid1 (skipped with documents when no
-    pair of it shares one).
-
-    Inputs [B, T, H, D]; Dsum / Acc [B, T, H, D] fp32 (running D and unnormalised output);
-    M / L [B, H, T] fp32 (running max and sum); DocStart / DocEnd [B, T] int32 (unused without
-    documents).
-    """
-    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    j = tl.program_id(0)
-    bh = tl.program_id(1)
-    i = j + diag
-    live = True
-    if HAS_DOCS:
-        live = i < _block_end(DocEnd, bh // H, j, T, BLOCK)
-    if live:
-        row_stride = H * D
-        base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-        keys = j * BLOCK + tl.arange(0, BLOCK)
-        rows = i * BLOCK + tl.arange(0, BLOCK)
-        qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        doc_i, doc_j = rows, keys  # placeholders without documents
-        if HAS_DOCS:
-            doc_i = _documents(DocStart, bh // H, rows, T, -1)
-            doc_j = _documents(DocStart, bh // H, keys, T, -2)
-        dt = qc_i.dtype
-
-        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
-        g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
-        score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, True, HAS_DOCS)
-
-        # Online softmax merge into the rows of I (without documents every tile row holds a
-        # real key, so the max is finite).
-        stat = bh.to(tl.int64) * T + rows
-        row_ok = rows < T
-        m_old = tl.load(M + stat, mask=row_ok, other=float("-inf"))
-        l_old = tl.load(L + stat, mask=row_ok, other=0.0)
-        acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        m_new = tl.maximum(m_old, tl.max(score, 1))
-        m_exp = _exp_base(m_new, HAS_DOCS)
-        alpha = tl.exp(m_old - m_exp)
-        e = tl.exp(score - m_exp[:, None])
-        acc = acc * alpha[:, None] + tl.dot(e.to(dt), vc_j, input_precision=PREC)
-        tl.store(M + stat, m_new, mask=row_ok)
-        tl.store(L + stat, l_old * alpha + tl.sum(e, 1), mask=row_ok)
-        store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
-        # D_J^(I+1) = D_J^(I) + P[J, I] @ VU_I.
-        store_rows(
-            Dsum, base, j * BLOCK, T, D, row_stride, d_j + tl.dot(p.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D
-        )
-
-
-@triton.jit
-def _castle_fwd_far_kernel(
-    QC,
-    KC,
-    VC,
-    Dsum,
-    Acc,
-    M,
-    L,
-    DocStart,
-    T,
-    H,
-    D,
-    scale,
-    near,
-    PREC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    """Windowed variant only: query block pid0 merges every key block J <= I - near, whose
-    lookahead sums are final (S^U = scale * QC_I @ U_J^T), flash-attention style (from the
-    first key block of its first row's document on, with documents)."""
-    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    if i >= near:
-        row_stride = H * D
-        base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-        rows = i * BLOCK + tl.arange(0, BLOCK)
-        qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        stat = bh.to(tl.int64) * T + rows
-        row_ok = rows < T
-        m_i = tl.load(M + stat, mask=row_ok, other=float("-inf"))
-        l_i = tl.load(L + stat, mask=row_ok, other=0.0)
-        acc = load_rows(Acc, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        j_first = 0
-        doc_i = rows  # placeholder without documents
-        if HAS_DOCS:
-            j_first = _block_start(DocStart, bh // H, i, T, BLOCK)
-            doc_i = _documents(DocStart, bh // H, rows, T, -1)
-        for j in range(j_first, i - near + 1):
-            keys = j * BLOCK + tl.arange(0, BLOCK)
-            kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            u_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-            doc_j = keys
-            if HAS_DOCS:
-                doc_j = _documents(DocStart, bh // H, keys, T, -2)
-            score, s_u = _fwd_tile_scores(
-                qc_i, kc_j, u_j, u_j, u_j, rows, keys, doc_i, doc_j, T, scale, PREC, False, HAS_DOCS
-            )
-            m_new = tl.maximum(m_i, tl.max(score, 1))
-            m_exp = _exp_base(m_new, HAS_DOCS)
-            alpha = tl.exp(m_i - m_exp)
-            e = tl.exp(score - m_exp[:, None])
-            l_i = l_i * alpha + tl.sum(e, 1)
-            acc = acc * alpha[:, None] + tl.dot(e.to(qc_i.dtype), vc_j, input_precision=PREC)
-            m_i = m_new
-        tl.store(M + stat, m_i, mask=row_ok)
-        tl.store(L + stat, l_i, mask=row_ok)
-        store_rows(Acc, base, i * BLOCK, T, D, row_stride, acc, BLOCK, BLOCK_D)
 
 
 @triton.jit
@@ -441,7 +298,7 @@ def _castle_fwd_attend_kernel(
     qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+    g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC).to(qc_i.dtype)  # only ever a dot operand
     m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
@@ -479,6 +336,68 @@ def _castle_fwd_attend_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     store_rows(Out, base, i * BLOCK, T, D, row_stride, acc / l_safe[:, None], BLOCK, BLOCK_D)
     tl.store(Lse + bh.to(tl.int64) * T + rows, m_i + tl.log(l_safe), mask=rows < T)
+
+
+@triton.jit
+def _bwd_recompute(
+    KU,
+    VU,
+    QC,
+    dO,
+    Lse,
+    Delta,
+    DocStart,
+    qu_j,
+    kc_j,
+    vc_j,
+    d_j,
+    i,
+    bh,
+    base,
+    keys,
+    doc_j,
+    T,
+    H,
+    D,
+    row_stride,
+    window,
+    scale,
+    HAS_WINDOW: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NEAR: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Tile (I, J) of the forward again, for the backward passes: (rows, qc_i, do_i, ku_i, vu_i,
+    p, g, d_j, prob, ds, e) with d_j = D_J^(I) on return (D_J^(I+1) on entry), prob the attention
+    probabilities, ds = dL/dA and e = dL/dS^U. ku_i, vu_i, p and g are placeholders on far tiles."""
+    rows = i * BLOCK + tl.arange(0, BLOCK)
+    row_ok = rows < T
+    stat = bh.to(tl.int64) * T + rows
+    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    dt = qc_i.dtype
+    doc_i = rows  # placeholder without documents
+    if HAS_DOCS:
+        doc_i = _documents(DocStart, bh // H, rows, T, -1)
+    if NEAR:
+        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
+        d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
+        g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
+    else:
+        ku_i, vu_i, p, g = qc_i, qc_i, d_j, d_j  # unused placeholders
+    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, NEAR, HAS_DOCS)
+    lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
+    # exp(-inf - lse) = 0: pairs of different documents get no probability and no gradient
+    prob = tl.where((keys[None, :] <= rows[:, None]) & row_ok[:, None], tl.exp(score - lse[:, None]), 0.0)
+    do_i = load_rows(dO, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    ds = prob * (tl.dot(do_i, tl.trans(vc_j), input_precision=PREC) - delta[:, None])  # dL/dA
+    sig = tl.sigmoid(s_u)
+    e = -ds * sig * (1.0 + s_u * (1.0 - sig))  # dL/dS^U = -dA * SiLU'(S^U)
+    return rows, qc_i, do_i, ku_i, vu_i, p, g, d_j, prob, ds, e
 
 
 @triton.jit
@@ -525,35 +444,13 @@ def _bwd_tile(
     On entry d_j = D_J^(I+1) and r_j = sum_{I' > I} dD_J^(I'); row-side gradients of I are
     added atomically. Far tiles (NEAR=False) have P[J, I] = 0: D_J does not change there.
     """
-    rows = i * BLOCK + tl.arange(0, BLOCK)
-    row_ok = rows < T
-    stat = bh.to(tl.int64) * T + rows
-    qc_i = load_rows(QC, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    do_i = load_rows(dO, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
-    delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
+    rows, qc_i, do_i, ku_i, vu_i, p, g, d_j, prob, ds, e = _bwd_recompute(
+        KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
+        row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
+    )  # fmt: skip
     dt = qc_i.dtype
-    doc_i = rows  # placeholder without documents
-    if HAS_DOCS:
-        doc_i = _documents(DocStart, bh // H, rows, T, -1)
-
-    if NEAR:
-        vu_i = load_rows(VU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        ku_i = load_rows(KU, base, i * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-        p = _lookahead_weights(qu_j, ku_i, keys, rows, doc_j, doc_i, T, window, scale, HAS_WINDOW, PREC, HAS_DOCS)
-        d_j = d_j - tl.dot(p.to(dt), vu_i, input_precision=PREC)  # now D_J^(I)
-        g = _diagonal_gram(qc_i, vu_i, rows, scale, PREC)
-    else:
-        p, g = d_j, d_j  # unused placeholders
-    # exp(-inf - lse) = 0: pairs of different documents get no probability and no gradient
-    score, s_u = _fwd_tile_scores(qc_i, kc_j, d_j, g, p, rows, keys, doc_i, doc_j, T, scale, PREC, NEAR, HAS_DOCS)
-    prob = tl.where((keys[None, :] <= rows[:, None]) & row_ok[:, None], tl.exp(score - lse[:, None]), 0.0)
     dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
-    dprob = tl.dot(do_i, tl.trans(vc_j), input_precision=PREC)
-    ds = prob * (dprob - delta[:, None])  # dL/dA
     dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
-    sig = tl.sigmoid(s_u)
-    e = -ds * sig * (1.0 + s_u * (1.0 - sig))  # dL/dS^U = -dA * SiLU'(S^U)
     dqc_i = scale * tl.dot(ds.to(dt), kc_j, input_precision=PREC)
     dqc_i += scale * tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
     grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} enters D_J^(I') for every I' > I
@@ -719,6 +616,164 @@ def _castle_bwd_kernel(
     store_rows(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(out_ty), BLOCK, BLOCK_D)
 
 
+@triton.jit
+def _key_walk(DocEnd, b, j, n_blocks, near, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """(last, first_near): key block j's backward walk goes down from query block `last` (the
+    last one that holds a row of j's documents), through far tiles (P[J, I] = 0) to
+    `first_near`, then through the near ones down to I = j."""
+    last = n_blocks - 1
+    if HAS_DOCS:
+        last = tl.minimum(last, _block_end(DocEnd, b, j, T, BLOCK) - 1)
+    return last, tl.minimum(last, j + near - 1)
+
+
+@triton.jit
+def _values_tile(
+    KU, VU, QC, dO, Lse, Delta, dQC, DocStart, qu_j, kc_j, vc_j, d_j, dkc, dvc, i, bh, base, keys, doc_j,
+    T, H, D, row_stride, window, scale,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEAR: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """The values pass on tile (I, J): dkc and dvc of J (returned with d_j), and the part of
+    dqc of I that does not go through P[J, I] (added atomically)."""
+    rows, qc_i, do_i, ku_i, vu_i, p, g, d_j, prob, ds, e = _bwd_recompute(
+        KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
+        row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
+    )  # fmt: skip
+    dt = qc_i.dtype
+    dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
+    dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
+    dqc_i = tl.dot(ds.to(dt), kc_j, input_precision=PREC) + tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
+    add_rows(dQC, base, i * BLOCK, T, D, row_stride, scale * dqc_i, BLOCK, BLOCK_D)
+    return d_j, dkc, dvc
+
+
+@triton.jit
+def _lookahead_tile(
+    KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dqu, i, bh, base, keys,
+    doc_j, T, H, D, row_stride, window, scale,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEAR: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """The lookahead pass on tile (I, J): R_J (returned with d_j and dqu of J) and, on near
+    tiles, the gradients through P[J, I] and G_I: dqu of J, and dku, dvu and the rest of dqc
+    of I (added atomically)."""
+    rows, qc_i, do_i, ku_i, vu_i, p, g, d_j, prob, ds, e = _bwd_recompute(
+        KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
+        row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
+    )  # fmt: skip
+    dt = qc_i.dtype
+    grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} = P[J, I] @ VU_I enters D_J^(I') for every I' > I
+    r_j = r_j + scale * tl.dot(tl.trans(e).to(dt), qc_i, input_precision=PREC)
+    if NEAR:
+        ep = scale * tl.where(rows[:, None] >= rows[None, :], tl.dot(e.to(dt), p.to(dt), input_precision=PREC), 0.0)
+        add_rows(dQC, base, i * BLOCK, T, D, row_stride, tl.dot(ep.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D)
+        dvu_i = tl.dot(tl.trans(p).to(dt), grad_y.to(dt), input_precision=PREC)
+        dvu_i += tl.dot(tl.trans(ep).to(dt), qc_i, input_precision=PREC)
+        add_rows(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
+        dp = tl.dot(grad_y.to(dt), tl.trans(vu_i), input_precision=PREC)
+        dp += tl.dot(tl.trans(e).to(dt), g.to(dt), input_precision=PREC)
+        dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
+        dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
+        add_rows(
+            dKU,
+            base,
+            i * BLOCK,
+            T,
+            D,
+            row_stride,
+            scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC),
+            BLOCK,
+            BLOCK_D,
+        )
+    return d_j, r_j, dqu
+
+
+@triton.jit
+def _castle_bwd_values_kernel(
+    QU, KU, VU, QC, KC, VC, Dsum, dO, Lse, Delta, dQC, dKC, dVC, DocStart, DocEnd,
+    T, H, D, window, scale, n_blocks, near,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Backward in passes, the values pass: key block pid0 of batch-head pid1 walks the query
+    blocks down from the last, carrying D_J, dkc and dvc (three fp32 tiles where the fused
+    kernel carries five), writes dKC and dVC of J and adds the part of dQC that does not go
+    through the lookahead weights (ds @ KC_J + e @ D_J^(I)) atomically. Arguments as
+    `_castle_bwd_kernel`'s."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    doc_j = keys  # placeholder without documents
+    if HAS_DOCS:
+        doc_j = _documents(DocStart, bh // H, keys, T, -2)
+    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
+    for step in range(0, last - first_near):
+        d_j, dkc, dvc = _values_tile(
+            KU, VU, QC, dO, Lse, Delta, dQC, DocStart, qu_j, kc_j, vc_j, d_j, dkc, dvc, last - step, bh, base,
+            keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, False, HAS_DOCS,
+        )  # fmt: skip
+    for step in range(0, first_near - j + 1):
+        d_j, dkc, dvc = _values_tile(
+            KU, VU, QC, dO, Lse, Delta, dQC, DocStart, qu_j, kc_j, vc_j, d_j, dkc, dvc, first_near - step, bh,
+            base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, True,
+            HAS_DOCS,
+        )  # fmt: skip
+    out_ty = dKC.dtype.element_ty
+    store_rows(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
+    store_rows(dVC, base, j * BLOCK, T, D, row_stride, dvc.to(out_ty), BLOCK, BLOCK_D)
+
+
+@triton.jit
+def _castle_bwd_lookahead_kernel(
+    QU, KU, VU, QC, KC, VC, Dsum, dO, Lse, Delta, dQU, dKU, dVU, dQC, DocStart, DocEnd,
+    T, H, D, window, scale, n_blocks, near,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Backward in passes, the lookahead pass: the same walk carrying D_J, R_J and dqu; writes
+    dQU of J and adds dKU, dVU and the rest of dQC (the gradients through P[J, I] and G_I,
+    near tiles only) atomically. Far tiles only recompute e to extend R_J."""
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    row_stride = H * D
+    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
+    r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+    doc_j = keys  # placeholder without documents
+    if HAS_DOCS:
+        doc_j = _documents(DocStart, bh // H, keys, T, -2)
+    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
+    for step in range(0, last - first_near):
+        d_j, r_j, dqu = _lookahead_tile(
+            KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dqu, last - step,
+            bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, False,
+            HAS_DOCS,
+        )  # fmt: skip
+    for step in range(0, first_near - j + 1):
+        d_j, r_j, dqu = _lookahead_tile(
+            KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dqu,
+            first_near - step, bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC,
+            BLOCK, BLOCK_D, True, HAS_DOCS,
+        )  # fmt: skip
+    store_rows(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(dQU.dtype.element_ty), BLOCK, BLOCK_D)
+
+
 def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
     """Block diagonals k = I - J on which P[J, I] can be non-zero: c - b >= (k - 1) * block + 1."""
     if window is None:
@@ -726,24 +781,29 @@ def _near_diagonals(n_blocks: int, block: int, window: int | None) -> int:
     return min(n_blocks, -(-window // block) + 1)
 
 
-# The diagonal schedule's launch settings, measured on an H100 (bf16, B=4, H=8, T=4096; blocks
-# 32/64 x 4/8 warps x 1/2 stages): 4 warps and one pipeline stage were fastest or within 10% for
-# d=64 and d=128, with and without a window. The other kernels: see `autotuned`.
-_DIAGONAL_LAUNCH = dict(num_warps=4, num_stages=1)
 _TILES = ["BLOCK", "BLOCK_D", "HAS_WINDOW", "HAS_DOCS"]
 _castle_fwd_lookahead_kernel = autotuned(_castle_fwd_lookahead_kernel, _TILES, default=(8, 2), restore_value=["Dsum"])
-# The attention launch per head-dim range: 64-row tiles of d <= 64 spill least with 4 warps,
-# 32-row tiles of d = 128 not at all with 8 (`benchmarks/kernel_resources.py`, Triton 3.6).
+# The attention launch per head-dim range: 64-row tiles of d <= 64 spill least with 4 warps and
+# one stage, 32-row tiles of d = 128 not at all with 8 (`benchmarks/kernel_resources.py`).
 _ATTEND_KERNELS = {
-    True: autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 2)),
-    False: autotuned(_castle_fwd_attend_kernel, _TILES, default=(8, 2)),
+    True: autotuned(_castle_fwd_attend_kernel, _TILES, default=(4, 1)),
+    False: autotuned(_castle_fwd_attend_kernel, _TILES, default=(8, 1)),
 }
-_castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(4, 1), reset_to_zero=["dQC", "dVU", "dKU"])
+_castle_bwd_kernel = autotuned(_castle_bwd_kernel, _TILES, default=(8, 1), reset_to_zero=["dQC", "dVU", "dKU"])
+_castle_bwd_values_kernel = autotuned(_castle_bwd_values_kernel, _TILES, default=(8, 1), reset_to_zero=["dQC"])
+# The lookahead pass adds to the dQC of the values pass: autotuning restores it between trials.
+_castle_bwd_lookahead_kernel = autotuned(
+    _castle_bwd_lookahead_kernel, _TILES, default=(8, 1), reset_to_zero=["dVU", "dKU"], restore_value=["dQC"]
+)
+
+# The backward's layout: "fused" (one key-major kernel carries D, R and three gradients per key
+# block: five fp32 tiles) or "passes" (a values pass carrying D, dkc and dvc, then a lookahead
+# pass carrying D, R and dqu: three tiles each, for about 1.4x the fused kernel's products).
+# FARSIGHT_CASTLE_BACKWARD in the environment sets it for a whole process (e.g. `farsight train`).
+BACKWARD = os.environ.get("FARSIGHT_CASTLE_BACKWARD") or "fused"
+BACKWARDS = ("fused", "passes")
 
 
-# The forward's schedule: "grouped" (a lookahead launch and an attention launch per group of
-# query blocks) or "diagonal" (one launch per block diagonal, Algorithm 1 as written).
-FORWARD_SCHEDULE = "grouped"
 # Memory the grouped forward may spend on its snapshots of the lookahead sums.
 SNAPSHOT_BYTES = 1 << 30
 
@@ -763,23 +823,6 @@ def _document_args(docs: tuple[torch.Tensor, torch.Tensor] | None, like: torch.T
     return dict(DocStart=start, DocEnd=end, HAS_DOCS=docs is not None)
 
 
-def _forward(
-    inputs: list[torch.Tensor],
-    window: int | None,
-    scale: float,
-    block: int,
-    block_d: int,
-    group: int | None = None,
-    docs: tuple[torch.Tensor, torch.Tensor] | None = None,
-):
-    """Kernel-dtype contiguous inputs -> (out fp32 [B, T, H, d], lse [B, H, T], U [B, T, H, d] fp32).
-
-    With `docs` (`document_bounds`) U is only summed as far as each key block's documents reach."""
-    if FORWARD_SCHEDULE == "diagonal":
-        return _forward_diagonal(inputs, window, scale, block, block_d, docs)
-    return _forward_grouped(inputs, window, scale, block, block_d, group, docs)
-
-
 def group_size(batch: int, heads: int, n_blocks: int, snapshot_block_bytes: int, device: torch.device) -> int:
     """Query blocks per group of the grouped forward: enough attention programs (group x B x H)
     to fill the GPU twice over, within SNAPSHOT_BYTES of snapshots (snapshot_block_bytes each)."""
@@ -788,7 +831,7 @@ def group_size(batch: int, heads: int, n_blocks: int, snapshot_block_bytes: int,
     return max(1, min(n_blocks, wanted, SNAPSHOT_BYTES // max(1, snapshot_block_bytes)))
 
 
-def _forward_grouped(
+def _forward(
     inputs: list[torch.Tensor],
     window: int | None,
     scale: float,
@@ -835,77 +878,6 @@ def _forward_grouped(
     return out, lse, dsum
 
 
-def _forward_diagonal(
-    inputs: list[torch.Tensor],
-    window: int | None,
-    scale: float,
-    block: int,
-    block_d: int,
-    docs: tuple[torch.Tensor, torch.Tensor] | None = None,
-):
-    """One launch per block diagonal (Algorithm 1); the running softmax state and D in global memory."""
-    qu, ku, vu, qc, kc, vc = inputs
-    batch, steps, heads, dim = qu.shape
-    dsum = torch.zeros(qu.shape, dtype=torch.float32, device=qu.device)
-    acc = torch.zeros_like(dsum)
-    row_max = torch.full((batch, heads, steps), float("-inf"), dtype=torch.float32, device=qu.device)
-    row_sum = torch.zeros_like(row_max)
-    n_blocks = triton.cdiv(steps, block)
-    near = _near_diagonals(n_blocks, block, window)
-    meta = dict(
-        HAS_WINDOW=window is not None,
-        PREC=dot_precision(qu.dtype),
-        BLOCK=block,
-        BLOCK_D=block_d,
-        **_DIAGONAL_LAUNCH,
-    )
-    doc_args = _document_args(docs, dsum)
-    with torch.cuda.device_of(qu):  # launch on the inputs' GPU (no-op on CPU)
-        for diag in range(near):
-            _castle_fwd_diag_kernel[(n_blocks - diag, batch * heads)](
-                qu,
-                ku,
-                vu,
-                qc,
-                kc,
-                vc,
-                dsum,
-                acc,
-                row_max,
-                row_sum,
-                T=steps,
-                H=heads,
-                D=dim,
-                window=window or 0,
-                scale=scale,
-                diag=diag,
-                **doc_args,
-                **meta,
-            )
-        if near < n_blocks:
-            meta.pop("HAS_WINDOW")
-            _castle_fwd_far_kernel[(n_blocks, batch * heads)](
-                qc,
-                kc,
-                vc,
-                dsum,
-                acc,
-                row_max,
-                row_sum,
-                DocStart=doc_args["DocStart"],
-                T=steps,
-                H=heads,
-                D=dim,
-                scale=scale,
-                near=near,
-                HAS_DOCS=doc_args["HAS_DOCS"],
-                **meta,
-            )
-    out = acc.div_(row_sum.transpose(1, 2).unsqueeze(-1))
-    lse = row_max.add_(row_sum.log_())
-    return out, lse, dsum
-
-
 def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list[torch.Tensor], int, int]:
     qu = tensors[0]
     if qu.device.type != "cuda" and not INTERPRETED:
@@ -918,17 +890,23 @@ def _prepare(tensors: tuple[torch.Tensor, ...], block: int | None) -> tuple[list
     check_block("block", block)
     dim = qu.shape[-1]
     block_d = tile_size(dim, 1 << 30)
-    # Each program holds several BLOCK x d fp32 tiles: smaller blocks for large heads.
-    block = block or tile_size(qu.shape[1], 64 if block_d <= 64 else 32)
+    block = block or tile_size(qu.shape[1], forward_block(block_d))
     dtype = kernel_dtype(qu.dtype)
     return [x.to(dtype).contiguous() for x in tensors], block, block_d
 
 
+def forward_block(block_d: int) -> int:
+    """The forward's tile for long rows: each program holds several BLOCK x d fp32 tiles, so
+    wide heads (d > 64) take 32 rows."""
+    return 64 if block_d <= 64 else 32
+
+
 def backward_block(block: int, block_d: int) -> int:
-    """The backward's tile: it keeps five fp32 key-block tiles (D, R and three gradients) and a
-    score tile's worth of temporaries per program, which spill registers at 64 rows (1.7 KB per
-    thread at d=64) and not at 32 rows for d <= 64 or 16 for d = 128 (`benchmarks/kernel_resources.py`,
-    Triton 3.6). The lookahead sums and logsumexp it reads are per row, so any tile works."""
+    """The backward's tile. The fused kernel keeps five fp32 key-block tiles (D, R and three
+    gradients) and a score tile's worth of temporaries per program, each pass three; both spill
+    registers at 64 rows, and the passes fit at 32 rows for d <= 64 and 16 for d = 128
+    (`benchmarks/kernel_resources.py`). The lookahead sums and logsumexp it reads are per row,
+    so any tile works."""
     return min(block, 32 if block_d <= 64 else 16)
 
 
@@ -952,6 +930,10 @@ class _CastleTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        if BACKWARD not in BACKWARDS:
+            raise InputError(
+                f"the CASTLE backward layout (FARSIGHT_CASTLE_BACKWARD) must be one of {BACKWARDS}, got {BACKWARD!r}"
+            )
         *inputs, out, lse, dsum = ctx.saved_tensors[:9]
         docs = tuple(ctx.saved_tensors[9:]) or None
         window, scale, block, block_d = ctx.config
@@ -965,32 +947,29 @@ class _CastleTriton(torch.autograd.Function):
         if qu.numel():
             delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, T]
             n_blocks = triton.cdiv(steps, block)
+            grid = (n_blocks, batch * heads)
+            meta = dict(
+                T=steps,
+                H=heads,
+                D=dim,
+                window=window or 0,
+                scale=scale,
+                n_blocks=n_blocks,
+                near=_near_diagonals(n_blocks, block, window),
+                HAS_WINDOW=window is not None,
+                PREC=dot_precision(qu.dtype),
+                BLOCK=block,
+                BLOCK_D=block_d,
+                **_document_args(docs, dsum),
+            )
             with torch.cuda.device_of(qu):
-                _castle_bwd_kernel[(n_blocks, batch * heads)](
-                    *inputs,
-                    dsum,
-                    do,
-                    lse,
-                    delta,
-                    dqu,
-                    dku,
-                    dvu,
-                    dqc,
-                    dkc,
-                    dvc,
-                    T=steps,
-                    H=heads,
-                    D=dim,
-                    window=window or 0,
-                    scale=scale,
-                    n_blocks=n_blocks,
-                    near=_near_diagonals(n_blocks, block, window),
-                    HAS_WINDOW=window is not None,
-                    PREC=dot_precision(qu.dtype),
-                    BLOCK=block,
-                    BLOCK_D=block_d,
-                    **_document_args(docs, dsum),
-                )
+                if BACKWARD == "passes":
+                    _castle_bwd_values_kernel[grid](*inputs, dsum, do, lse, delta, dQC=dqc, dKC=dkc, dVC=dvc, **meta)
+                    _castle_bwd_lookahead_kernel[grid](
+                        *inputs, dsum, do, lse, delta, dQU=dqu, dKU=dku, dVU=dvu, dQC=dqc, **meta
+                    )
+                else:
+                    _castle_bwd_kernel[grid](*inputs, dsum, do, lse, delta, dqu, dku, dvu, dqc, dkc, dvc, **meta)
         grads = [
             g.to(ctx.dtype) if needed else None
             for g, needed in zip((dqu, dku, dvu, dqc, dkc, dvc), ctx.needs_input_grad[:6])

@@ -19,14 +19,17 @@ next slot's chunk. Two layouts matter for speed:
   takes a plain softmax of the tile, and the backward gets the row term rowsum(P * dP) from the
   same tile it differentiates (with several tiles it needs a first pass over the chunk for it).
 * DRT's query chunks have S + 1 rows (the landmark slot), one more than a power of two. Rather
-  than a second BLOCK_Q-row block holding one real row, the last block carries a TAIL-row tile
-  for the rows past the last full block and reuses the block's key tiles for it.
+  than a second BLOCK_Q-row block holding one real row, the rows past the last full block go
+  as one TAIL-row tile: in the forward the last block's program takes it after its own rows,
+  reusing nothing but its registers; in the backward it is a program of its own, so that no
+  program holds two sets of row tiles at once.
 
 Any number of query chunks, or one chunk twice, may retrieve the same memory chunk, so dk/dv
-gather contributions from many programs. By default (`BACKWARD = "split"`) a second, key-major
-kernel walks the inverted index and writes each chunk's dk/dv once (deterministic); the
-"atomic" layout adds them with fp32 atomics from the query-major kernel instead, whose
-summation order, and so last bits, vary from run to run on GPU.
+gather contributions from many programs. The backward therefore runs in two kernels: the
+query-major one computes dq and dweight and stores each row's term r = rowsum(P * dP); a
+key-major one, one program per key tile of each memory chunk, walks the inverted index (the
+slots that retrieved the chunk, sorted once per backward) and writes that tile's dk/dv once.
+No atomics: the gradients have the same bits in every run.
 
 This module needs triton; `farsight.ops.gca` imports it on first use only. For CPU tensors set
 TRITON_INTERPRET=1 before importing it (the kernels are created at import).
@@ -44,7 +47,6 @@ from farsight.errors import BackendUnavailableError, InputTypeError
 from farsight.ops.precision import amp_function
 from farsight.ops.triton_tiles import (
     INTERPRETED,
-    add_rows,
     autotuned,
     check_block,
     dot_precision,
@@ -267,78 +269,29 @@ def _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION: tl.constexpr
 
 
 @triton.jit
-def _gca_bwd_kernel(
-    Q,
-    K,
-    V,
-    KeyMask,
-    Index,
-    Weight,
-    Lse,
-    dO,
-    dQ,
-    dK,
-    dV,
-    dWPart,
-    RowTerm,
-    n_chunks,
-    m_chunks,
-    Lq,
-    main_rows,
-    S,
-    H,
-    D,
-    N_SLOTS,
-    scale,
-    HAS_KEY_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    TAIL: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ONE_TILE: tl.constexpr,
-    KEY_GRADS: tl.constexpr,
-):
-    """dQ like Q; dK/dV [B, m, S, H, D] fp32, zero-initialised, accumulated atomically;
-    dWPart [B, n, N_SLOTS, H, n_query_blocks] fp32, zero-initialised: per-program parts of dweight.
-    Without KEY_GRADS (only with ONE_TILE) dK/dV are left to `_gca_bwd_kv_kernel` and the row
-    term r = rowsum(P * dP) it needs goes to RowTerm [B, n, N_SLOTS, H, Lq] fp32.
-
-    No softmax_one flag: the saved logsumexp already includes the zero logit, so
-    P = exp(scores - lse) is the right probability either way, and softmax_1 has softmax's
-    Jacobian (its 1 is a constant): dS = P * (dP - rowsum(P * dP)).
-    ONE_TILE: S <= BLOCK_S. TAIL > 0 (only with ONE_TILE) makes the last block also take rows [main_rows, Lq).
-    """
-    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    bth = tl.program_id(0)
-    h = bth % H
-    bt = bth // H
-    b = bt // n_chunks
-    q_block = tl.program_id(1)
+def _bwd_rows(
+    Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, part, row0, end, m_chunks, Lq, S, H, D,
+    N_SLOTS, scale,
+    HAS_KEY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+):  # fmt: skip
+    """dq of query rows [row0, end) (at most ROWS) of chunk bt, head h, over all slots; per slot
+    it stores the rows' term r = rowsum(P * dP) for the key-major kernel and its share of
+    dweight as part `part` of dWPart."""
+    rows = row0 + tl.arange(0, ROWS)
+    row_ok = rows < end
     row_stride = H * D
     q_base = bt.to(tl.int64) * Lq * row_stride + h * D
-    row0 = q_block * BLOCK_Q
-    rows = row0 + tl.arange(0, BLOCK_Q)
-    row_ok = rows < main_rows
-    q = load_rows(Q, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
-    do = load_rows(dO, q_base, row0, main_rows, D, row_stride, BLOCK_Q, BLOCK_D)
-    if TAIL > 0:
-        # The tail rows belong to the last block; elsewhere they are empty (no loads, no stores,
-        # zero contributions), so the slot loop needs no branch.
-        t_end = tl.where(q_block == tl.num_programs(1) - 1, Lq, main_rows)
-        t_rows = main_rows + tl.arange(0, TAIL)
-        t_row_ok = t_rows < t_end
-        tq = load_rows(Q, q_base, main_rows, t_end, D, row_stride, TAIL, BLOCK_D)
-        tdo = load_rows(dO, q_base, main_rows, t_end, D, row_stride, TAIL, BLOCK_D)
-        tdq = tl.zeros([TAIL, BLOCK_D], dtype=tl.float32)
-    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    q = load_rows(Q, q_base, row0, end, D, row_stride, ROWS, BLOCK_D)
+    do = load_rows(dO, q_base, row0, end, D, row_stride, ROWS, BLOCK_D)
+    dq = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     for j in range(N_SLOTS):
         slot = bt * N_SLOTS + j
         chunk_row0, n_keys, w = _slot(Index, Weight, slot, b, m_chunks, S)
         lse_base = (slot * H + h) * Lq
         lse = tl.load(Lse + lse_base + rows, mask=row_ok, other=0.0)
         if ONE_TILE:
-            # One tile holds the chunk: read it once, take r = rowsum(P * dP) from it.
+            # One tile holds the chunk: read it once, take r from it.
             k_t, v_t, s_ok = _key_tile(
                 K, V, KeyMask, chunk_row0, n_keys, slot, 0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
             )
@@ -347,38 +300,15 @@ def _gca_bwd_kernel(
             r = tl.sum(p * dp, 1)  # rowsum(dO * o_j): dweight's share of these rows
             ds = (w * scale) * p * (dp - r[:, None])  # gradient of the unscaled q.k products
             dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-            dw = tl.sum(r, 0)
-            if KEY_GRADS:
-                dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-            else:
-                tl.store(RowTerm + lse_base + rows, r, mask=row_ok)
-            if TAIL > 0:
-                t_lse = tl.load(Lse + lse_base + t_rows, mask=t_row_ok, other=0.0)
-                tp = _probabilities(tq, k_t, t_lse, t_row_ok, s_ok, scale, DOT_PRECISION)
-                tdp = tl.dot(tdo, tl.trans(v_t), input_precision=DOT_PRECISION)
-                tr = tl.sum(tp * tdp, 1)
-                tds = (w * scale) * tp * (tdp - tr[:, None])
-                tdq += tl.dot(tds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-                dw += tl.sum(tr, 0)
-                if KEY_GRADS:
-                    dv_t += w * tl.dot(tl.trans(tp).to(do.dtype), tdo, input_precision=DOT_PRECISION)
-                    dk_t += tl.dot(tl.trans(tds).to(q.dtype), tq, input_precision=DOT_PRECISION)
-                else:
-                    tl.store(RowTerm + lse_base + t_rows, tr, mask=t_row_ok)
-            if KEY_GRADS:
-                add_rows(dV, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
-                add_rows(dK, chunk_row0 * row_stride + h * D, 0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
         else:
             # Pass 1: r = rowsum(dO * o_j) = sum_s P[:, s] (dO . v_s), complete before any dS.
-            r = tl.zeros([BLOCK_Q], dtype=tl.float32)
+            r = tl.zeros([ROWS], dtype=tl.float32)
             for s0 in range(0, S, BLOCK_S):
                 k_t, v_t, s_ok = _key_tile(
                     K, V, KeyMask, chunk_row0, n_keys, slot, s0, S, h, D, row_stride, HAS_KEY_MASK, BLOCK_S, BLOCK_D
                 )
                 p = _probabilities(q, k_t, lse, row_ok, s_ok, scale, DOT_PRECISION)
                 r += tl.sum(p * tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION), 1)
-            dw = tl.sum(r, 0)
             # Pass 2: this slot's output gradient is w * dO.
             for s0 in range(0, S, BLOCK_S):
                 k_t, v_t, s_ok = _key_tile(
@@ -388,14 +318,52 @@ def _gca_bwd_kernel(
                 dp = tl.dot(do, tl.trans(v_t), input_precision=DOT_PRECISION)
                 ds = (w * scale) * p * (dp - r[:, None])
                 dq += tl.dot(ds.to(k_t.dtype), k_t, input_precision=DOT_PRECISION)
-                dv_t = w * tl.dot(tl.trans(p).to(do.dtype), do, input_precision=DOT_PRECISION)
-                dk_t = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=DOT_PRECISION)
-                add_rows(dV, chunk_row0 * row_stride + h * D, s0, n_keys, D, row_stride, dv_t, BLOCK_S, BLOCK_D)
-                add_rows(dK, chunk_row0 * row_stride + h * D, s0, n_keys, D, row_stride, dk_t, BLOCK_S, BLOCK_D)
-        tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + q_block, dw)
-    store_rows(dQ, q_base, row0, main_rows, D, row_stride, dq, BLOCK_Q, BLOCK_D)
-    if TAIL > 0:  # rows past t_end (every row outside the last block) are not stored
-        store_rows(dQ, q_base, main_rows, t_end, D, row_stride, tdq, TAIL, BLOCK_D)
+        tl.store(RowTerm + lse_base + rows, r, mask=row_ok)
+        tl.store(dWPart + (slot * H + h) * tl.num_programs(1) + part, tl.sum(r, 0))
+    store_rows(dQ, q_base, row0, end, D, row_stride, dq, ROWS, BLOCK_D)
+
+
+@triton.jit
+def _gca_bwd_rows_kernel(
+    Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, n_chunks, m_chunks, Lq, main_rows, S, H, D,
+    N_SLOTS, scale,
+    HAS_KEY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, TAIL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ONE_TILE: tl.constexpr,
+):  # fmt: skip
+    """The query-major backward: dQ like Q; dWPart [B, n, N_SLOTS, H, programs along axis 1]
+    fp32, per-program parts of dweight; RowTerm [B, n, N_SLOTS, H, Lq] fp32, the row term
+    `_gca_bwd_kv_kernel` needs. Program (bth, q_block) takes rows [q_block * BLOCK_Q, ...) of
+    [0, main_rows); with TAIL > 0 one more program per (bth) takes rows [main_rows, Lq) as one
+    TAIL-row tile (DRT's landmark row), so no block carries a second, mostly empty tile.
+
+    No softmax_one flag: the saved logsumexp already includes the zero logit, so
+    P = exp(scores - lse) is the right probability either way, and softmax_1 has softmax's
+    Jacobian (its 1 is a constant): dS = P * (dP - rowsum(P * dP)). ONE_TILE: S <= BLOCK_S.
+    """
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
+    bth = tl.program_id(0)
+    h = bth % H
+    bt = bth // H
+    b = bt // n_chunks
+    q_block = tl.program_id(1)
+    if TAIL > 0:
+        if q_block == tl.num_programs(1) - 1:
+            _bwd_rows(
+                Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, main_rows, Lq,
+                m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, TAIL, BLOCK_S, BLOCK_D, ONE_TILE,
+            )  # fmt: skip
+        else:
+            _bwd_rows(
+                Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, q_block * BLOCK_Q,
+                main_rows, m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, BLOCK_Q, BLOCK_S,
+                BLOCK_D, ONE_TILE,
+            )  # fmt: skip
+    else:
+        _bwd_rows(
+            Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, q_block * BLOCK_Q,
+            main_rows, m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, BLOCK_Q, BLOCK_S,
+            BLOCK_D, ONE_TILE,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -403,7 +371,7 @@ def _kv_rows(
     Q, dO, Lse, RowTerm, k_t, v_t, s_ok, w, q_base, lse_base, row0, end, D, row_stride, scale,
     DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """(dk, dv) [BLOCK_S, BLOCK_D] of one retrieval from its query rows [row0, end) in one tile."""
+    """(dk, dv) [BLOCK_S, BLOCK_D] of one key tile of one retrieval from its query rows [row0, end) in one tile."""
     rows = row0 + tl.arange(0, ROWS)
     row_ok = rows < end
     q = load_rows(Q, q_base, row0, end, D, row_stride, ROWS, BLOCK_D)
@@ -420,46 +388,26 @@ def _kv_rows(
 
 @triton.jit
 def _gca_bwd_kv_kernel(
-    Q,
-    K,
-    V,
-    KeyMask,
-    Weight,
-    Lse,
-    RowTerm,
-    dO,
-    dK,
-    dV,
-    Slots,
-    Offsets,
-    m_chunks,
-    Lq,
-    main_rows,
-    S,
-    H,
-    D,
-    N_SLOTS,
+    Q, K, V, KeyMask, Weight, Lse, RowTerm, dO, dK, dV, Slots, Offsets, m_chunks, Lq, main_rows, S, H, D, N_SLOTS,
     scale,
-    HAS_KEY_MASK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    TAIL: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """dK/dV of memory chunk pid0 (b * m + c) and head pid1, owned by this program alone (no
-    atomics, the same bits every run): it walks the slots that retrieved the chunk,
-    Slots[Offsets[c] : Offsets[c + 1]] (global slot ids (b * n + t) * N_SLOTS + j), and adds each
-    one's share from its query rows, with the row term r the query-major kernel stored.
-    dK/dV [B, m, S, H, D] in the input dtype; one tile holds the chunk (S <= BLOCK_S)."""
+    HAS_KEY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, TAIL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, KV_ROWS: tl.constexpr,
+):  # fmt: skip
+    """The key-major backward: dK/dV of key tile pid2 of memory chunk pid0 (b * m + c), head
+    pid1, owned by this program alone (no atomics, the same bits every run). It walks the slots
+    that retrieved the chunk, Slots[Offsets[c] : Offsets[c + 1]] (global slot ids
+    (b * n + t) * N_SLOTS + j), and adds each one's share from its query rows, KV_ROWS at a
+    time (then the TAIL rows), with the row term r the query-major kernel stored.
+    dK/dV [B, m, S, H, D] in the input dtype."""
     scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
     bc = tl.program_id(0)
     h = tl.program_id(1)
+    s0 = tl.program_id(2) * BLOCK_S
     row_stride = H * D
     base = bc.to(tl.int64) * S * row_stride + h * D
-    k_t = load_rows(K, base, 0, S, D, row_stride, BLOCK_S, BLOCK_D)
-    v_t = load_rows(V, base, 0, S, D, row_stride, BLOCK_S, BLOCK_D)
-    tile = tl.arange(0, BLOCK_S)
+    k_t = load_rows(K, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    v_t = load_rows(V, base, s0, S, D, row_stride, BLOCK_S, BLOCK_D)
+    tile = s0 + tl.arange(0, BLOCK_S)
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
     for e in range(tl.load(Offsets + bc), tl.load(Offsets + bc + 1)):
@@ -470,10 +418,10 @@ def _gca_bwd_kv_kernel(
             s_ok = s_ok & (tl.load(KeyMask + slot * S + tile, mask=s_ok, other=0) != 0)
         q_base = (slot // N_SLOTS) * Lq * row_stride + h * D
         lse_base = (slot * H + h) * Lq
-        for row0 in range(0, main_rows, BLOCK_Q):
+        for row0 in range(0, main_rows, KV_ROWS):
             dk_r, dv_r = _kv_rows(
                 Q, dO, Lse, RowTerm, k_t, v_t, s_ok, w, q_base, lse_base, row0, main_rows, D, row_stride, scale,
-                DOT_PRECISION, BLOCK_Q, BLOCK_D,
+                DOT_PRECISION, KV_ROWS, BLOCK_D,
             )  # fmt: skip
             dk += dk_r
             dv += dv_r
@@ -484,32 +432,28 @@ def _gca_bwd_kv_kernel(
             )  # fmt: skip
             dk += dk_r
             dv += dv_r
-    store_rows(dK, base, 0, S, D, row_stride, dk, BLOCK_S, BLOCK_D)
-    store_rows(dV, base, 0, S, D, row_stride, dv, BLOCK_S, BLOCK_D)
+    store_rows(dK, base, s0, S, D, row_stride, dk, BLOCK_S, BLOCK_D)
+    store_rows(dV, base, s0, S, D, row_stride, dv, BLOCK_S, BLOCK_D)
 
 
 _TILES = ["BLOCK_Q", "TAIL", "BLOCK_S", "BLOCK_D"]
+# Launch settings: the fewest spills at d=64 and d=128 (`benchmarks/kernel_resources.py`).
 _gca_fwd_kernel = autotuned(_gca_fwd_kernel, _TILES, default=(8, 2))
-# The query-major backward in each layout, and the key-major one; launch settings from
-# `benchmarks/kernel_resources.py` (Triton 3.6, d=64, S=64): with its dk/dv products and atomics
-# the query-major kernel spills 0.9-1.1 KB per thread at 4 warps (0.4 at 8, which ran slower on an
-# H200); without them 48 bytes at 8 warps; the key-major kernel none at 8 warps.
-_gca_bwd_atomic_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(4, 2), reset_to_zero=["dK", "dV"])
-_gca_bwd_rows_kernel = autotuned(_gca_bwd_kernel, _TILES, default=(8, 2))
-_gca_bwd_kv_kernel = autotuned(_gca_bwd_kv_kernel, _TILES, default=(8, 2))
+_gca_bwd_rows_kernel = autotuned(_gca_bwd_rows_kernel, _TILES, default=(8, 2))
+_gca_bwd_kv_kernel = autotuned(_gca_bwd_kv_kernel, [*_TILES, "KV_ROWS"], default=(8, 2))
 
-# The backward's layout: "split" (the query-major kernel stores the row term, and a key-major
-# kernel over the inverted index writes each chunk's dk/dv once: no atomics, the same bits every
-# run, two more products per slot) or "atomic" (the query-major kernel adds each slot's dk/dv
-# with fp32 atomics). "split" needs a chunk in one key tile (S <= 64 by default); other shapes
-# take "atomic".
-BACKWARD = "split"
+
+def kv_rows(block_q: int, block_d: int) -> int:
+    """Query rows per step of the key-major kernel: it holds dk and dv of a key tile in fp32
+    across its walk, so wide heads (d > 64) take 32 rows at a time to fit their registers."""
+    return min(block_q, 64 if block_d <= 64 else 32)
 
 
 def row_layout(lq: int, block_q: int | None) -> tuple[int, int, int]:
     """(BLOCK_Q, TAIL, main_rows): query rows [0, main_rows) in blocks of BLOCK_Q, and the rest
     (at most a quarter of a block, e.g. DRT's landmark row) as one TAIL-row tile of the last
-    block; TAIL = 0 when the rows fit the blocks well, or when a chunk takes several key tiles."""
+    block (the forward) or of its own program (the backward); TAIL = 0 when the rows fit the
+    blocks well."""
     block = block_q or tile_size(lq, 64)
     rest = lq % block
     if block_q is None and lq > block and 0 < rest <= block // 4:
@@ -565,28 +509,27 @@ class _GCATriton(torch.autograd.Function):
         q, k, v, index, weight, mask, lse = ctx.saved_tensors
         batch, n, lq, heads, dim = q.shape
         m, s, n_slots = k.shape[1], k.shape[2], index.shape[2]
-        one_tile = s <= ctx.meta["BLOCK_S"]
-        split = BACKWARD == "split" and one_tile
+        meta = ctx.meta
         do = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros_like(q)
-        dk = torch.zeros(k.shape, dtype=k.dtype if split else torch.float32, device=k.device)
-        dv = torch.zeros_like(dk)
-        dw_part = torch.zeros(batch, n, n_slots, heads, ctx.grid[1], dtype=torch.float32, device=q.device)
-        row_term = torch.empty_like(lse) if split else lse  # unused by the atomic layout
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        # The query-major grid, plus one program per (chunk, head) for the tail rows.
+        grid = (ctx.grid[0], ctx.grid[1] + (meta["TAIL"] > 0))
+        dw_part = torch.zeros(batch, n, n_slots, heads, grid[1], dtype=torch.float32, device=q.device)
+        row_term = torch.empty_like(lse)
         if m > 0 and q.numel() > 0:
             with torch.cuda.device_of(q):  # launch on q's GPU (no-op on CPU)
-                kernel = _gca_bwd_rows_kernel if split else _gca_bwd_atomic_kernel
-                kernel[ctx.grid](
-                    q, k, v, mask, index, weight, lse, do, dq, dk, dv, dw_part, row_term,
+                _gca_bwd_rows_kernel[grid](
+                    q, k, v, mask, index, weight, lse, do, dq, dw_part, row_term,
                     n, m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale,
-                    ONE_TILE=one_tile, KEY_GRADS=not split, **ctx.meta,
+                    ONE_TILE=s <= meta["BLOCK_S"], **meta,
                 )  # fmt: skip
-                if split:
-                    slots, offsets = _retrievals_by_chunk(index, m)
-                    _gca_bwd_kv_kernel[(batch * m, heads)](
-                        q, k, v, mask, weight, lse, row_term, do, dk, dv, slots, offsets,
-                        m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale, **ctx.meta,
-                    )  # fmt: skip
+                slots, offsets = _retrievals_by_chunk(index, m)
+                _gca_bwd_kv_kernel[(batch * m, heads, triton.cdiv(s, meta["BLOCK_S"]))](
+                    q, k, v, mask, weight, lse, row_term, do, dk, dv, slots, offsets,
+                    m, lq, ctx.main_rows, s, heads, dim, n_slots, ctx.scale,
+                    KV_ROWS=kv_rows(meta["BLOCK_Q"], meta["BLOCK_D"]), **meta,
+                )  # fmt: skip
         q_dtype, k_dtype, v_dtype, w_dtype = ctx.dtypes
         # Empty slots add nothing to dweight (their probabilities are 0), so theirs is exactly zero.
         dw = dw_part.sum(dim=(3, 4))
@@ -641,7 +584,7 @@ def gca_triton(
     check_block("block_s", block_s)
     lq, s, dim = q.shape[2], k.shape[2], q.shape[4]
     block_s = block_s or tile_size(s, 64)
-    block_q, tail, main_rows = row_layout(lq, block_q) if s <= block_s else (block_q or tile_size(lq, 64), 0, lq)
+    block_q, tail, main_rows = row_layout(lq, block_q)
     blocks = (block_q, tail, main_rows, block_s, tile_size(dim, 1 << 30))
     scale = dim**-0.5 if scale is None else float(scale)
     function = amp_function(_GCATriton, q.device.type)
