@@ -8,8 +8,8 @@ kept graph) and forward+backward ("f+b") wall time (median of several runs), the
 TFLOP/s of matrix products, and the CUDA allocator's peak growth of one f+b:
 
 * CASTLE and CASTLE-SWL-512 (H=8, d=64 and 128, B=8 x 4K and B=2 x 16K): `castle_attention`'s
-  Triton kernels with the grouped forward and with the diagonal one (Algorithm 1, one launch per
-  block diagonal), causal SDPA with the same shapes, and, with --peer, the Triton kernel of the
+  Triton kernels with the fused backward and with the two-pass one
+  (`farsight.ops.castle.triton.BACKWARD`), causal SDPA with the same shapes, and, with --peer, the Triton kernel of the
   `lookahead-keys-attention` package (PATH: its lookahead_keys_attention_triton.py). CASTLE's
   FLOPs are those of the blockwise PyTorch path, counted by torch's FlopCounterMode on meta
   tensors; SDPA's are its 2 forward and 5 backward products over the T(T+1)/2 causal pairs.
@@ -18,7 +18,10 @@ TFLOP/s of matrix products, and the CUDA allocator's peak growth of one f+b:
   FLOPs of the attended pairs ((S+1) x K x S per query chunk, 2 + 5 products), against causal
   SDPA's rate at the same B, T, H, d.
 * Sliding-window attention (W=512, H=12, d=64): the CUDA dispatch (FlexAttention) against causal
-  SDPA; "per pair" compares the time per attended (query, key) pair.
+  SDPA, without and with ALiBi (the models' setting), at FlexAttention tiles of 128 and 64 rows
+  (`farsight.ops.window.fused.FLEX_BLOCK_SIZE`); "per pair" compares the time per attended
+  (query, key) pair, and "recompiles" counts the graphs torch.compile built while a second
+  round of the same calls ran (0: one compile per shape).
 
 The last lines print the tables; --json keeps every figure. Cases that fail show "-" and the error.
 """
@@ -32,10 +35,13 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch._dynamo.utils
 import torch.nn.functional as F
 
 import farsight.ops.castle.triton as castle_triton
+import farsight.ops.window.fused as window_fused
 from farsight.eval.efficiency import format_table, machine_description, measure_peak_memory, time_fn, write_json
+from farsight.layers.position import alibi_slopes
 from farsight.ops.castle import castle_attention
 from farsight.ops.gca import gca
 from farsight.ops.library import count_flops
@@ -255,17 +261,34 @@ def run_window(plan: dict, quick: bool) -> list[dict]:
     rows = []
     for batch, steps in plan["window"]:
         q, k, v = leaves((batch, steps, WINDOW_HEADS, WINDOW_DIM), 3)
+        slopes = alibi_slopes(WINDOW_HEADS).to(q.device)
         sdpa = causal_sdpa(batch, WINDOW_HEADS, steps, WINDOW_DIM, quick)
         sdpa_f, sdpa_fb = sdpa_flop(batch, WINDOW_HEADS, steps, WINDOW_DIM)
         # attended pairs: query t sees its last min(t + 1, W) positions, itself included
         pairs = sum(min(t + 1, WINDOW) for t in range(steps)) / (steps * (steps + 1) / 2)
-        result = measure(partial(sliding_window_attention, q, k, v, WINDOW), [q, k, v], quick)
-        row = {"case": f"W={WINDOW} B={batch} T={steps}", **rates(result, sdpa_f * pairs, sdpa_fb * pairs)}
-        row["sdpa f+b ms"] = sdpa["f+b ms"]
-        row["pairs/sdpa"] = pairs
-        row["per pair vs sdpa"] = _ratio(row["f+b ms"], None if sdpa["f+b ms"] is None else sdpa["f+b ms"] * pairs)
-        rows.append(row)
-        print(f"  window {row['case']}: {row['f+b ms']} ms, per pair {row['per pair vs sdpa']}x SDPA", flush=True)
+        for alibi in (False, True):
+            for block in (128, 64):
+                window_fused.FLEX_BLOCK_SIZE = block
+                op = partial(sliding_window_attention, q, k, v, WINDOW, slopes if alibi else None)
+                result = measure(op, [q, k, v], quick)
+                graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+                measure(op, [q, k, v], True)  # the same calls again: nothing new to compile
+                recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+                case = f"W={WINDOW}{' alibi' if alibi else ''} B={batch} T={steps}"
+                row = {"case": case, "impl": f"flex-{block}", **rates(result, sdpa_f * pairs, sdpa_fb * pairs)}
+                row["sdpa f+b ms"] = sdpa["f+b ms"]
+                row["pairs/sdpa"] = pairs
+                row["per pair vs sdpa"] = _ratio(
+                    row["f+b ms"], None if sdpa["f+b ms"] is None else sdpa["f+b ms"] * pairs
+                )
+                row["recompiles"] = recompiles
+                rows.append(row)
+                print(
+                    f"  window {case} tiles {block}: {row['f+b ms']} ms, per pair {row['per pair vs sdpa']}x SDPA, "
+                    f"{recompiles} recompiles",
+                    flush=True,
+                )
+        window_fused.FLEX_BLOCK_SIZE = 128
         del q, k, v
     return rows
 

@@ -185,6 +185,9 @@ def test_flex_masks_match_reference_eagerly(b, tq, tk, h, d, window, alibi, padd
     q, k, v = (x.detach() for x in _inputs(b, tq, tk, h, d, torch.float32))
     slopes = torch.rand(h) if alibi else None
     mask = (torch.rand(b, tk) > 0.3) if padding else None
-    out = sliding_window_attention_flex(q, k, v, window, slopes, key_padding_mask=mask, compile=False)
     ref = sliding_window_attention_reference(q, k, v, window, slopes, key_padding_mask=mask)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for block_size in (None, 16):  # the default tile, and one smaller than the inputs
+        out = sliding_window_attention_flex(
+            q, k, v, window, slopes, key_padding_mask=mask, compile=False, block_size=block_size
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

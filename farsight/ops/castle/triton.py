@@ -472,6 +472,17 @@ def _bwd_tile(
 
 
 @triton.jit
+def _key_walk(DocEnd, b, j, n_blocks, near, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """(last, first_near): key block j's backward walk goes down from query block `last` (the
+    last one that holds a row of j's documents), through far tiles (P[J, I] = 0) to
+    `first_near`, then through the near ones down to I = j."""
+    last = n_blocks - 1
+    if HAS_DOCS:
+        last = tl.minimum(last, _block_end(DocEnd, b, j, T, BLOCK) - 1)
+    return last, tl.minimum(last, j + near - 1)
+
+
+@triton.jit
 def _castle_bwd_kernel(
     QU,
     KU,
@@ -525,106 +536,27 @@ def _castle_bwd_kernel(
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    last = n_blocks - 1
     doc_j = keys  # placeholder without documents
     if HAS_DOCS:
-        last = tl.minimum(last, _block_end(DocEnd, bh // H, j, T, BLOCK) - 1)
         doc_j = _documents(DocStart, bh // H, keys, T, -2)
     # Far tiles first (I >= J + near, where P[J, I] = 0), then the near ones down to I = J.
-    first_near = tl.minimum(last, j + near - 1)
+    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
     for step in range(0, last - first_near):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
-            QU,
-            KU,
-            VU,
-            QC,
-            dO,
-            Lse,
-            Delta,
-            dQC,
-            dVU,
-            dKU,
-            DocStart,
-            qu_j,
-            kc_j,
-            vc_j,
-            d_j,
-            r_j,
-            dkc,
-            dvc,
-            dqu,
-            last - step,
-            bh,
-            base,
-            keys,
-            doc_j,
-            T,
-            H,
-            D,
-            row_stride,
-            window,
-            scale,
-            HAS_WINDOW,
-            PREC,
-            BLOCK,
-            BLOCK_D,
-            False,
-            HAS_DOCS,
-        )
+            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            last - step, bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D,
+            False, HAS_DOCS,
+        )  # fmt: skip
     for step in range(0, first_near - j + 1):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
-            QU,
-            KU,
-            VU,
-            QC,
-            dO,
-            Lse,
-            Delta,
-            dQC,
-            dVU,
-            dKU,
-            DocStart,
-            qu_j,
-            kc_j,
-            vc_j,
-            d_j,
-            r_j,
-            dkc,
-            dvc,
-            dqu,
-            first_near - step,
-            bh,
-            base,
-            keys,
-            doc_j,
-            T,
-            H,
-            D,
-            row_stride,
-            window,
-            scale,
-            HAS_WINDOW,
-            PREC,
-            BLOCK,
-            BLOCK_D,
-            True,
-            HAS_DOCS,
-        )
+            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            first_near - step, bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK,
+            BLOCK_D, True, HAS_DOCS,
+        )  # fmt: skip
     out_ty = dKC.dtype.element_ty
     store_rows(dKC, base, j * BLOCK, T, D, row_stride, dkc.to(out_ty), BLOCK, BLOCK_D)
     store_rows(dVC, base, j * BLOCK, T, D, row_stride, dvc.to(out_ty), BLOCK, BLOCK_D)
     store_rows(dQU, base, j * BLOCK, T, D, row_stride, dqu.to(out_ty), BLOCK, BLOCK_D)
-
-
-@triton.jit
-def _key_walk(DocEnd, b, j, n_blocks, near, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """(last, first_near): key block j's backward walk goes down from query block `last` (the
-    last one that holds a row of j's documents), through far tiles (P[J, I] = 0) to
-    `first_near`, then through the near ones down to I = j."""
-    last = n_blocks - 1
-    if HAS_DOCS:
-        last = tl.minimum(last, _block_end(DocEnd, b, j, T, BLOCK) - 1)
-    return last, tl.minimum(last, j + near - 1)
 
 
 @triton.jit

@@ -73,13 +73,20 @@ def window_mask_mod(
     return mask_mod
 
 
+# FlexAttention's tile (query and key rows) and its block mask's granularity: a band of W keys
+# computes about (W + BLOCK) / W of its pairs, so smaller tiles waste less at the band's edges
+# (1.25x at W=512 with 128, 1.125x with 64) and cost more per tile. torch's default is 128;
+# `benchmarks/kernels.py` times the alternatives on a GPU.
+FLEX_BLOCK_SIZE = 128
+
+
 @functools.lru_cache(maxsize=32)
-def _band_block_mask(tq: int, tk: int, window: int, device: torch.device, compile_mask: bool):
+def _band_block_mask(tq: int, tk: int, window: int, device: torch.device, compile_mask: bool, block_size: int):
     """Block mask of the plain band (no padding), cached: training calls repeat one shape."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     mod = window_mask_mod(window, tk - tq)
-    return create_block_mask(mod, None, None, tq, tk, device=device, _compile=compile_mask)
+    return create_block_mask(mod, None, None, tq, tk, device=device, BLOCK_SIZE=block_size, _compile=compile_mask)
 
 
 def sliding_window_attention_flex(
@@ -92,6 +99,7 @@ def sliding_window_attention_flex(
     key_padding_mask: torch.Tensor | None = None,
     compile: bool = True,
     document_ids: torch.Tensor | None = None,
+    block_size: int | None = None,
 ) -> torch.Tensor:
     """q [B, Tq, H, d], k/v [B, Tk, H, d] (Tk >= Tq) -> [B, Tq, H, d] with FlexAttention.
 
@@ -100,17 +108,23 @@ def sliding_window_attention_flex(
     block mask of the plain band is then cached). Inputs are assumed valid
     (`farsight.ops.window.sliding_window_attention` checks them).
     `compile=False` runs FlexAttention eagerly (a dense fallback: for tests, not for speed).
+    `block_size` (default FLEX_BLOCK_SIZE) is the kernel's tile and the block mask's granularity.
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     tq, tk = q.shape[1], k.shape[1]
     offset = tk - tq
+    block_size = block_size or FLEX_BLOCK_SIZE
     if key_padding_mask is None and document_ids is None:
-        block_mask = _band_block_mask(tq, tk, window, q.device, compile)
+        block_mask = _band_block_mask(tq, tk, window, q.device, compile, block_size)
     else:
         # per row: the block mask also skips the key blocks that lie wholly in other documents
         mod = window_mask_mod(window, offset, key_padding_mask, document_ids)
-        block_mask = create_block_mask(mod, q.shape[0], None, tq, tk, device=q.device, _compile=compile)
+        block_mask = create_block_mask(
+            mod, q.shape[0], None, tq, tk, device=q.device, BLOCK_SIZE=block_size, _compile=compile
+        )
+    # the kernel's tiles must divide the block mask's
+    options = None if block_size == 128 else {"BLOCK_M": block_size, "BLOCK_N": block_size}
     score_mod = None
     if alibi_slopes is not None:
         slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
@@ -120,7 +134,13 @@ def sliding_window_attention_flex(
 
     attend = _compiled_flex() if compile else flex_attention
     out = attend(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod, block_mask=block_mask, scale=scale
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        kernel_options=options,
     )
     return out.transpose(1, 2)
 
