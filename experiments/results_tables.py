@@ -722,6 +722,50 @@ def r7_gpu_ppl() -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# RULER's multi-key needles on the byte-level drt-x2 (configs/lm/ruler/multikey/)
+
+MULTIKEY = "results/ruler-multikey"
+# (record, the training that made the model, train.steps of its config)
+MULTIKEY_STAGES = (
+    ("stage1-drt-x2", "passkeys (`stage1-drt-x2`)", 600),
+    ("drt-x2", "then the RULER mix (`lm/ruler/drt-x2`)", 900),
+    ("1-warmup", "passkeys, then `multikey/1-warmup`", 600),
+    ("2-recall", "then `multikey/2-recall`", 2400),
+    ("3-lengths", "then `multikey/3-lengths`", 2400),
+)
+
+
+def retrieved_cell(entry: dict) -> str:
+    return f"{100 * entry['needle_retrieved']:.0f}"
+
+
+@table("ruler-multikey", "results/ruler-multikey/{stage1-drt-x2,drt-x2,1-warmup,2-recall,3-lengths}.json")
+def ruler_multikey() -> list[str]:
+    lengths = sorted(
+        int(n) for n in record(f"{MULTIKEY}/{MULTIKEY_STAGES[0][0]}.json")["tasks"]["niah_multikey_2"]["by_length"]
+    )
+    lines = header(
+        "`drt-x2` fine-tuned on",
+        "steps of the last stage",
+        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        *(f"`single_1` {length_name(n)}" for n in lengths[-1:]),
+    )
+    for name, label, steps in MULTIKEY_STAGES:
+        tasks = record(f"{MULTIKEY}/{name}.json")["tasks"]
+        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
+        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+        lines.append(
+            row(
+                label,
+                str(steps),
+                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
+                *(rate_cell(single[n]) for n in lengths[-1:]),
+            )
+        )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 
 R6 = "results/r6"
