@@ -340,35 +340,11 @@ def _castle_fwd_attend_kernel(
 
 @triton.jit
 def _bwd_recompute(
-    KU,
-    VU,
-    QC,
-    dO,
-    Lse,
-    Delta,
-    DocStart,
-    qu_j,
-    kc_j,
-    vc_j,
-    d_j,
-    i,
-    bh,
-    base,
-    keys,
-    doc_j,
-    T,
-    H,
-    D,
-    row_stride,
-    window,
-    scale,
-    HAS_WINDOW: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NEAR: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
+    KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
+    row_stride, window, scale,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEAR: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
     """Tile (I, J) of the forward again, for the backward passes: (rows, qc_i, do_i, ku_i, vu_i,
     p, g, d_j, prob, ds, e) with d_j = D_J^(I) on return (D_J^(I+1) on entry), prob the attention
     probabilities, ds = dL/dA and e = dL/dS^U. ku_i, vu_i, p and g are placeholders on far tiles."""
@@ -402,43 +378,11 @@ def _bwd_recompute(
 
 @triton.jit
 def _bwd_tile(
-    QU,
-    KU,
-    VU,
-    QC,
-    dO,
-    Lse,
-    Delta,
-    dQC,
-    dVU,
-    dKU,
-    DocStart,
-    qu_j,
-    kc_j,
-    vc_j,
-    d_j,
-    r_j,
-    dkc,
-    dvc,
-    dqu,
-    i,
-    bh,
-    base,
-    keys,
-    doc_j,
-    T,
-    H,
-    D,
-    row_stride,
-    window,
-    scale,
-    HAS_WINDOW: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NEAR: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
+    QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu, i,
+    bh, base, keys, doc_j, T, H, D, row_stride, window, scale,
+    HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+    NEAR: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
     """Gradients of tile (I, J); returns the updated key-block state (d_j, r_j, dkc, dvc, dqu).
 
     On entry d_j = D_J^(I+1) and r_j = sum_{I' > I} dD_J^(I'); row-side gradients of I are
@@ -472,14 +416,29 @@ def _bwd_tile(
 
 
 @triton.jit
-def _key_walk(DocEnd, b, j, n_blocks, near, T, BLOCK: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """(last, first_near): key block j's backward walk goes down from query block `last` (the
-    last one that holds a row of j's documents), through far tiles (P[J, I] = 0) to
-    `first_near`, then through the near ones down to I = j."""
+def _key_block(
+    QU, KC, VC, Dsum, DocStart, DocEnd, T, H, D, n_blocks, near,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """What each backward kernel's program starts from: its key block j = pid0 of batch-head
+    bh = pid1, the tiles' base offset, the keys (and their documents), QU, KC and VC of J, the
+    final lookahead sums D_J, and its walk: down from query block `last` through far tiles
+    (P[J, I] = 0) to `first_near`, then through the near ones down to I = j (`last` is the last
+    query block that holds a row of J's documents)."""
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    base = (bh // H).to(tl.int64) * T * H * D + (bh % H) * D
+    keys = j * BLOCK + tl.arange(0, BLOCK)
+    qu_j = load_rows(QU, base, j * BLOCK, T, D, H * D, BLOCK, BLOCK_D)
+    kc_j = load_rows(KC, base, j * BLOCK, T, D, H * D, BLOCK, BLOCK_D)
+    vc_j = load_rows(VC, base, j * BLOCK, T, D, H * D, BLOCK, BLOCK_D)
+    d_j = load_rows(Dsum, base, j * BLOCK, T, D, H * D, BLOCK, BLOCK_D)
     last = n_blocks - 1
+    doc_j = keys  # placeholder without documents
     if HAS_DOCS:
-        last = tl.minimum(last, _block_end(DocEnd, b, j, T, BLOCK) - 1)
-    return last, tl.minimum(last, j + near - 1)
+        last = tl.minimum(last, _block_end(DocEnd, bh // H, j, T, BLOCK) - 1)
+        doc_j = _documents(DocStart, bh // H, keys, T, -2)
+    return j, bh, base, keys, qu_j, kc_j, vc_j, d_j, doc_j, last, tl.minimum(last, j + near - 1)
 
 
 @triton.jit
@@ -523,24 +482,15 @@ def _castle_bwd_kernel(
     inputs; DocStart / DocEnd [B, T] int32 (unused without documents).
     """
     scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    j = tl.program_id(0)
-    bh = tl.program_id(1)
+    j, bh, base, keys, qu_j, kc_j, vc_j, d_j, doc_j, last, first_near = _key_block(
+        QU, KC, VC, Dsum, DocStart, DocEnd, T, H, D, n_blocks, near, BLOCK, BLOCK_D, HAS_DOCS
+    )
     row_stride = H * D
-    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    keys = j * BLOCK + tl.arange(0, BLOCK)
-    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    doc_j = keys  # placeholder without documents
-    if HAS_DOCS:
-        doc_j = _documents(DocStart, bh // H, keys, T, -2)
     # Far tiles first (I >= J + near, where P[J, I] = 0), then the near ones down to I = J.
-    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
     for step in range(0, last - first_near):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
             QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
@@ -634,21 +584,12 @@ def _castle_bwd_values_kernel(
     through the lookahead weights (ds @ KC_J + e @ D_J^(I)) atomically. Arguments as
     `_castle_bwd_kernel`'s."""
     scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    j = tl.program_id(0)
-    bh = tl.program_id(1)
+    j, bh, base, keys, qu_j, kc_j, vc_j, d_j, doc_j, last, first_near = _key_block(
+        QU, KC, VC, Dsum, DocStart, DocEnd, T, H, D, n_blocks, near, BLOCK, BLOCK_D, HAS_DOCS
+    )
     row_stride = H * D
-    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    keys = j * BLOCK + tl.arange(0, BLOCK)
-    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    doc_j = keys  # placeholder without documents
-    if HAS_DOCS:
-        doc_j = _documents(DocStart, bh // H, keys, T, -2)
-    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
     for step in range(0, last - first_near):
         d_j, dkc, dvc = _values_tile(
             KU, VU, QC, dO, Lse, Delta, dQC, DocStart, qu_j, kc_j, vc_j, d_j, dkc, dvc, last - step, bh, base,
@@ -676,21 +617,12 @@ def _castle_bwd_lookahead_kernel(
     dQU of J and adds dKU, dVU and the rest of dQC (the gradients through P[J, I] and G_I,
     near tiles only) atomically. Far tiles only recompute e to extend R_J."""
     scale = tl.cast(scale, tl.float32)  # torch.compile passes a Python float as fp64
-    j = tl.program_id(0)
-    bh = tl.program_id(1)
+    j, bh, base, keys, qu_j, kc_j, vc_j, d_j, doc_j, last, first_near = _key_block(
+        QU, KC, VC, Dsum, DocStart, DocEnd, T, H, D, n_blocks, near, BLOCK, BLOCK_D, HAS_DOCS
+    )
     row_stride = H * D
-    base = (bh // H).to(tl.int64) * T * row_stride + (bh % H) * D
-    keys = j * BLOCK + tl.arange(0, BLOCK)
-    qu_j = load_rows(QU, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    kc_j = load_rows(KC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    vc_j = load_rows(VC, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
-    d_j = load_rows(Dsum, base, j * BLOCK, T, D, row_stride, BLOCK, BLOCK_D)
     r_j = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
     dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-    doc_j = keys  # placeholder without documents
-    if HAS_DOCS:
-        doc_j = _documents(DocStart, bh // H, keys, T, -2)
-    last, first_near = _key_walk(DocEnd, bh // H, j, n_blocks, near, T, BLOCK, HAS_DOCS)
     for step in range(0, last - first_near):
         d_j, r_j, dqu = _lookahead_tile(
             KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dqu, last - step,
