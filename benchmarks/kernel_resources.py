@@ -2,7 +2,7 @@
 needed), with the registers, spilled bytes, local loads/stores and matrix instructions of each.
 
     python benchmarks/kernel_resources.py [--dtype bf16] [--dims 64,128] [--arch 90] [--float-type fp64]
-        [--launches default|all] [--variants plain|all] [--check]
+        [--launches default|all] [--variants plain|all] [--castle-backward-block N] [--check]
 
 Spills are what a GPU run cannot show cheaply and what these kernels' speed hangs on: a kernel
 whose tiles do not fit its registers keeps them in local memory (LDL/STL in the machine code).
@@ -44,8 +44,9 @@ from farsight.eval.efficiency import format_table
 from farsight.ops.triton_tiles import LAUNCH_CONFIGS
 
 # argument name -> Triton type, per kernel family; other scalars are i32
-POINTER_DTYPE_ARGS = ("QU", "KU", "VU", "QC", "KC", "VC", "Snap", "dO", "dQU", "dKC", "dVC", "Q", "K", "V", "Out", "dQ")
-FP32_ARGS = ("Dsum", "Lse", "Acc", "M", "L", "Delta", "dQC", "dVU", "dKU", "Weight", "dK", "dV", "dWPart", "RowTerm")
+POINTER_DTYPE_ARGS = ("QU", "KU", "VU", "QC", "KC", "VC", "Snap", "dO", "dQU", "dKC", "dVC")
+POINTER_DTYPE_ARGS += ("Q", "K", "V", "Out", "dQ", "dK", "dV")
+FP32_ARGS = ("Dsum", "Lse", "Delta", "dQC", "dVU", "dKU", "Weight", "dWPart", "RowTerm")
 INT64_ARGS = ("KeyMask", "Index", "Slots", "Offsets")
 INT32_ARGS = ("DocStart", "DocEnd")  # CASTLE's per-token document bounds (packed rows)
 
@@ -164,7 +165,7 @@ def cases(
     for flags in _flags(("HAS_KEY_MASK", "SOFTMAX_ONE"), every_variant):
         rows.append(("gca forward", gca_kernels._gca_fwd_kernel, {**gca, **flags}, block_q))
     for flags in _flags(("HAS_KEY_MASK", "ONE_TILE"), every_variant):
-        flags.setdefault("ONE_TILE", True)
+        flags["ONE_TILE"] |= not every_variant  # plain: DRT's chunk, one key tile
         rows.append(("gca backward: rows", gca_kernels._gca_bwd_rows_kernel, {**gca, **flags}, block_q))
     for flags in _flags(("HAS_KEY_MASK",), every_variant):
         rows.append(
@@ -251,6 +252,8 @@ def main() -> int:
     )
     print(format_table(rows, list(rows[0])))
     if args.check:
+        if (args.dtype, args.arch, args.castle_backward_block) != ("bf16", 90, None):
+            parser.error("--check holds for bf16, --arch 90 and the kernels' own tiles")
         if triton.__version__ != CHECKED_TRITON:
             print(f"check: not run: its figures hold for Triton {CHECKED_TRITON}, not {triton.__version__}")
             return NOT_CHECKED

@@ -15,7 +15,7 @@
 #    backward layout (castle, castle-passes), BaseLM and DRT x2 (TRAIN_KINDS): the median
 #    tokens/s of the logged steps after the first ten and each one's ratio to causal in
 #    OUT_DIR/train-summary.txt (OUT_DIR/train-KIND-SHAPE.log hold the trainer's output).
-#    TRAIN_DEVICE=cpu runs it as a dry run.
+#    A dry run on a CPU: TRAIN_DEVICE=cpu TRAIN_SHAPES=1x128 TRAIN_STEPS=15.
 # 3. The Triton kernel tests with their slow CUDA cases (TRITON_TESTS_TIMEOUT seconds, default
 #    600). OUT_DIR/tests-triton.log.
 # 4. benchmarks/kernels.py: CASTLE, GCA and the window op against causal SDPA at training shapes
@@ -68,6 +68,9 @@ for run in sorted(pathlib.Path(sys.argv[1]).glob("run-*")):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     steps = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 10]
     kind, shape = run.name[len("run-"):].rsplit("-", 1)
+    if not steps:
+        print(f"{kind:14s} {shape:8s} no step logged after step 10 (raise TRAIN_STEPS)")
+        continue
     speed[kind, shape] = statistics.median(steps)
     print(f"{kind:14s} {shape:8s} {speed[kind, shape]:12.0f} tokens/s (median of {len(steps)} logged steps after step 10)")
 for (kind, shape), rate in speed.items():

@@ -378,7 +378,7 @@ def _bwd_recompute(
 
 @triton.jit
 def _bwd_tile(
-    QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu, i,
+    KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu, i,
     bh, base, keys, doc_j, T, H, D, row_stride, window, scale,
     HAS_WINDOW: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
     NEAR: tl.constexpr, HAS_DOCS: tl.constexpr,
@@ -493,13 +493,13 @@ def _castle_bwd_kernel(
     # Far tiles first (I >= J + near, where P[J, I] = 0), then the near ones down to I = J.
     for step in range(0, last - first_near):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
-            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
             last - step, bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D,
             False, HAS_DOCS,
         )  # fmt: skip
     for step in range(0, first_near - j + 1):
         d_j, r_j, dkc, dvc, dqu = _bwd_tile(
-            QU, KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
+            KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu,
             first_near - step, bh, base, keys, doc_j, T, H, D, row_stride, window, scale, HAS_WINDOW, PREC, BLOCK,
             BLOCK_D, True, HAS_DOCS,
         )  # fmt: skip

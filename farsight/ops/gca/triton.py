@@ -571,7 +571,8 @@ def gca_triton(
     fp32 dots follow torch.get_float32_matmul_precision(). Saved for the backward: the inputs
     and a logsumexp [B, n, K, H, Lq]. block_q / block_s (powers of two >= 16) override the
     query-row and key-row tile sizes (default: the next power of two of Lq / S, at most 64, with
-    the rows past the last full query block, if few, as a small tile of that block).
+    the rows past the last full query block, if few, as a small tile: after that block in the
+    forward, a program of its own in the backward).
     """
     if q.device.type != "cuda" and not INTERPRETED:
         raise BackendUnavailableError(
