@@ -377,6 +377,42 @@ def _bwd_recompute(
 
 
 @triton.jit
+def _value_grads(qc_i, do_i, kc_j, d_j, prob, ds, e, dkc, dvc, scale, PREC: tl.constexpr):
+    """The products through the attention scores on tile (I, J): dkc and dvc of J updated, and
+    the part of dqc of I that does not go through P[J, I] (ds @ KC_J + e @ D_J^(I))."""
+    dt = qc_i.dtype
+    dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
+    dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
+    dqc_i = scale * tl.dot(ds.to(dt), kc_j, input_precision=PREC)
+    dqc_i += scale * tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
+    return dkc, dvc, dqc_i
+
+
+@triton.jit
+def _lookahead_grads(
+    rows, qc_i, ku_i, vu_i, qu_j, p, g, e, r_j, dqu, dqc_i, scale, PREC: tl.constexpr, NEAR: tl.constexpr
+):
+    """The products through the lookahead sums on tile (I, J): R_J and dqu of J updated and, on
+    near tiles, the gradients through P[J, I] and G_I of I: (r_j, dqu, dqc_i, dvu_i, dku_i),
+    with dqc_i's part added to the dqc_i given; dvu_i and dku_i are placeholders on far tiles."""
+    dt = qc_i.dtype
+    grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} = P[J, I] @ VU_I enters D_J^(I') for every I' > I
+    r_j = r_j + scale * tl.dot(tl.trans(e).to(dt), qc_i, input_precision=PREC)
+    dvu_i, dku_i = r_j, r_j  # placeholders on far tiles
+    if NEAR:
+        ep = scale * tl.where(rows[:, None] >= rows[None, :], tl.dot(e.to(dt), p.to(dt), input_precision=PREC), 0.0)
+        dqc_i += tl.dot(ep.to(dt), vu_i, input_precision=PREC)
+        dvu_i = tl.dot(tl.trans(p).to(dt), grad_y.to(dt), input_precision=PREC)
+        dvu_i += tl.dot(tl.trans(ep).to(dt), qc_i, input_precision=PREC)
+        dp = tl.dot(grad_y.to(dt), tl.trans(vu_i), input_precision=PREC)
+        dp += tl.dot(tl.trans(e).to(dt), g.to(dt), input_precision=PREC)
+        dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
+        dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
+        dku_i = scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC)
+    return r_j, dqu, dqc_i, dvu_i, dku_i
+
+
+@triton.jit
 def _bwd_tile(
     KU, VU, QC, dO, Lse, Delta, dQC, dVU, dKU, DocStart, qu_j, kc_j, vc_j, d_j, r_j, dkc, dvc, dqu, i,
     bh, base, keys, doc_j, T, H, D, row_stride, window, scale,
@@ -392,23 +428,11 @@ def _bwd_tile(
         KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
         row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
     )  # fmt: skip
-    dt = qc_i.dtype
-    dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
-    dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
-    dqc_i = scale * tl.dot(ds.to(dt), kc_j, input_precision=PREC)
-    dqc_i += scale * tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
-    grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} enters D_J^(I') for every I' > I
-    r_j = r_j + scale * tl.dot(tl.trans(e).to(dt), qc_i, input_precision=PREC)
+    dkc, dvc, dqc_i = _value_grads(qc_i, do_i, kc_j, d_j, prob, ds, e, dkc, dvc, scale, PREC)
+    r_j, dqu, dqc_i, dvu_i, dku_i = _lookahead_grads(
+        rows, qc_i, ku_i, vu_i, qu_j, p, g, e, r_j, dqu, dqc_i, scale, PREC, NEAR
+    )
     if NEAR:
-        ep = scale * tl.where(rows[:, None] >= rows[None, :], tl.dot(e.to(dt), p.to(dt), input_precision=PREC), 0.0)
-        dqc_i += tl.dot(ep.to(dt), vu_i, input_precision=PREC)
-        dvu_i = tl.dot(tl.trans(p).to(dt), grad_y.to(dt), input_precision=PREC)
-        dvu_i += tl.dot(tl.trans(ep).to(dt), qc_i, input_precision=PREC)
-        dp = tl.dot(grad_y.to(dt), tl.trans(vu_i), input_precision=PREC)
-        dp += tl.dot(tl.trans(e).to(dt), g.to(dt), input_precision=PREC)
-        dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
-        dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
-        dku_i = scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC)
         add_rows(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
         add_rows(dKU, base, i * BLOCK, T, D, row_stride, dku_i, BLOCK, BLOCK_D)
     add_rows(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
@@ -522,11 +546,8 @@ def _values_tile(
         KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
         row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
     )  # fmt: skip
-    dt = qc_i.dtype
-    dvc += tl.dot(tl.trans(prob).to(dt), do_i, input_precision=PREC)
-    dkc += scale * tl.dot(tl.trans(ds).to(dt), qc_i, input_precision=PREC)
-    dqc_i = tl.dot(ds.to(dt), kc_j, input_precision=PREC) + tl.dot(e.to(dt), d_j.to(dt), input_precision=PREC)
-    add_rows(dQC, base, i * BLOCK, T, D, row_stride, scale * dqc_i, BLOCK, BLOCK_D)
+    dkc, dvc, dqc_i = _value_grads(qc_i, do_i, kc_j, d_j, prob, ds, e, dkc, dvc, scale, PREC)
+    add_rows(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
     return d_j, dkc, dvc
 
 
@@ -544,30 +565,14 @@ def _lookahead_tile(
         KU, VU, QC, dO, Lse, Delta, DocStart, qu_j, kc_j, vc_j, d_j, i, bh, base, keys, doc_j, T, H, D,
         row_stride, window, scale, HAS_WINDOW, PREC, BLOCK, BLOCK_D, NEAR, HAS_DOCS,
     )  # fmt: skip
-    dt = qc_i.dtype
-    grad_y = r_j  # dL/dY_{J,I}: Y_{J,I} = P[J, I] @ VU_I enters D_J^(I') for every I' > I
-    r_j = r_j + scale * tl.dot(tl.trans(e).to(dt), qc_i, input_precision=PREC)
+    no_dqc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)  # this pass adds dqc's lookahead part alone
+    r_j, dqu, dqc_i, dvu_i, dku_i = _lookahead_grads(
+        rows, qc_i, ku_i, vu_i, qu_j, p, g, e, r_j, dqu, no_dqc, scale, PREC, NEAR
+    )
     if NEAR:
-        ep = scale * tl.where(rows[:, None] >= rows[None, :], tl.dot(e.to(dt), p.to(dt), input_precision=PREC), 0.0)
-        add_rows(dQC, base, i * BLOCK, T, D, row_stride, tl.dot(ep.to(dt), vu_i, input_precision=PREC), BLOCK, BLOCK_D)
-        dvu_i = tl.dot(tl.trans(p).to(dt), grad_y.to(dt), input_precision=PREC)
-        dvu_i += tl.dot(tl.trans(ep).to(dt), qc_i, input_precision=PREC)
+        add_rows(dQC, base, i * BLOCK, T, D, row_stride, dqc_i, BLOCK, BLOCK_D)
         add_rows(dVU, base, i * BLOCK, T, D, row_stride, dvu_i, BLOCK, BLOCK_D)
-        dp = tl.dot(grad_y.to(dt), tl.trans(vu_i), input_precision=PREC)
-        dp += tl.dot(tl.trans(e).to(dt), g.to(dt), input_precision=PREC)
-        dz = dp * p * (1.0 - p)  # p is 0 wherever masked, so the mask carries over
-        dqu += scale * tl.dot(dz.to(dt), ku_i, input_precision=PREC)
-        add_rows(
-            dKU,
-            base,
-            i * BLOCK,
-            T,
-            D,
-            row_stride,
-            scale * tl.dot(tl.trans(dz).to(dt), qu_j, input_precision=PREC),
-            BLOCK,
-            BLOCK_D,
-        )
+        add_rows(dKU, base, i * BLOCK, T, D, row_stride, dku_i, BLOCK, BLOCK_D)
     return d_j, r_j, dqu
 
 

@@ -347,23 +347,17 @@ def _gca_bwd_rows_kernel(
     b = bt // n_chunks
     q_block = tl.program_id(1)
     if TAIL > 0:
-        if q_block == tl.num_programs(1) - 1:
+        if q_block == tl.num_programs(1) - 1:  # the tail rows' own program
             _bwd_rows(
                 Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, main_rows, Lq,
                 m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, TAIL, BLOCK_S, BLOCK_D, ONE_TILE,
             )  # fmt: skip
-        else:
-            _bwd_rows(
-                Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, q_block * BLOCK_Q,
-                main_rows, m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, BLOCK_Q, BLOCK_S,
-                BLOCK_D, ONE_TILE,
-            )  # fmt: skip
-    else:
-        _bwd_rows(
-            Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, q_block * BLOCK_Q,
-            main_rows, m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, BLOCK_Q, BLOCK_S,
-            BLOCK_D, ONE_TILE,
-        )  # fmt: skip
+            return
+    _bwd_rows(
+        Q, K, V, KeyMask, Index, Weight, Lse, dO, dQ, dWPart, RowTerm, bt, b, h, q_block, q_block * BLOCK_Q,
+        main_rows, m_chunks, Lq, S, H, D, N_SLOTS, scale, HAS_KEY_MASK, DOT_PRECISION, BLOCK_Q, BLOCK_S,
+        BLOCK_D, ONE_TILE,
+    )  # fmt: skip
 
 
 @triton.jit
