@@ -172,6 +172,20 @@ def test_castle_under_autocast(backend, window, dtype) -> None:
     )
 
 
+@pytest.mark.triton
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
+@pytest.mark.parametrize("precision", ["autocast", "pure"])
+def test_castle_backward_in_passes_low_precision(precision, monkeypatch) -> None:
+    # The two-pass Triton backward (FARSIGHT_CASTLE_BACKWARD=passes) under bf16 autocast and in pure bf16.
+    import farsight.ops.castle.triton as castle_triton
+
+    monkeypatch.setattr(castle_triton, "BACKWARD", "passes")
+    bf16 = torch.bfloat16
+    inputs = castle_inputs() if precision == "autocast" else [x.bfloat16() for x in castle_inputs()]
+    autocast = {"autocast_dtype": bf16} if precision == "autocast" else {}
+    assert_matches_fp32(_castle("triton", 5), inputs, CASTLE_NAMES, bf16, RMS_RATIO[bf16], **autocast)
+
+
 def test_castle_recurrent_under_autocast() -> None:
     bf16 = torch.bfloat16
     fn = functools.partial(castle_recurrent, window=4)
@@ -270,9 +284,11 @@ def test_window_flex_low_precision_with_fp32_slopes(dtype) -> None:
     q, k, v, slopes = window_inputs()
     q, k, v = (x[..., :4].contiguous() for x in (q, k, v))  # eager FlexAttention wants a power-of-two d
     want = sliding_window_attention(q, k, v, WINDOW, slopes, backend="reference")
-    got = sliding_window_attention_flex(q.to(dtype), k.to(dtype), v.to(dtype), WINDOW, slopes, compile=False)
-    assert got.dtype == dtype
-    assert_close_rms("o", want, got, RMS_RATIO[dtype])
+    for block_size in (None, 16):  # the default tile, and one smaller than the inputs
+        low = (x.to(dtype) for x in (q, k, v))
+        got = sliding_window_attention_flex(*low, WINDOW, slopes, compile=False, block_size=block_size)
+        assert got.dtype == dtype
+        assert_close_rms("o", want, got, RMS_RATIO[dtype])
 
 
 def test_window_mixed_dtypes_need_autocast() -> None:

@@ -191,3 +191,15 @@ def test_flex_masks_match_reference_eagerly(b, tq, tk, h, d, window, alibi, padd
             q, k, v, window, slopes, key_padding_mask=mask, compile=False, block_size=block_size
         )
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [0, 24, 8, 64.0])
+def test_flex_block_size_must_be_a_power_of_two_tile(block_size):
+    from farsight.errors import InputError
+    from farsight.ops.window import flex_available, sliding_window_attention_flex
+
+    if not flex_available():
+        pytest.skip("this torch has no FlexAttention")
+    q, k, v = (x.detach() for x in _inputs(1, 8, 8, 1, 4, torch.float32))
+    with pytest.raises(InputError, match="block_size must be a power of two >= 16"):
+        sliding_window_attention_flex(q, k, v, 3, compile=False, block_size=block_size)

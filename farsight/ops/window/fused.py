@@ -31,6 +31,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from farsight.errors import InputError
 from farsight.ops.checks import compute_dtype
 from farsight.ops.documents import same_document
 
@@ -114,7 +115,9 @@ def sliding_window_attention_flex(
 
     tq, tk = q.shape[1], k.shape[1]
     offset = tk - tq
-    block_size = block_size or FLEX_BLOCK_SIZE
+    block_size = FLEX_BLOCK_SIZE if block_size is None else block_size
+    if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+        raise InputError(f"block_size must be a power of two >= 16 (FlexAttention's tile), got {block_size!r}")
     if key_padding_mask is None and document_ids is None:
         block_mask = _band_block_mask(tq, tk, window, q.device, compile, block_size)
     else:
