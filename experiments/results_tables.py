@@ -765,6 +765,99 @@ def ruler_multikey() -> list[str]:
     return lines
 
 
+RULER = "results/ruler"
+RULER_LENGTHS = (4096, 16384, 65536, 131072)
+RULER_MODELS = ("drt-x2", "drt-x1", "baselm-2l")
+# lm-eval's offline RULER tasks as experiments/ruler.sh runs them; ruler_fwe's family is held out of training
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_cwe", "ruler_fwe")
+RULER_HELD_OUT = ("ruler_fwe",)
+
+
+def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of per-item scores in [0, 1] and its 95% normal interval, clipped to [0, 1]."""
+    mean = statistics.fmean(scores)
+    half = z * statistics.stdev(scores) / math.sqrt(len(scores)) if len(scores) > 1 else 1.0
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
+def lm_eval_cell(path: str, task: str, length: int) -> str:
+    """A RULER score of an lm-eval results file, in %: a task scored 0 or 1 per item as `92
+    (81-97)` with its Wilson interval; a task with partial credit per item (cwe, fwe: the share
+    of the reference words found) as its mean with a normal interval from the items' scores in the
+    samples file beside it; `` where the file is missing, `n/a` where it holds no such task
+    (lm-eval cannot build it at that length)."""
+    if not (ROOT / path).exists():
+        return ""
+    if task not in record(path)["results"]:
+        return "n/a"
+    result = record(path)["results"][task]
+    score, items = result[f"{length},none"], result["sample_len"]
+    samples = ROOT / path.replace(".json", "-samples.jsonl")
+    scores = (
+        [r["scores"][str(length)] for r in jsonl(str(samples.relative_to(ROOT))) if r["task"] == task]
+        if samples.exists()
+        else None
+    )
+    if scores is not None and len(scores) != items:
+        raise ValueError(f"{samples} holds {len(scores)} items of {task}, its results {items}")
+    if scores is not None and any(s not in (0.0, 1.0) for s in scores):
+        mean, low, high = mean_interval(scores)
+        return f"{100 * mean:.0f} ({interval(low, high)})"
+    hits = round(score * items)
+    return f"{100 * hits / items:.0f} ({interval(*wilson(hits, items))})"
+
+
+@table(
+    "ruler-lm-eval",
+    "results/ruler/{drt-x2,drt-x1,baselm-2l}-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/ruler/drt-x2-hf-{4096,16384,65536,131072}.json",
+)
+def ruler_lm_eval() -> list[str]:
+    lines = header("model", "lm-eval model", "task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
+    for model in RULER_MODELS:
+        files = {n: f"{RULER}/{model}-lm-eval-{n}.json" for n in RULER_LENGTHS}
+        present = [path for path in files.values() if (ROOT / path).exists()]
+        if not present:
+            continue
+        for task in RULER_TASKS:
+            if not any(task in record(path)["results"] for path in present):
+                continue
+            label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
+            items = sorted(
+                {record(path)["results"][task]["sample_len"] for path in present if task in record(path)["results"]}
+            )
+            cells = (lm_eval_cell(files[n], task, n) for n in RULER_LENGTHS)
+            lines.append(row(code(model), "`farsight`", label, *cells, "/".join(map(str, items))))
+        if model == "drt-x2":
+            hf = {n: f"{RULER}/drt-x2-hf-{n}.json" for n in RULER_LENGTHS}
+            for task in RULER_TASKS:
+                done = [path for path in hf.values() if (ROOT / path).exists() and task in record(path)["results"]]
+                if done:
+                    items = sorted({record(path)["results"][task]["sample_len"] for path in done})
+                    cells = (lm_eval_cell(hf[n], task, n) for n in RULER_LENGTHS)
+                    lines.append(
+                        row(code("models/ruler-drt-x2"), "`hf`", f"`{task}`", *cells, "/".join(map(str, items)))
+                    )
+    return lines
+
+
+@table("ruler-passkey", "results/ruler/{drt-x2,drt-x1,baselm-2l}-{inspan,passkey}.json")
+def ruler_passkey() -> list[str]:
+    done = [model for model in RULER_MODELS if (ROOT / f"{RULER}/{model}-passkey.json").exists()]
+    lengths = sorted({n for model in done for n in by_length(f"{RULER}/{model}-passkey.json")})
+    lines = header("model", "in-span `niah_single_1` (4K, depth 1)", *(f"passkey {length_name(n)}" for n in lengths))
+    for model in done:
+        inspan = ROOT / f"{RULER}/{model}-inspan.json"
+        check = (
+            rate_cell(record(f"{RULER}/{model}-inspan.json")["tasks"]["niah_single_1"]["by_length"]["4096"])
+            if inspan.exists()
+            else "not run"
+        )
+        grid = by_length(f"{RULER}/{model}-passkey.json")
+        lines.append(row(code(model), check, *(rate_cell(grid.get(n)) for n in lengths)))
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 

@@ -55,6 +55,11 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
     add_dtype_argument(harness)
     harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
     add_json_output_argument(harness)
+    harness.add_argument(
+        "--samples",
+        help="write each item's target, the model's answer and its scores as JSON lines (lm-eval's logged "
+        "samples without the prompts, which RULER makes up to millions of characters long)",
+    )
     harness.set_defaults(func=_harness)
 
 
@@ -63,6 +68,7 @@ def _harness(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     check_output_file(args.out, "--out")
+    check_output_file(args.samples, "--samples")
     check_at_least(args, {"--batch-size": 1, "--num-fewshot": 0})
     if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0):
         raise InputError(f"--limit must be > 0, got {args.limit}")
@@ -82,8 +88,8 @@ def _harness(args: argparse.Namespace) -> int:
         raise MissingDependencyError(
             f"farsight eval harness needs lm-eval ({exc}); run: pip install farsight[eval]"
         ) from None
-    from farsight.eval.efficiency import write_json
-    from farsight.hf.harness import evaluate  # MissingDependencyError without transformers
+    from farsight.eval.efficiency import write_json, write_json_lines
+    from farsight.hf.harness import evaluate, sample_records  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     results = evaluate(
@@ -98,11 +104,16 @@ def _harness(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         align_context=args.align_context,
         metadata=metadata,
+        log_samples=args.samples is not None,
     )
+    samples = results.pop("samples", None)
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
-    write_json(args.out, results, default=handle_non_serializable)
+    # which model and dtype, as farsight's own evaluations record them (a model card checks the model)
+    write_json(args.out, {**results, "model": args.model, "dtype": args.dtype}, default=handle_non_serializable)
+    if args.samples is not None:
+        write_json_lines(args.samples, sample_records(samples or {}), default=handle_non_serializable)
     return 0
 
 

@@ -64,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         nargs="+",
         default=[],
         metavar="JSON",
-        help="with --card: results files (`farsight eval ... --out`) to tabulate",
+        help="with --card: results files (`farsight eval ... --out`) to tabulate, and answers files (`farsight eval harness --samples`, .jsonl) to quote",
     )
     export.add_argument(
         "--sample",

@@ -108,18 +108,124 @@ def _is_ppl_entry(entry: Any) -> bool:
     )
 
 
-def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
-    """Markdown for a results file: a needle summary (`farsight eval passkey ... --out`) measured
-    on one of `names` (resolved path -> how the card calls it), or the rows of a perplexity file
-    (`farsight eval ppl ... --out`) that belong to them."""
-    path = Path(path)
-    results = _read_results(path)
-    if _is_needle_summary(results):
-        model = results.get("model")
-        if model is not None and Path(model).resolve() not in names:
-            raise InputError(
-                f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}"
+def _is_lm_eval(results: dict[str, Any]) -> bool:
+    """An lm-eval results file, as `farsight eval harness --out` writes it."""
+    return "lm_eval_version" in results and isinstance(results.get("results"), dict)
+
+
+def _check_measured_on(path: Path, results: dict[str, Any], names: dict[Path, str]) -> None:
+    """Refuse a results file whose recorded model is not one of `names`."""
+    model = results.get("model")
+    if model is not None and Path(model).resolve() not in names:
+        raise InputError(
+            f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}"
+        )
+
+
+def lm_eval_rows(results: dict[str, Any]) -> list[dict[str, str]]:
+    """A row per task and metric of an lm-eval results file: the score, its standard error where
+    lm-eval gives one, and the items scored. RULER's tasks name their metric by length and score
+    the lengths an item was not built for as -1; those are left out."""
+    rows = []
+    for task, metrics in sorted(results["results"].items()):
+        items = (results.get("n-samples", {}).get(task) or {}).get("effective", "-")
+        for key, value in metrics.items():
+            metric, comma, filter_name = key.partition(",")  # lm-eval names a score "metric,filter"
+            if not comma or not isinstance(value, (int, float)) or metric.endswith("_stderr") or value == -1:
+                continue
+            error = metrics.get(f"{metric}_stderr,{filter_name}")
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "score": f"{value:.3f}",
+                    "± s.e.": f"{error:.3f}" if isinstance(error, (int, float)) else "-",
+                    "items": str(items),
+                }
             )
+    return rows
+
+
+# items of each task an answers file shows in a card, and the characters of each answer
+CARD_ANSWERS_PER_TASK = 2
+CARD_ANSWER_CHARS = 80
+
+
+def answers_section(path: Path) -> list[str]:
+    """Markdown for an answers file (`farsight eval harness --samples`, JSON lines): the first
+    items of each task with their target, the model's answer (cut to CARD_ANSWER_CHARS
+    characters) and their scores."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(
+            f"cannot read answers file {path} ({exc}); pass a file written by `farsight eval harness --samples`"
+        ) from exc
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"{path} line {number} is not JSON ({exc.msg}); pass a file written by `farsight eval harness --samples`"
+            ) from None
+        if not isinstance(record, dict) or not {"task", "target", "answer", "scores"} <= record.keys():
+            raise InputError(
+                f"{path} line {number} is not an item's record (task, target, answer, scores); pass a file written by "
+                "`farsight eval harness --samples`"
+            )
+        records.append(record)
+    shown: dict[str, int] = {}
+    rows = []
+    for record in records:
+        if shown.get(record["task"], 0) == CARD_ANSWERS_PER_TASK:
+            continue
+        shown[record["task"]] = shown.get(record["task"], 0) + 1
+        answer = str(record["answer"])
+        cut = answer[:CARD_ANSWER_CHARS] + ("…" if len(answer) > CARD_ANSWER_CHARS else "")
+        rows.append(
+            {
+                "task": record["task"],
+                "length": str(record.get("length") or "-"),
+                "target": json.dumps(record["target"]),
+                "answer": "`" + json.dumps(cut, ensure_ascii=False)[1:-1].replace("`", "'").replace("|", "\\|") + "`",
+                # RULER scores the lengths an item was not built for as -1
+                "scores": ", ".join(f"{k} {v}" for k, v in record["scores"].items() if v != -1),
+            }
+        )
+    head = (
+        f"**answers** (`{path.name}`): the first {CARD_ANSWERS_PER_TASK} items of each task, as the model wrote them."
+    )
+    return [head, "", format_table(rows, ["task", "length", "target", "answer", "scores"], markdown=True), ""]
+
+
+def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
+    """Markdown for a results file: a needle summary (`farsight eval passkey ... --out`) or an
+    lm-eval results file (`farsight eval harness ... --out`) measured on one of `names` (resolved
+    path -> how the card calls it), the rows of a perplexity file (`farsight eval ppl ...
+    --out`) that belong to them, or the first answers of an answers file (`farsight eval harness
+    --samples`, .jsonl)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        return answers_section(path)
+    results = _read_results(path)
+    if _is_lm_eval(results):
+        _check_measured_on(path, results, names)
+        head = (
+            f"**lm-eval {results['lm_eval_version']}** (`{path.name}`): run through `farsight eval harness`"
+            + (f" in {results['dtype']}" if results.get("dtype") else "")
+            + "; RULER's metric is the item's length in tokens."
+        )
+        return [
+            head,
+            "",
+            format_table(lm_eval_rows(results), ["task", "metric", "score", "± s.e.", "items"], markdown=True),
+            "",
+        ]
+    if _is_needle_summary(results):
+        _check_measured_on(path, results, names)
         haystack = (
             f"text of {results.get('corpus')} ({results.get('split')} split)"
             if results.get("filler", "corpus") == "corpus"
@@ -159,7 +265,8 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
             )
         return lines
     raise InputError(
-        f"{path} is neither a needle summary nor a perplexity file; pass files written by `farsight eval passkey|multikey|niah2hop|ppl ... --out`"
+        f"{path} is neither a needle summary, an lm-eval results file nor a perplexity file; pass files written by "
+        "`farsight eval passkey|multikey|niah2hop|ppl|harness ... --out`"
     )
 
 

@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,17 @@ def write_json(path: str | os.PathLike | None, payload: dict, default: Callable[
         with new_folders_for(path), reported_write(path):
             atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         logger.info(f"wrote {path}")
+
+
+def write_json_lines(
+    path: str | os.PathLike, records: Iterable[dict], default: Callable[[Any], Any] | None = None
+) -> None:
+    """Write records as JSON lines, one object a line, atomically like write_json."""
+    path = Path(path)
+    text = "".join(json.dumps(record, default=default) + "\n" for record in records)
+    with new_folders_for(path), reported_write(path):
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    logger.info(f"wrote {path}")
 
 
 def machine_description() -> dict:

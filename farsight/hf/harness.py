@@ -18,11 +18,16 @@ from an aligned prompt, as `generate` does.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import random
+import statistics
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import yaml
 from lm_eval.api.model import TemplateLM
@@ -304,6 +309,76 @@ def task_manager(tasks: Sequence[str], include_path: str | None = None, metadata
     return TaskManager(include_path=include_path, metadata=metadata)
 
 
+# the few-shot example lm-eval's ruler_vt builds for every length, in tokens
+RULER_VT_EXAMPLE_TOKENS = 500
+# random draws of an item's smallest form that the check below measures
+RULER_FIT_DRAWS = 8
+
+
+def check_ruler_items_fit(tasks: Sequence[str], task_kwargs: dict[str, Any]) -> None:
+    """Refuse (InputError, one line) lm-eval RULER tasks whose smallest items do not fit, with
+    the tokenizer the tasks will use, before lm-eval spends the evaluation on them. `ruler_vt`
+    shrinks its few-shot example until it fits in 500 tokens and retries forever when its
+    smallest does not; `ruler_cwe` sizes its items by one draw of its smallest (10 words) and, when
+    that exceeds the length, builds items with no words, which lm-eval fails to score after the
+    whole run. A byte-level tokenizer never fits vt and needs about 7K tokens for cwe at 4K.
+    `task_kwargs` is what the tasks receive (the tokenizer under `tokenizer` or `pretrained`, the
+    lengths under `max_seq_lengths`); `ruler` is the group of both."""
+    wanted = set(tasks)
+    vt, cwe = bool(wanted & {"ruler", "ruler_vt"}), bool(wanted & {"ruler", "ruler_cwe"})
+    if not (vt or cwe):
+        return
+    from lm_eval.tasks.ruler import common_utils, cwe_utils, vt_utils
+
+    tokenizer = common_utils.get_tokenizer(common_utils.resolve_tokenizer_name(task_kwargs))
+    lengths = task_kwargs.get("max_seq_lengths", common_utils.DEFAULT_SEQ_LENGTHS)
+
+    def tokens(text: str) -> int:
+        return len(tokenizer(text).input_ids)
+
+    def cwe_tokens(length: int) -> int:
+        example, item, answer = cwe_utils.generate_input_output(10, length)
+        return tokens(example + "\n" + item + " " + " ".join(f"{i + 1}. {word}" for i, word in enumerate(answer)))
+
+    # the generators draw from the global random states: leave them as they were
+    random_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # vt_utils prints as it shrinks
+            # vt's smallest example: one chain of 4 hops in 5 noise lines; lm-eval retries until one fits
+            vt_need = (
+                min(tokens(vt_utils.generate_input_output(5, 1, 4, is_icl=True)[0]) for _ in range(RULER_FIT_DRAWS))
+                + vt_utils.CONFIG["variable_tracking"]["tokens_to_generate"]
+                if vt
+                else 0
+            )
+            # cwe sizes its items by one draw of its 10-word item with its few-shot example and
+            # the answer as lm-eval measures it, and the 120 tokens it leaves to generate
+            cwe_need = (
+                {
+                    length: statistics.median(cwe_tokens(length) for _ in range(RULER_FIT_DRAWS)) + 120
+                    for length in lengths
+                }
+                if cwe
+                else {}
+            )
+    finally:
+        random.setstate(random_state)
+        np.random.set_state(numpy_state)
+    if vt_need > RULER_VT_EXAMPLE_TOKENS:
+        raise InputError(
+            f"lm-eval's ruler_vt cannot build its items with this tokenizer: its few-shot example takes {vt_need} "
+            f"tokens at its smallest, over the {RULER_VT_EXAMPLE_TOKENS} lm-eval builds it in (it would retry "
+            "forever); leave ruler_vt out, or name a tokenizer with more characters a token in --metadata"
+        )
+    for length, need in cwe_need.items():
+        if need > length:
+            raise InputError(
+                f"lm-eval's ruler_cwe cannot build items of {length} tokens with this tokenizer: its smallest takes "
+                f"about {need:.0f} (lm-eval would build them with no words and fail to score them); leave it out "
+                "at that length"
+            )
+
+
 class _TolerantLoader(yaml.SafeLoader):
     """Safe YAML that reads lm-eval's `!function NAME` tags as plain strings (nothing is imported)."""
 
@@ -379,6 +454,7 @@ def evaluate(
     # the tasks load the tokenizer from this path: a run's newest checkpoint is a model directory, the run is not
     directory = resolve_model_dir(pretrained)
     manager = task_manager(tasks, include_path, {"pretrained": str(directory), **(metadata or {})})
+    check_ruler_items_fit(tasks, {"pretrained": str(directory), **(metadata or {})})
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f"in {include_path} or " if include_path else ""
@@ -402,3 +478,22 @@ def evaluate(
         task_manager=manager,
         log_samples=log_samples,
     )
+
+
+def sample_records(samples: dict[str, list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
+    """lm-eval's logged samples (`simple_evaluate(log_samples=True)["samples"]`, task -> items) as
+    one small record per item: the task, the item's id and length (RULER's `max_length`), the
+    target, the model's answer after lm-eval's filters, and each of the item's scores. The prompt is
+    left out: RULER's run to millions of characters."""
+    for task, items in samples.items():
+        for item in items:
+            answers = item.get("filtered_resps") or [None]
+            doc = item.get("doc") or {}
+            yield {
+                "task": task,
+                "doc_id": item.get("doc_id"),
+                "length": doc.get("max_length"),
+                "target": item.get("target"),
+                "answer": answers[0] if len(answers) == 1 else answers,
+                "scores": {name: item[name] for name in item.get("metrics", []) if name in item},
+            }

@@ -174,15 +174,76 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
         model_card(ft, "my-drt", [other])  # read before any model is at hand
 
 
+def lm_eval_results(model: str) -> dict:
+    """What `farsight eval harness --out` writes for RULER at 4K (trimmed to what a card reads)."""
+    return {
+        "results": {
+            "niah_single_1": {
+                "alias": "niah_single_1",
+                "sample_len": 50,
+                "4096,none": 0.92,
+                "4096_stderr,none": "N/A",
+                "16384,none": -1,
+            },
+            "farsight_passkey_mc": {"acc,none": 0.5, "acc_stderr,none": 0.25},
+        },
+        "n-samples": {
+            "niah_single_1": {"original": 500, "effective": 50},
+            "farsight_passkey_mc": {"original": 3, "effective": 3},
+        },
+        "lm_eval_version": "0.4.13",
+        "model": model,
+        "dtype": "bf16",
+    }
+
+
+def test_the_card_tabulates_lm_eval_results_of_this_model(project, tmp_path):
+    ft = project / "runs" / "ft"
+    card = model_card(ft, "my-drt", [write(tmp_path / "h.json", lm_eval_results(str(ft)))])(load_model(ft))
+    assert "**lm-eval 0.4.13** (`h.json`): run through `farsight eval harness` in bf16" in card
+    assert "| farsight_passkey_mc | acc | 0.500 | 0.250 | 3 |" in card
+    assert "| niah_single_1 | 4096 | 0.920 | - | 50 |" in card and "16384" not in card  # -1: built for another length
+    assert "sample_len" not in card  # RULER's count of items, not a score
+    answers = tmp_path / "h-samples.jsonl"
+    items = [
+        {
+            "task": "niah_single_1",
+            "doc_id": i,
+            "length": 4096,
+            "target": [f"{i}"],
+            "answer": f" {i}|`" + "x" * 100,
+            "scores": {"4096": 1.0, "16384": -1},
+        }
+        for i in range(3)
+    ]
+    answers.write_text("".join(json.dumps(item) + "\n" for item in items))
+    card = model_card(ft, "my-drt", [answers])(load_model(ft))
+    assert "**answers** (`h-samples.jsonl`): the first 2 items of each task" in card
+    assert '| niah_single_1 | 4096 | ["0"] | ` 0\\|\'' + "x" * 76 + "…` | 4096 1.0 |" in card
+    assert '["2"]' not in card  # two items a task
+    answers.write_text('{"task": "t"}\n')
+    with pytest.raises(InputError, match="line 1 is not an item's record"):
+        model_card(ft, "my-drt", [answers])
+    other = write(tmp_path / "o.json", lm_eval_results("runs/unrelated"))
+    with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):
+        model_card(ft, "my-drt", [other])
+
+
 @pytest.mark.parametrize(
     "payload, problem",
     [
         ("[]", "holds a JSON list"),
         ('"text"', "holds a JSON str"),
         ("{", "cannot read results file"),
-        ('{"results": [1]}', "neither a needle summary nor a perplexity file"),
-        ('{"results": {"lm-eval": {"acc": 0.5}}}', "neither a needle summary nor a perplexity file"),
-        ('{"task": "passkey", "by_length": {"1024": {"trials": 5}}}', "neither a needle summary nor a perplexity file"),
+        ('{"results": [1]}', "neither a needle summary, an lm-eval results file nor a perplexity file"),
+        (
+            '{"results": {"lm-eval": {"acc": 0.5}}}',
+            "neither a needle summary, an lm-eval results file nor a perplexity file",
+        ),
+        (
+            '{"task": "passkey", "by_length": {"1024": {"trials": 5}}}',
+            "neither a needle summary, an lm-eval results file nor a perplexity file",
+        ),
     ],
 )
 def test_results_of_another_shape_are_named(project, tmp_path, payload, problem):

@@ -133,6 +133,30 @@ def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, ta
     assert json.loads(out.read_text())["results"]["farsight_passkey_mc"] == pytest.approx(
         python["results"]["farsight_passkey_mc"]
     )
+    written = json.loads(out.read_text())
+    assert (written["model"], written["dtype"]) == (str(tiny_drt_dir), "fp32")  # what a model card checks
+
+
+def test_eval_harness_samples_hold_each_items_target_answer_and_score(tiny_drt_dir, tasks, tmp_path, capsys):
+    samples = tmp_path / "deep" / "samples.jsonl"
+    argv = ["eval", "harness", "--model", str(tiny_drt_dir), "--include-path", str(tasks)]
+    code = main([*argv, "--tasks", "farsight_passkey_gen,farsight_passkey_mc", "--samples", str(samples)])
+    assert code == 0
+    assert "farsight_passkey_gen" in (out := capsys.readouterr().out) and "doc_id" not in out
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    generated = sorted((r for r in records if r["task"] == "farsight_passkey_gen"), key=lambda r: r["doc_id"])
+    assert [r["doc_id"] for r in generated] == [0, 1, 2]
+    model, tokenizer = load_model(tiny_drt_dir).eval(), load_tokenizer(tiny_drt_dir)
+    for r, doc in zip(generated, DOCS):
+        assert r["target"] == f" {doc['passkey']}"
+        context = PROMPT.replace("{{context}}", doc["context"])
+        assert r["answer"] == greedy_text_by_hand(model, tokenizer, context)
+        assert r["scores"] == {"exact_match": float(r["answer"] == r["target"])}
+    chosen = [r for r in records if r["task"] == "farsight_passkey_mc"]
+    assert len(chosen) == 3 and all(set(r["scores"]) == {"acc"} and len(r["answer"]) == 4 for r in chosen)
+    # a folder where the file should go is refused before anything runs
+    assert main([*argv, "--tasks", "farsight_passkey_gen", "--samples", str(tmp_path)]) == 2
+    assert "--samples" in capsys.readouterr().err
 
 
 def test_eval_harness_align_context_reaches_the_model(tiny_drt_dir, tasks, monkeypatch):
@@ -305,6 +329,33 @@ def test_eval_harness_metadata_reaches_the_tasks_with_the_models_tokenizer(tiny_
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_drt_dir))  # what RULER's generators do with it
     assert tokenizer("The quick brown fox").input_ids
+
+
+def test_eval_harness_refuses_ruler_tasks_whose_smallest_items_do_not_fit(tiny_drt_dir, capsys):
+    """lm-eval's ruler_vt shrinks its few-shot example until it fits in 500 tokens and retries
+    forever when the smallest does not, which in byte tokens it never does; ruler_cwe at 4K builds
+    items with no words when its 10-word item does not fit (about 7K byte tokens) and fails to
+    score them at the end. Both refused in one line before lm-eval starts, alone or in the `ruler`
+    group, leaving the random states lm-eval draws its items from as they were."""
+    import random
+
+    import numpy as np
+
+    from farsight.hf.harness import check_ruler_items_fit
+
+    argv = ["eval", "harness", "--model", str(tiny_drt_dir), "--metadata"]
+    assert main([*argv, '{"max_seq_lengths": [131072]}', "--tasks", "niah_single_1,ruler_vt"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ruler_vt" in err and "500" in err and len(err.splitlines()) == 1
+    assert main([*argv, '{"max_seq_lengths": [16384, 4096]}', "--tasks", "ruler_cwe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ruler_cwe cannot build items of 4096 tokens" in err and len(err.splitlines()) == 1
+    states = random.getstate(), np.random.get_state()[1].copy()
+    with pytest.raises(farsight.errors.InputError, match="ruler_vt"):
+        check_ruler_items_fit(["ruler"], {"pretrained": str(tiny_drt_dir), "max_seq_lengths": [131072]})
+    assert random.getstate() == states[0] and (np.random.get_state()[1] == states[1]).all()
+    # what fits passes: cwe from 16K on, and the tasks with nothing to check
+    check_ruler_items_fit(["ruler_cwe", "niah_single_1"], {"pretrained": str(tiny_drt_dir), "max_seq_lengths": [16384]})
 
 
 def test_eval_harness_on_a_training_run_names_its_newest_checkpoint_to_the_tasks(

@@ -29,7 +29,7 @@ from farsight.models.io import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = [REPO / "models" / "demo-drt", REPO / "models" / "passkey-drt"]
+SHIPPED = sorted(path for path in (REPO / "models").iterdir() if path.is_dir())  # every model the repository ships
 FILES = (CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", HF_SHIM_FILE)
 
 
@@ -45,7 +45,7 @@ def test_auto_map_names_the_classes_of_each_model_type():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_models_carry_the_shim_auto_map_and_stored_dtype(path):
     meta = read_model_meta(path)
-    assert meta["auto_map"] == hf_entries("drt", None)["auto_map"]
+    assert meta["auto_map"] == hf_entries(meta["model_type"], None)["auto_map"]
     assert meta["dtype"] == str(stored_dtype(path)).removeprefix("torch.")
     assert (path / HF_SHIM_FILE).read_text() == HF_SHIM
     assert set(verify_model_dir(path)) == set(FILES)  # checksums.json lists every file, and they match
