@@ -48,7 +48,7 @@ for model in "${MODELS[@]}"; do
     # the in-span check: farsight's niah_single_1 with the needle right before the question
     # (depth 1), within every model's reach, so that a baseline's misses further out are its reach
     [ -f "$OUT/$model-inspan.json" ] || $F eval ruler --model "runs/lm/ruler/$model" --tasks niah_single_1 \
-        --haystack noise --lengths 4k --depths 1 --trials 50 --dtype bf16 --out "$OUT/$model-inspan.json"
+        --haystack noise --lengths 4k --depths 1 --trials 50 --align 1 --dtype bf16 --out "$OUT/$model-inspan.json"
     # the passkey from 1K to 1M tokens, in the corpus's held-out text
     [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" \
         --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
