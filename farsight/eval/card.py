@@ -4,6 +4,7 @@ trained, stage by stage along its train.init_from chain, and the results measure
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,12 +178,12 @@ def answers_section(path: Path) -> list[str]:
                 "`farsight eval harness --samples`"
             )
         records.append(record)
-    shown: dict[str, int] = {}
+    shown: Counter[str] = Counter()
     rows = []
     for record in records:
-        if shown.get(record["task"], 0) == CARD_ANSWERS_PER_TASK:
+        if shown[record["task"]] == CARD_ANSWERS_PER_TASK:
             continue
-        shown[record["task"]] = shown.get(record["task"], 0) + 1
+        shown[record["task"]] += 1
         answer = str(record["answer"])
         cut = answer[:CARD_ANSWER_CHARS] + ("…" if len(answer) > CARD_ANSWER_CHARS else "")
         rows.append(

@@ -212,27 +212,27 @@ def format_table(rows: list[dict], columns: list[str], markdown: bool = False) -
     return "\n".join(lines)
 
 
+def _write_text(path: Path, text: str) -> None:
+    """Write text to path: parent folders made as needed, atomically (a failed write leaves an
+    earlier file as it was)."""
+    with new_folders_for(path), reported_write(path):
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    logger.info(f"wrote {path}")
+
+
 def write_json(path: str | os.PathLike | None, payload: dict, default: Callable[[Any], Any] | None = None) -> None:
     """Write payload as indented JSON (parent folders made as needed; atomically, so a failed
     write leaves an earlier file as it was); nothing when path is None. `default` serialises
     what json cannot (json.dumps's argument)."""
     if path:
-        path = Path(path)
-        text = json.dumps(payload, indent=2, default=default) + "\n"
-        with new_folders_for(path), reported_write(path):
-            atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-        logger.info(f"wrote {path}")
+        _write_text(Path(path), json.dumps(payload, indent=2, default=default) + "\n")
 
 
 def write_json_lines(
     path: str | os.PathLike, records: Iterable[dict], default: Callable[[Any], Any] | None = None
 ) -> None:
-    """Write records as JSON lines, one object a line, atomically like write_json."""
-    path = Path(path)
-    text = "".join(json.dumps(record, default=default) + "\n" for record in records)
-    with new_folders_for(path), reported_write(path):
-        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-    logger.info(f"wrote {path}")
+    """Write records as JSON lines, one object a line, as write_json writes (atomically)."""
+    _write_text(Path(path), "".join(json.dumps(record, default=default) + "\n" for record in records))
 
 
 def machine_description() -> dict:

@@ -352,10 +352,11 @@ def check_ruler_items_fit(tasks: Sequence[str], task_kwargs: dict[str, Any]) -> 
                 else 0
             )
             # cwe sizes its items by one draw of its 10-word item with its few-shot example and
-            # the answer as lm-eval measures it, and the 120 tokens it leaves to generate
+            # the answer as lm-eval measures it, and the tokens it leaves to generate
             cwe_need = (
                 {
-                    length: statistics.median(cwe_tokens(length) for _ in range(RULER_FIT_DRAWS)) + 120
+                    length: statistics.median(cwe_tokens(length) for _ in range(RULER_FIT_DRAWS))
+                    + cwe_utils.CONFIG["tokens_to_generate"]
                     for length in lengths
                 }
                 if cwe
@@ -453,8 +454,9 @@ def evaluate(
         check_task_data(include_path, tasks)
     # the tasks load the tokenizer from this path: a run's newest checkpoint is a model directory, the run is not
     directory = resolve_model_dir(pretrained)
-    manager = task_manager(tasks, include_path, {"pretrained": str(directory), **(metadata or {})})
-    check_ruler_items_fit(tasks, {"pretrained": str(directory), **(metadata or {})})
+    task_kwargs = {"pretrained": str(directory), **(metadata or {})}
+    check_ruler_items_fit(tasks, task_kwargs)  # before lm-eval's task index, which takes seconds to build
+    manager = task_manager(tasks, include_path, task_kwargs)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         where = f"in {include_path} or " if include_path else ""
