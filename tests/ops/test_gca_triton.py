@@ -176,7 +176,7 @@ def _flash_style_fp32(q, k, v, index, weight, softmax_one=True):
         scores = torch.einsum("bnqhd,bnshd->bnhqs", qs, k[rows, chunk])
         lse = torch.logsumexp(scores, -1, keepdim=True)
         if softmax_one:
-            lse = torch.logaddexp(lse, torch.zeros((), dtype=lse.dtype))
+            lse = torch.logaddexp(lse, lse.new_zeros(()))
         w = torch.where(index[:, :, j] >= 0, weight[:, :, j], 0)[:, :, None, None, None]
         out = out + torch.einsum("bnhqs,bnshd->bnqhd", (scores - lse).exp() * w, v[rows, chunk])
     return out
