@@ -238,7 +238,12 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
             "chunk boundary": "question padded to end on a chunk boundary",
             "no chunks": "question wherever the sample puts it (the model has no chunks)",
         }.get(offsets, f"question at {offsets}")
-        head = f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}, {where}, run in {results.get('dtype')}."
+        depths = sorted({cell["depth"] for cell in results.get("by_cell", []) if "depth" in cell})
+        at = f", needle at depth {', '.join(f'{d:g}' for d in depths)}" if depths else ""
+        head = (
+            f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}{at}, {where}, "
+            f"run in {results.get('dtype')}."
+        )
         return [head, "", results_table(results, markdown=True), ""]
     if isinstance(results.get("results"), dict) and all(_is_ppl_entry(e) for e in results["results"].values()):
         lines = []
@@ -305,6 +310,21 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
     return lines
 
 
+def training_time(stage: Stage) -> str:
+    """A stage's minutes of training (the logged intervals: start-up and evaluation left out) and
+    where it ran: the device its metrics logged, else its config's train.device unless "auto"."""
+    hours = stage.record["train_hours"]
+    device = stage.record["device"] or (stage.config.train.device if stage.config.train.device != "auto" else None)
+    if hours is None:
+        time = "-"
+    elif hours >= 1:
+        time = f"{hours:.1f} h"
+    else:
+        minutes, seconds = divmod(round(hours * 3600), 60)
+        time = f"{minutes} min {seconds} s"
+    return time if device is None else f"{time} on {device}"
+
+
 def model_card(
     source: str | Path,
     name: str,
@@ -332,13 +352,16 @@ def model_card(
     training = ["## Training", ""]
     if origin is not None:
         training += [f"Stage 1 started from the weights of `{origin}`, whose training is not described here.", ""]
-    training += ["| stage | run | data | steps | tokens | precision | held-out loss |", "|---|---|---|---|---|---|---|"]
+    training += [
+        "| stage | run | data | steps | tokens | precision | training time | held-out loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for number, stage in enumerate(stages, 1):
         record = stage.record
         val = f"{record['val_loss']:.4f} (step {record['val_step']})" if record["val_loss"] is not None else "-"
         training.append(
             f"| {number} | `{stage.run.name}` | {describe_data(stage.config.data, record['steps'])} | {record['steps']} "
-            f"| {(record['tokens'] or 0) / 1e6:.2f}M | {record['precision'] or '-'} | {val} |"
+            f"| {(record['tokens'] or 0) / 1e6:.2f}M | {record['precision'] or '-'} | {training_time(stage)} | {val} |"
         )
     optim = stages[-1].config.optim.to_dict()
     training += [

@@ -32,7 +32,7 @@ def architecture(config: Any) -> str:
 
 
 def training_record(records: list[dict[str, Any]], until: int | None = None) -> dict[str, Any]:
-    """Steps, tokens, last train and held-out loss, precision, hours and tokens/s from a run's
+    """Steps, tokens, last train and held-out loss, precision, device, hours and tokens/s from a run's
     metrics.jsonl records up to step `until` (all without it). Time and speed come from the logged
     intervals, so a run resumed across sessions counts only its training."""
     kept = [r for r in records if until is None or r.get("step", 0) <= until]
@@ -45,6 +45,7 @@ def training_record(records: list[dict[str, Any]], until: int | None = None) -> 
         "val_loss": val[-1]["val_loss"] if val else None,
         "val_step": val[-1]["step"] if val else None,
         "precision": train[-1].get("precision") if train else None,
+        "device": train[-1].get("device") if train else None,  # None in runs that did not log it
     }
     # tokens_per_s is the speed over the interval since the previous record of the same session
     seconds, previous = 0.0, 0

@@ -181,6 +181,11 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
+def device_name(device: torch.device) -> str:
+    """What a run's metrics record as its device: the GPU's name, or the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 class _StopRequest:
     """First Ctrl-C/SIGTERM asks the loop to checkpoint and stop; a second one aborts at once."""
 
@@ -742,6 +747,7 @@ class Trainer:
                             "real_tokens_per_s": real_last / max(elapsed, 1e-9),
                             "rss_mb": current_rss_bytes() / 2**20,
                             "precision": self.precision.name,
+                            "device": device_name(self.device),
                         }
                         if self.real_tokens_seen is not None:
                             record["real_tokens"] = self.real_tokens_seen

@@ -36,9 +36,10 @@ NEEDLE = {
 }
 
 
-def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
-    """A training run: config.yaml (out_dir as written in it), metrics.jsonl with 100 tokens per
-    step logged every 10 steps to `logged`, and checkpoints at the steps given."""
+def make_run(root, out_dir, data, checkpoints, logged, init_from=None, device="auto", logged_device=None):
+    """A training run: config.yaml (out_dir and train.device as written in it), metrics.jsonl with
+    100 tokens per step at 1,000 tokens/s logged every 10 steps to `logged` (with `logged_device`
+    as the device, when given), and checkpoints at the steps given."""
     model = DRTForCausalLM(DRTConfig(**{k: v for k, v in CONFIG.items() if k != "type"}))
     for step in checkpoints:
         model.save_pretrained(root / "checkpoints" / f"step_{step:08d}")
@@ -47,7 +48,7 @@ def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
         "model": CONFIG,
         "data": data,
         "optim": {"lr": 0.001},
-        "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from},
+        "train": {"steps": logged, "out_dir": out_dir, "init_from": init_from, "device": device},
     }
     (root / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     records = []
@@ -59,7 +60,8 @@ def make_run(root, out_dir, data, checkpoints, logged, init_from=None):
                 "tokens": step * 100,
                 "tokens_per_s": 1000.0,
                 "precision": "bf16-mixed",
-            },
+            }
+            | ({} if logged_device is None else {"device": logged_device}),
             {"step": step, "val_loss": 3.0 - step / 1000},
         ]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -78,8 +80,17 @@ def project(tmp_path, monkeypatch):
         {"kind": "tokens", "path": "data/lm-byte", "seq_len": 4096, "batch_size": 4},
         [40, 80],
         90,
+        device="cuda",
     )
-    make_run(root / "runs" / "ft", "runs/ft", dict(NEEDLE), [20], 20, init_from="runs/lm/checkpoints/step_00000040")
+    make_run(
+        root / "runs" / "ft",
+        "runs/ft",
+        dict(NEEDLE),
+        [20],
+        20,
+        init_from="runs/lm/checkpoints/step_00000040",
+        logged_device="cpu",
+    )
     monkeypatch.chdir(tmp_path)
     return root
 
@@ -146,9 +157,11 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
     card = model_card(ft, "my-drt", files, weights_dtype="bf16")(load_model(ft))
     assert "trained on 0.0M tokens in 2 stages, weights stored in bf16" in card
     assert (
-        "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed | 2.9600 (step 40) |"
-        in card
+        "| 1 | `lm` | language modelling on `data/lm-byte`, 4 windows of 4,096 tokens per step | 40 | 0.00M | bf16-mixed "
+        "| 0 min 4 s on cuda | 2.9600 (step 40) |" in card
     )
+    # 2,000 tokens at 1,000 tokens/s, on the device the metrics logged (its config says auto)
+    assert "| 20 | 0.00M | bf16-mixed | 0 min 2 s on cpu | 2.9800 (step 20) |" in card
     # the curriculum's 1K stage starts at step 100, after the 20 steps trained; answer weight: the default
     assert (
         "needle tasks (passkey 2, multikey 1) in haystacks of text of `data/lm-byte`, lengths 128 → 512 tokens, answer tokens weighted 10x"
@@ -158,11 +171,14 @@ def test_the_card_describes_each_stage_and_only_this_models_results(project, tmp
     assert (
         "haystacks of text of data/lm-byte (val split), question padded to end on a chunk boundary, run in bf16" in card
     )  # no question_offsets: an older file
+    cells = [{"length": 1024, "depth": d, "trials": 25} for d in (1.0, 0.5)]
     unaligned = write(
-        tmp_path / "u.json", {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk"}
+        tmp_path / "u.json",
+        {**needle_summary(str(ft)), "question_offsets": "any multiple of 1 within a chunk", "by_cell": cells},
     )
-    assert "question at any multiple of 1 within a chunk, run in bf16" in model_card(ft, "my-drt", [unaligned])(
-        load_model(ft)
+    assert (
+        "haystacks of text of data/lm-byte (val split), needle at depth 0.5, 1, question at any multiple of 1 "
+        "within a chunk, run in bf16" in model_card(ft, "my-drt", [unaligned])(load_model(ft))
     )
     assert (
         "perplexity of stage 1 (`lm`, before the later stages)" in card

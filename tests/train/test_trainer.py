@@ -27,6 +27,7 @@ def test_twenty_steps_lower_the_loss(token_dir, tmp_path):
     assert last < first - 0.5
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"step", "loss", "lr", "tokens_per_s"} <= set(records[0]) and any("val_loss" in r for r in records)
+    assert all(r["device"] == "cpu" for r in records if "loss" in r)  # what a model card says it trained on
     model = load_model(tmp_path / "run")  # a run directory resolves to its newest checkpoint
     assert model.config.d_model == 32
 
