@@ -19,6 +19,8 @@
 #     those of their models that are listed.
 #   RUNS (runs/bpe): fine-tunes under RUNS/finetune, exports under RUNS/export.
 #   OUT (results/r7), FIG_PREFIX (r7): where the records and figures go.
+#   SHIP (unset): a model directory to export the fine-tuned drt-x2 to, with a model card of its
+#     records (models/bpe-drt-x2 holds the GPU pre-training's).
 #   LIMIT (50), LENGTHS (4096,16384,65536,131072), RULER (niah_single_1,niah_multikey_2,
 #     niah_multikey_3,ruler_vt,ruler_cwe,ruler_fwe): lm-eval's RULER items per task and length, the
 #     lengths, the tasks.
@@ -93,10 +95,19 @@ if has drt-x2; then
         --trials 10 --long-trials 4 "${COMMON[@]}" --out "$OUT/passkey-drt-x2.json" --plot "$FIG/$PREFIX-passkey.png"
 fi
 if has drt-x2 && has drt-x1; then
-    # G=2 vs G=1 on 2-hop NIAH with two distractor chains: 100 samples per length (a 95% interval of about +-10%)
-    for model in drt-x2 drt-x1; do
+    # G=2 vs G=1 on 2-hop NIAH with two distractor chains, both fine-tuned by the same recipe (drt-x1's:
+    # the retrieval mix alone, so drt-x2 once more without its passkey stage): 100 samples per length
+    # (a 95% interval of about +-10%)
+    $F train configs/bpe/finetune/drt-x2.yaml --no-progress \
+        --set "train.init_from=$P/drt-x2" --set "train.out_dir=$R/finetune/drt-x2-no-stage1"
+    for model in drt-x2-no-stage1 drt-x1; do
         $F eval niah2hop --model "$R/finetune/$model" --lengths 4k,16k --depths 0,0.25,0.5,0.75,1 --trials 20 \
             --task-option distractors=2 "${COMMON[@]}" --out "$OUT/niah2hop-$model.json"
     done
-    $F eval compare "$OUT"/niah2hop-{drt-x2,drt-x1}.json --labels "drt-x2,drt-x1" | tee "$OUT/niah2hop.txt"
+    $F eval compare "$OUT"/niah2hop-{drt-x2-no-stage1,drt-x1}.json --labels "drt-x2,drt-x1" | tee "$OUT/niah2hop.txt"
+fi
+if has drt-x2 && [ -n "${SHIP:-}" ] && [ ! -f "$SHIP/config.json" ]; then
+    cards=("$OUT/ppl.json" "$OUT/inspan-drt-x2.json" "$OUT/passkey-drt-x2.json")
+    for length in ${LENGTHS//,/ }; do cards+=("$OUT/lm-eval-ruler-drt-x2-$length.json"); done
+    $F export "$R/finetune/drt-x2" "$SHIP" --dtype bf16 --card --results "${cards[@]}" --sample "def fibonacci(n):"
 fi

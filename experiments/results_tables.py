@@ -613,20 +613,33 @@ def packing() -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # BPE pre-training on a GPU (experiments/gpu-pretrain.sh; `farsight eval runs` over the reassembled runs)
 
-GPU_PRETRAIN_LOGS = {  # the runs folder of each call -> its log
-    "runs/gpu-pretrain-16m": "results/gpu/pretrain-h200-16m.log",
-    "runs/gpu-pretrain": "results/gpu/pretrain-h200-100m.log",
+GPU_PRETRAIN_CALLS = {  # the log of one GPU machine's calls -> the runs they trained
+    "results/gpu/pretrain-h200-16m.log": tuple(f"runs/gpu-pretrain-16m/{m}" for m in ("drt-x2", "baselm-2l", "drt-x1")),
+    "results/gpu/pretrain-h200-100m.log": ("runs/gpu-pretrain/drt-x2",),
+    "results/gpu/pretrain-h100-100m.log": ("runs/gpu-pretrain/baselm-2l", "runs/gpu-pretrain/drt-x1"),
 }
 BPE_EMBEDDING = 16384 * 256  # the tied embedding of every configs/bpe model
+
+
+def gpu_pretrain_log(run: str) -> str:
+    """The text of the log of the GPU call(s) that trained `run`."""
+    (log,) = (log for log, runs in GPU_PRETRAIN_CALLS.items() if run in runs)
+    return (ROOT / log).read_text()
+
+
+def gpu_name(log: str) -> str:
+    """The GPU a call ran on, from nvidia-smi's line in its log ("NVIDIA H100 80GB HBM3, ..." -> "H100")."""
+    line = next(line for line in log.splitlines() if line.startswith("NVIDIA "))
+    return line.split(",")[0].split()[1]
 
 
 def gpu_run_mode(run: str, metrics: list[dict]) -> str:
     """How a GPU run trained, from its records: compiled or eager (train.compile in its config),
     eager after the compiler failed (the trainer's note in the call's log), and a gradient norm
     of 0 in every logged step."""
-    folder, model = run.rsplit("/", 1)
+    model = run.rsplit("/", 1)[1]
     config = yaml.safe_load((ROOT / "results" / run / "config.yaml").read_text())
-    failed = f"[{model}] note: torch.compile failed" in (ROOT / GPU_PRETRAIN_LOGS[folder]).read_text()
+    failed = f"[{model}] note: torch.compile failed" in gpu_pretrain_log(run)
     mode = "eager (compile failed)" if failed else "compiled" if config["train"]["compile"] else "eager"
     if all(r["grad_norm"] == 0 for r in metrics if "grad_norm" in r):
         mode += ": gradient 0"
@@ -635,12 +648,13 @@ def gpu_run_mode(run: str, metrics: list[dict]) -> str:
 
 @table(
     "gpu-pretrain",
-    "results/gpu/pretrain-runs.json, results/gpu/pretrain-h200-{16m,100m}.log, "
+    "results/gpu/pretrain-runs.json, results/gpu/pretrain-{h200-16m,h200-100m,h100-100m}.log, "
     "results/runs/gpu-pretrain{,-16m}/*/{config.yaml,metrics.jsonl}",
 )
 def gpu_pretrain() -> list[str]:
     lines = header(
         "model",
+        "GPU",
         "parameters (non-embedding)",
         "tokens",
         "steps",
@@ -657,6 +671,7 @@ def gpu_pretrain() -> list[str]:
         lines.append(
             row(
                 code(run["run"].rsplit("/", 1)[-1]),
+                gpu_name(gpu_pretrain_log(run["run"])),
                 f"{run['parameters'] / 1e6:.2f}M ({(run['parameters'] - BPE_EMBEDDING) / 1e6:.2f}M)",
                 f"{run['tokens'] / 1e6:.1f}M",
                 str(run["steps"]),
@@ -690,34 +705,82 @@ def r7_gpu_retrieval() -> list[str]:
     for name, label in stages:
         grid = by_length(f"{R7_GPU}/{name}.json")
         lines.append(row(label, "passkey, exact match %", *(rate_cell(grid.get(n)) for n in lengths)))
-    for task in ("niah_single_1", "niah_multikey_2", "ruler_fwe"):
-        cells = {}
-        for n in R7_GPU_LM_EVAL:
-            result = record(f"{R7_GPU}/lm-eval-ruler-drt-x2-{n}.json")["results"][task]
-            items = result["sample_len"]
-            hits = round(result[f"{n},none"] * items)
-            cells[n] = f"{hits} of {items} ({interval(*wilson(hits, items))})"
-        label = f"lm-eval `{task}`" + (" (held out)" if task == "ruler_fwe" else "")
-        lines.append(row(stages[-1][1], label, *(cells.get(n, "") for n in lengths)))
+    for task in R7_GPU_RULER:
+        cells = {n: lm_eval_cell(f"{R7_GPU}/lm-eval-ruler-drt-x2-{n}.json", task, n) for n in R7_GPU_LM_EVAL}
+        lines.append(row(stages[-1][1], ruler_label(task), *(cells.get(n, "") for n in lengths)))
     return lines
 
 
-R7_GPU_PPL_RUNS = (
-    ("runs/gpu-pretrain/drt-x2", "`drt-x2`, 99.9M tokens"),
-    ("runs/gpu-pretrain-16m/drt-x2", "`drt-x2`, 16.4M tokens"),
-    ("runs/gpu-pretrain-16m/drt-x1", "`drt-x1`, 16.4M tokens"),
+R7_GPU_RULER = ("niah_single_1", "niah_multikey_2", "ruler_fwe")  # ruler_fwe: a family never fine-tuned on
+
+
+def ruler_label(task: str) -> str:
+    return f"lm-eval `{task}`" + (" (held out)" if task == "ruler_fwe" else "")
+
+
+R7_GPU_FINETUNES = {  # record name -> the fine-tune it scores
+    "drt-x2": "`drt-x2`, passkey stage, then the mix",
+    "drt-x2-no-stage1": "`drt-x2`, the mix alone",
+    "baselm-2l": "`baselm-2l`, the mix alone",
+}
+
+
+@table(
+    "r7-gpu-baseline",
+    "results/r7-gpu/inspan-{drt-x2,drt-x2-no-stage1,baselm-2l}.json, "
+    "results/r7-gpu/lm-eval-ruler-{drt-x2,baselm-2l}-{4096,16384}.json",
 )
+def r7_gpu_baseline() -> list[str]:
+    inspan = {m: by_length(f"{R7_GPU}/inspan-{m}.json") for m in R7_GPU_FINETUNES}
+    lengths = sorted({n for grid in inspan.values() for n in grid} | set(R7_GPU_LM_EVAL))
+    lines = header("fine-tune", "task", *map(length_name, lengths))
+    for m, label in R7_GPU_FINETUNES.items():
+        cells = {n: rate_cell(e) for n, e in inspan[m].items()}
+        lines.append(row(label, "passkey at depth 1 (in the window)", *(cells.get(n, "") for n in lengths)))
+    for task in R7_GPU_RULER:
+        for m in ("drt-x2", "baselm-2l"):
+            cells = {n: lm_eval_cell(f"{R7_GPU}/lm-eval-ruler-{m}-{n}.json", task, n) for n in R7_GPU_LM_EVAL}
+            lines.append(row(R7_GPU_FINETUNES[m], ruler_label(task), *(cells.get(n, "") for n in lengths)))
+    return lines
+
+
+R7_GPU_PPL_MODELS = ("drt-x2", "drt-x1", "baselm-2l")  # pre-trained on the same 100M tokens
 
 
 @table("r7-gpu-ppl", "results/r7-gpu/ppl.json")
 def r7_gpu_ppl() -> list[str]:
     path = f"{R7_GPU}/ppl.json"
-    lengths = sorted(int(n) for n in record(path)["results"][R7_GPU_PPL_RUNS[0][0]]["by_length"])
-    lines = header("model", *(f"{length_name(n)} ({n // lengths[0]}x)" for n in lengths))
-    for run, label in R7_GPU_PPL_RUNS:
-        lines.append(row(label, *(f"{ppl_entry(path, run, n)['nll']:.4f}" for n in lengths)))
-    x2, x1 = (run for run, _ in R7_GPU_PPL_RUNS[1:])
-    lines.append(row("`drt-x1` − `drt-x2` at 16.4M", *(difference_cell(paired(path, x1, x2, n)) for n in lengths)))
+    runs = {m: f"runs/gpu-pretrain/{m}" for m in R7_GPU_PPL_MODELS}
+    lengths = sorted(int(n) for n in record(path)["results"][runs["drt-x2"]]["by_length"])
+    others = R7_GPU_PPL_MODELS[1:]
+    lines = header("length", *map(code, R7_GPU_PPL_MODELS), *(f"`{m}` − `drt-x2`" for m in others))
+    for n in lengths:
+        nll = [f"{ppl_entry(path, runs[m], n)['nll']:.4f}" for m in R7_GPU_PPL_MODELS]
+        diffs = [difference_cell(paired(path, runs[m], runs["drt-x2"], n)) for m in others]
+        lines.append(row(f"{length_name(n)} ({n // lengths[0]}x)", *nll, *diffs))
+    # DRT paper, Table 1 (128M, PG19 test): log of the perplexity ratio to DRT x2 at 16K
+    # (DRT x1 13.21, BaseLM + 2 layers 13.37 against 13.18)
+    lines.append(row("paper, 16K (Table 1, 128M)", "", "", "", "+0.002", "+0.014"))
+    return lines
+
+
+R7_GPU_2HOP = (  # record -> the fine-tune it scores (both on the retrieval mix alone, same recipe)
+    ("niah2hop-drt-x2-no-stage1", "`drt-x2` (G=2)"),
+    ("niah2hop-drt-x1", "`drt-x1` (G=1)"),
+)
+
+
+@table("r7-gpu-2hop", "results/r7-gpu/niah2hop-{drt-x2-no-stage1,drt-x1}.json")
+def r7_gpu_2hop() -> list[str]:
+    lengths = sorted({n for name, _ in R7_GPU_2HOP for n in by_length(f"{R7_GPU}/{name}.json")})
+    lines = header("model", *map(length_name, lengths), "all")
+    for name, label in R7_GPU_2HOP:
+        grid = by_length(f"{R7_GPU}/{name}.json")
+        lines.append(row(label, *(rate_cell(grid.get(n)) for n in lengths), total_cell(grid)))
+    # DRT paper, Table 2: 2-hop NIAH exact match % (1K-4M; at these lengths)
+    paper = {4096: ("84.45", "33.39"), 16384: ("86.21", "39.93")}
+    for i, label in enumerate(("paper DRT x2 (Table 2)", "paper DRT x1 (Table 2)")):
+        lines.append(row(label, *(paper.get(n, ("", ""))[i] for n in lengths), ""))
     return lines
 
 
@@ -784,8 +847,8 @@ def lm_eval_cell(path: str, task: str, length: int) -> str:
     """A RULER score of an lm-eval results file, in %: a task scored 0 or 1 per item as `92
     (81-97)` with its Wilson interval; a task with partial credit per item (cwe, fwe: the share
     of the reference words found) as its mean with a normal interval from the items' scores in the
-    samples file beside it; `` where the file is missing, `n/a` where it holds no such task
-    (lm-eval cannot build it at that length)."""
+    samples file beside it, or without that file its mean alone; `` where the file is missing,
+    `n/a` where it holds no such task (lm-eval cannot build it at that length)."""
     if not (ROOT / path).exists():
         return ""
     if task not in record(path)["results"]:
@@ -803,6 +866,8 @@ def lm_eval_cell(path: str, task: str, length: int) -> str:
     if scores is not None and any(s not in (0.0, 1.0) for s in scores):
         mean, low, high = mean_interval(scores)
         return f"{100 * mean:.0f} ({interval(low, high)})"
+    if abs(score * items - round(score * items)) > 1e-9:  # partial credit, and no samples file to bound it
+        return f"{100 * score:.0f}"
     hits = round(score * items)
     return f"{100 * hits / items:.0f} ({interval(*wilson(hits, items))})"
 
@@ -1413,6 +1478,29 @@ class Figures:
     """The headline figures of each experiment, read from its records."""
 
     @property
+    def r7_gpu(self) -> dict[str, str]:
+        path, runs = f"{R7_GPU}/ppl.json", {m: f"runs/gpu-pretrain/{m}" for m in R7_GPU_PPL_MODELS}
+        lengths = sorted(int(n) for n in record(path)["results"][runs["drt-x2"]]["by_length"])
+        out = {
+            f"{m} 16k": difference_cell(paired(path, runs[m], runs["drt-x2"], 1 << 14)) for m in R7_GPU_PPL_MODELS[1:]
+        }
+        rise = {  # NLL above the model's own at the training length
+            n: [ppl_entry(path, r, n)["nll"] - ppl_entry(path, r, lengths[0])["nll"] for r in runs.values()]
+            for n in lengths
+        }
+        out["flat"] = (
+            f"within {max(max(rise[n]) for n in lengths[:-1]):.2f} nats of their {length_name(lengths[0])} loss to {lengths[-2] // lengths[0]}x"
+        )
+        out["longest"] = f"{span(rise[lengths[-1]], '.2f')} above it at {lengths[-1] // lengths[0]}x"
+        for name, label in R7_GPU_2HOP:
+            rate, ci, n = rate_and_interval(by_length(f"{R7_GPU}/{name}.json"))
+            out[label.split()[0].strip("`") + " 2hop"], out["2hop n"] = f"{rate}% ({ci})", str(n)
+        passkey = by_length(f"{R7_GPU}/passkey-drt-x2.json")
+        out["passkey"] = ", ".join(f"{rate_cell(passkey[n])} at {length_name(n)}" for n in (1 << 12, max(passkey)))
+        out["passkey retrieved 4k"] = f"{100 * passkey[1 << 12]['needle_retrieved']:.0f}%"
+        return out
+
+    @property
     def r1(self) -> dict[str, str]:
         grids = {m: by_length(f"results/r1/lm-{m}.json") for m in R1_MODELS}
         (long,) = by_length("results/r1/lm-drt-x2-16m.json").values()
@@ -1508,7 +1596,8 @@ FIGURES = Figures()
     "results/r6/{bench,drt-train-amx-final,passkey-16m-5-amx,passkey-16m-1trial-bf16}.json, "
     "results/r6/drt-decode-16m-{amx-spread,avx2,demo}.json, "
     "results/r6/castle-targets{,-default-malloc,-amx-run1,-amx-run4}.json, "
-    "results/r6/castle-decode-amx-{run2,run3,late}.json, results/r6/castle-decode-avx2-paired-run{1,2}.json",
+    "results/r6/castle-decode-amx-{run2,run3,late}.json, results/r6/castle-decode-avx2-paired-run{1,2}.json, "
+    "results/r7-gpu/{ppl,niah2hop-drt-x2-no-stage1,niah2hop-drt-x1,passkey-drt-x2}.json",
 )
 def summary() -> list[str]:
     r1, r2, r3, r4, sm, r5 = FIGURES.r1, FIGURES.r2, FIGURES.r3, FIGURES.r4, FIGURES.summarize, FIGURES.r5
@@ -1593,6 +1682,40 @@ def summary() -> list[str]:
             "`make r5`",
         )
     )
+    r7 = FIGURES.r7_gpu
+    r7_link = "[R7](#r7-bpe-models-pre-trained-on-a-gpu)"
+    lines.append(
+        row(
+            "R7 (13M, BPE)",
+            "perplexity extrapolates; DRT x2 beats DRT x1 and BaseLM + 2 layers",
+            "at 16K `drt-x2` 13.18, `drt-x1` 13.21, `baselm-2l` 13.37 (Table 1, 128M)",
+            f"all three {r7['flat']}, {r7['longest']}; at 16K `drt-x1` − `drt-x2` {r7['drt-x1 16k']} nats, "
+            f"`baselm-2l` − `drt-x2` {r7['baselm-2l 16k']}",
+            "extrapolation and `drt-x2` over `drt-x1` **reproduced**; vs `baselm-2l` **not reproduced**",
+            r7_link,
+        )
+    )
+    lines.append(
+        row(
+            "R7 (13M, BPE)",
+            "two retrieval groups beat one on 2-hop NIAH",
+            "`drt-x2` 84.45 / 86.21% vs `drt-x1` 33.39 / 39.93% at 4K / 16K (Table 2)",
+            f"`drt-x2` {r7['drt-x2 2hop']}, `drt-x1` {r7['drt-x1 2hop']} of {r7['2hop n']} samples at 4K-16K, "
+            "one fine-tune recipe",
+            "**not reproduced**",
+            r7_link,
+        )
+    )
+    lines.append(
+        row(
+            "R7 (13M, BPE)",
+            "single NIAH (passkey) holds past the training length",
+            "DRT 98.50-100% at 4K-16M (Table 2)",
+            f"`drt-x2` {r7['passkey']}; the needle's chunk retrieved in {r7['passkey retrieved 4k']} of the 4K trials",
+            "**not reproduced**",
+            r7_link,
+        )
+    )
     lines.append(
         row(
             "R1-R4, first protocol",
@@ -1653,9 +1776,11 @@ def summary() -> list[str]:
     "readme-reproductions",
     "results/r1/lm-*.json, results/r2/{drt-x1,drt-x2}/5-niah2hop-d2/*.json, results/r3/lm-ppl*.json, "
     "results/r4/lm-*.json, results/summarize/*.json, results/r5/{loss,runs}.json, "
-    "results/r6/{passkey-16m-5-amx,drt-decode-16m-amx-spread,drt-split-1m-amx-run*}.json",
+    "results/r6/{passkey-16m-5-amx,drt-decode-16m-amx-spread,drt-split-1m-amx-run*}.json, "
+    "results/r7-gpu/{ppl,niah2hop-drt-x2-no-stage1,niah2hop-drt-x1,passkey-drt-x2}.json",
 )
 def readme_reproductions() -> list[str]:
+    r7 = FIGURES.r7_gpu
     r1, r2, r3, r4, sm, r5, r6 = (
         FIGURES.r1,
         FIGURES.r2,
@@ -1726,6 +1851,15 @@ def readme_reproductions() -> list[str]:
             f"decode step at 16M {r6['decode']} the one at 4K; prefill {r6['prefill']} tokens/s at 1M",
             "**reproduced** on a CPU",
             "`make r6`",
+        ),
+        (
+            "the DRT claims at 13M BPE parameters (100M tokens pre-trained on a GPU, fine-tuned on a CPU)",
+            "as above",
+            f"perplexity at 16K: `drt-x1` − `drt-x2` {r7['drt-x1 16k']} nats, `baselm-2l` − `drt-x2` "
+            f"{r7['baselm-2l 16k']}; 2-hop {r7['drt-x2 2hop']} vs {r7['drt-x1 2hop']}; passkey {r7['passkey']}",
+            "`drt-x2` over `drt-x1` in perplexity **reproduced**; over `baselm-2l`, 2-hop and the passkey "
+            "**not reproduced**",
+            "[R7](docs/results.md#r7-bpe-models-pre-trained-on-a-gpu)",
         ),
     ]
     lines += [row(*cells) for cells in rows]
