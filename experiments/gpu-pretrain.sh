@@ -55,6 +55,8 @@
 # DRY_RUN=1: the same steps on the CPU at a tiny scale: a d_model-64 four-layer model of each kind,
 # 1024-token windows, 2 a step, 300K tokens, fp32, not compiled, RUNS=runs/gpu-pretrain-dry.
 #
+# The archive (31 MB) and the working tree travel together within 64 MiB: models/bpe-drt-x2
+# (26 MB) leaves too little room, so move it out of the working tree for the GPU call.
 # On the GPU machine (with `carry: ["data/gpu-pretrain"]`, timeout_s 600):
 #   bash experiments/gpu-pretrain.sh train "$OUT"
 # then here: bash experiments/gpu-pretrain.sh reassemble DIR_OF_THE_RETURNED_FILES
