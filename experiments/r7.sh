@@ -103,7 +103,13 @@ if has drt-x2 && has drt-x1; then
     for model in drt-x2-no-stage1 drt-x1; do
         $F eval niah2hop --model "$R/finetune/$model" --lengths 4k,16k --depths 0,0.25,0.5,0.75,1 --trials 20 \
             --task-option distractors=2 "${COMMON[@]}" --out "$OUT/niah2hop-$model.json"
+        # the chain at the end of a 1K input: can the model follow it at all?
+        $F eval niah2hop --model "$R/finetune/$model" --lengths 1k --depths 1 --trials 50 \
+            --task-option distractors=2 "${COMMON[@]}" --out "$OUT/niah2hop-inspan-$model.json"
     done
+    # the in-span check of drt-x2 after the mix alone, the recipe of the baseline
+    $F eval passkey --model "$R/finetune/drt-x2-no-stage1" --lengths 1k,4k --depths 1 --trials 50 "${COMMON[@]}" \
+        --out "$OUT/inspan-drt-x2-no-stage1.json"
     $F eval compare "$OUT"/niah2hop-{drt-x2-no-stage1,drt-x1}.json --labels "drt-x2,drt-x1" | tee "$OUT/niah2hop.txt"
 fi
 if has drt-x2 && [ -n "${SHIP:-}" ] && [ ! -f "$SHIP/config.json" ]; then

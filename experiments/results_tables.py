@@ -210,6 +210,24 @@ def lm_pretrain() -> list[str]:
 # R1
 
 R1_MODELS = ("drt-x1", "drt-x2", "baselm", "baselm-2l", "causal")
+# DRT paper, Table 2: 2-hop NIAH exact match % of DRT x2 and DRT x1 (the 4M column stands at 1M here)
+PAPER_2HOP = {
+    1 << 10: ("88.52", "41.07"),
+    1 << 12: ("84.45", "33.39"),
+    1 << 14: ("86.21", "39.93"),
+    1 << 16: ("81.43", "38.57"),
+    1 << 18: ("94.11", "35.29"),
+    1 << 20: ("79.41", "34.29"),
+}
+# DRT paper, Table 1 (128M, PG19 test): perplexity at 16K
+PAPER_PPL_16K = {"drt-x1": 13.21, "drt-x2": 13.18, "baselm": 13.68, "baselm-2l": 13.37}
+
+
+def paper_ppl_gap(model: str, base: str) -> str:
+    """The paper's NLL difference at 16K, the log of its perplexity ratio: `+0.014`."""
+    return signed(math.log(PAPER_PPL_16K[model] / PAPER_PPL_16K[base]), 3)
+
+
 R1_PAPER = {  # DRT paper, Table 2: passkey exact match %, DRT x1 and DRT x2
     1 << 12: ("98.50", "99.65"),
     1 << 14: ("98.59", "99.65"),
@@ -259,9 +277,8 @@ def r2_niah2hop() -> list[str]:
         lines.append(r2_row(f"`causal`, {label}", by_length(f"{R2}/causal/{stage}/niah2hop-distractors2-16k.json")))
     for m in ("baselm", "baselm-2l"):
         lines.append(r2_row(code(m), by_length(f"{R2}/{m}/5-niah2hop-d2/niah2hop-distractors2-64k.json")))
-    # DRT paper, Table 2: 2-hop NIAH exact match % at 1K, 4K, 16K, 64K, 256K, 4M
-    lines.append(row("paper DRT x2 (Table 2)", "88.52", "84.45", "86.21", "81.43", "94.11", "79.41", ""))
-    lines.append(row("paper DRT x1 (Table 2)", "41.07", "33.39", "39.93", "38.57", "35.29", "34.29", ""))
+    for i, label in enumerate(("paper DRT x2 (Table 2)", "paper DRT x1 (Table 2)")):
+        lines.append(row(label, *(PAPER_2HOP[n][i] for n in R2_LENGTHS), ""))
     return lines
 
 
@@ -316,8 +333,8 @@ def r3_ppl() -> list[str]:
         diffs = [difference_cell(paired(main, f"{PRETRAIN}/{m}", base, n)) for m in others]
         diffs.append(difference_cell(paired(causal, f"{PRETRAIN}/causal", base, n)))
         lines.append(row(ppl_length(n), *nll, *diffs))
-    # DRT paper, Table 1: log of the perplexity ratio to DRT x1 at 16K (13.18, 13.68, 13.37 against 13.21)
-    lines.append(row("paper, 16K", *[""] * 5, f"{MINUS}0.002", "+0.035", "+0.012", ""))
+    gaps = (paper_ppl_gap(m, "drt-x1") for m in others)
+    lines.append(row("paper, 16K", *[""] * 5, *gaps, ""))
     return lines
 
 
@@ -686,13 +703,12 @@ def gpu_pretrain() -> list[str]:
 
 
 R7_GPU = "results/r7-gpu"
-R7_GPU_LM_EVAL = (4096, 16384)
+R7_GPU_LM_EVAL = (4096, 16384, 65536, 131072)
 
 
 @table(
     "r7-gpu-retrieval",
-    "results/r7-gpu/passkey-{drt-x2-no-stage1,stage1-drt-x2,drt-x2}.json, "
-    "results/r7-gpu/lm-eval-ruler-drt-x2-{4096,16384}.json",
+    "results/r7-gpu/passkey-{drt-x2-no-stage1,stage1-drt-x2,drt-x2}.json",
 )
 def r7_gpu_retrieval() -> list[str]:
     stages = (
@@ -705,9 +721,6 @@ def r7_gpu_retrieval() -> list[str]:
     for name, label in stages:
         grid = by_length(f"{R7_GPU}/{name}.json")
         lines.append(row(label, "passkey, exact match %", *(rate_cell(grid.get(n)) for n in lengths)))
-    for task in R7_GPU_RULER:
-        cells = {n: lm_eval_cell(f"{R7_GPU}/lm-eval-ruler-drt-x2-{n}.json", task, n) for n in R7_GPU_LM_EVAL}
-        lines.append(row(stages[-1][1], ruler_label(task), *(cells.get(n, "") for n in lengths)))
     return lines
 
 
@@ -726,11 +739,11 @@ R7_GPU_FINETUNES = {  # record name -> the fine-tune it scores
 
 
 @table(
-    "r7-gpu-baseline",
+    "r7-gpu-ruler",
     "results/r7-gpu/inspan-{drt-x2,drt-x2-no-stage1,baselm-2l}.json, "
-    "results/r7-gpu/lm-eval-ruler-{drt-x2,baselm-2l}-{4096,16384}.json",
+    "results/r7-gpu/lm-eval-ruler-{drt-x2,baselm-2l}-{4096,16384,65536,131072}.json",
 )
-def r7_gpu_baseline() -> list[str]:
+def r7_gpu_ruler() -> list[str]:
     inspan = {m: by_length(f"{R7_GPU}/inspan-{m}.json") for m in R7_GPU_FINETUNES}
     lengths = sorted({n for grid in inspan.values() for n in grid} | set(R7_GPU_LM_EVAL))
     lines = header("fine-tune", "task", *map(length_name, lengths))
@@ -747,20 +760,22 @@ def r7_gpu_baseline() -> list[str]:
 R7_GPU_PPL_MODELS = ("drt-x2", "drt-x1", "baselm-2l")  # pre-trained on the same 100M tokens
 
 
+def r7_gpu_ppl_runs() -> tuple[str, dict[str, str], list[int]]:
+    """The perplexity record, each model's run in it, and its lengths."""
+    path, runs = f"{R7_GPU}/ppl.json", {m: f"runs/gpu-pretrain/{m}" for m in R7_GPU_PPL_MODELS}
+    return path, runs, sorted(int(n) for n in record(path)["results"][runs["drt-x2"]]["by_length"])
+
+
 @table("r7-gpu-ppl", "results/r7-gpu/ppl.json")
 def r7_gpu_ppl() -> list[str]:
-    path = f"{R7_GPU}/ppl.json"
-    runs = {m: f"runs/gpu-pretrain/{m}" for m in R7_GPU_PPL_MODELS}
-    lengths = sorted(int(n) for n in record(path)["results"][runs["drt-x2"]]["by_length"])
+    path, runs, lengths = r7_gpu_ppl_runs()
     others = R7_GPU_PPL_MODELS[1:]
     lines = header("length", *map(code, R7_GPU_PPL_MODELS), *(f"`{m}` − `drt-x2`" for m in others))
     for n in lengths:
         nll = [f"{ppl_entry(path, runs[m], n)['nll']:.4f}" for m in R7_GPU_PPL_MODELS]
         diffs = [difference_cell(paired(path, runs[m], runs["drt-x2"], n)) for m in others]
         lines.append(row(f"{length_name(n)} ({n // lengths[0]}x)", *nll, *diffs))
-    # DRT paper, Table 1 (128M, PG19 test): log of the perplexity ratio to DRT x2 at 16K
-    # (DRT x1 13.21, BaseLM + 2 layers 13.37 against 13.18)
-    lines.append(row("paper, 16K (Table 1, 128M)", "", "", "", "+0.002", "+0.014"))
+    lines.append(row("paper, 16K (Table 1, 128M)", "", "", "", *(paper_ppl_gap(m, "drt-x2") for m in others)))
     return lines
 
 
@@ -770,17 +785,22 @@ R7_GPU_2HOP = (  # record -> the fine-tune it scores (both on the retrieval mix 
 )
 
 
-@table("r7-gpu-2hop", "results/r7-gpu/niah2hop-{drt-x2-no-stage1,drt-x1}.json")
+@table(
+    "r7-gpu-2hop",
+    "results/r7-gpu/niah2hop-{drt-x2-no-stage1,drt-x1}.json, results/r7-gpu/niah2hop-inspan-{drt-x2-no-stage1,drt-x1}.json",
+)
 def r7_gpu_2hop() -> list[str]:
-    lengths = sorted({n for name, _ in R7_GPU_2HOP for n in by_length(f"{R7_GPU}/{name}.json")})
-    lines = header("model", *map(length_name, lengths), "all")
+    grids = {name: by_length(f"{R7_GPU}/{name}.json") for name, _ in R7_GPU_2HOP}
+    lengths = sorted({n for grid in grids.values() for n in grid})
+    lines = header(
+        "model", "1K, chain at depth 1", *map(length_name, lengths), "all at " + ", ".join(map(length_name, lengths))
+    )
     for name, label in R7_GPU_2HOP:
-        grid = by_length(f"{R7_GPU}/{name}.json")
-        lines.append(row(label, *(rate_cell(grid.get(n)) for n in lengths), total_cell(grid)))
-    # DRT paper, Table 2: 2-hop NIAH exact match % (1K-4M; at these lengths)
-    paper = {4096: ("84.45", "33.39"), 16384: ("86.21", "39.93")}
+        (inspan,) = by_length(f"{R7_GPU}/{name.replace('niah2hop-', 'niah2hop-inspan-')}.json").values()
+        cells = (rate_cell(grids[name].get(n)) for n in lengths)
+        lines.append(row(label, rate_cell(inspan), *cells, total_cell(grids[name])))
     for i, label in enumerate(("paper DRT x2 (Table 2)", "paper DRT x1 (Table 2)")):
-        lines.append(row(label, *(paper.get(n, ("", ""))[i] for n in lengths), ""))
+        lines.append(row(label, "", *(PAPER_2HOP[n][i] for n in lengths), ""))
     return lines
 
 
@@ -843,6 +863,9 @@ def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float, f
     return mean, max(0.0, mean - half), min(1.0, mean + half)
 
 
+RULER_PARTIAL_CREDIT = ("ruler_cwe", "ruler_fwe")  # scored by the share of the reference words found
+
+
 def lm_eval_cell(path: str, task: str, length: int) -> str:
     """A RULER score of an lm-eval results file, in %: a task scored 0 or 1 per item as `92
     (81-97)` with its Wilson interval; a task with partial credit per item (cwe, fwe: the share
@@ -866,7 +889,7 @@ def lm_eval_cell(path: str, task: str, length: int) -> str:
     if scores is not None and any(s not in (0.0, 1.0) for s in scores):
         mean, low, high = mean_interval(scores)
         return f"{100 * mean:.0f} ({interval(low, high)})"
-    if abs(score * items - round(score * items)) > 1e-9:  # partial credit, and no samples file to bound it
+    if scores is None and task in RULER_PARTIAL_CREDIT:  # no items' scores to bound it with
         return f"{100 * score:.0f}"
     hits = round(score * items)
     return f"{100 * hits / items:.0f} ({interval(*wilson(hits, items))})"
@@ -1479,8 +1502,7 @@ class Figures:
 
     @property
     def r7_gpu(self) -> dict[str, str]:
-        path, runs = f"{R7_GPU}/ppl.json", {m: f"runs/gpu-pretrain/{m}" for m in R7_GPU_PPL_MODELS}
-        lengths = sorted(int(n) for n in record(path)["results"][runs["drt-x2"]]["by_length"])
+        path, runs, lengths = r7_gpu_ppl_runs()
         out = {
             f"{m} 16k": difference_cell(paired(path, runs[m], runs["drt-x2"], 1 << 14)) for m in R7_GPU_PPL_MODELS[1:]
         }
@@ -1489,7 +1511,7 @@ class Figures:
             for n in lengths
         }
         out["flat"] = (
-            f"within {max(max(rise[n]) for n in lengths[:-1]):.2f} nats of their {length_name(lengths[0])} loss to {lengths[-2] // lengths[0]}x"
+            f"within {math.ceil(100 * max(max(rise[n]) for n in lengths[:-1])) / 100:.2f} nats of their {length_name(lengths[0])} loss to {lengths[-2] // lengths[0]}x"
         )
         out["longest"] = f"{span(rise[lengths[-1]], '.2f')} above it at {lengths[-1] // lengths[0]}x"
         for name, label in R7_GPU_2HOP:
@@ -1684,6 +1706,7 @@ def summary() -> list[str]:
     )
     r7 = FIGURES.r7_gpu
     r7_link = "[R7](#r7-bpe-models-pre-trained-on-a-gpu)"
+    hop4k, hop16k = PAPER_2HOP[1 << 12], PAPER_2HOP[1 << 14]
     lines.append(
         row(
             "R7 (13M, BPE)",
@@ -1699,7 +1722,7 @@ def summary() -> list[str]:
         row(
             "R7 (13M, BPE)",
             "two retrieval groups beat one on 2-hop NIAH",
-            "`drt-x2` 84.45 / 86.21% vs `drt-x1` 33.39 / 39.93% at 4K / 16K (Table 2)",
+            f"`drt-x2` {hop4k[0]} / {hop16k[0]}% vs `drt-x1` {hop4k[1]} / {hop16k[1]}% at 4K / 16K (Table 2)",
             f"`drt-x2` {r7['drt-x2 2hop']}, `drt-x1` {r7['drt-x1 2hop']} of {r7['2hop n']} samples at 4K-16K, "
             "one fine-tune recipe",
             "**not reproduced**",

@@ -311,8 +311,9 @@ def samples_section(source: str | Path, model: Any, name: str, prompts: list[str
 
 
 def training_time(stage: Stage) -> str:
-    """A stage's minutes of training (the logged intervals: start-up and evaluation left out) and
-    where it ran: the device its metrics logged, else its config's train.device unless "auto"."""
+    """A stage's time in its training loop (the logged intervals: compilation, evaluation and
+    checkpoints included, loading left out) and where it ran: the devices its metrics logged, else
+    its config's train.device unless "auto"."""
     hours = stage.record["train_hours"]
     device = stage.record["device"] or (stage.config.train.device if stage.config.train.device != "auto" else None)
     if hours is None:

@@ -45,7 +45,8 @@ def training_record(records: list[dict[str, Any]], until: int | None = None) -> 
         "val_loss": val[-1]["val_loss"] if val else None,
         "val_step": val[-1]["step"] if val else None,
         "precision": train[-1].get("precision") if train else None,
-        "device": train[-1].get("device") if train else None,  # None in runs that did not log it
+        # every device the run trained on, in order (a run resumed elsewhere has several); None when not logged
+        "device": ", ".join(dict.fromkeys(r["device"] for r in train if r.get("device"))) or None,
     }
     # tokens_per_s is the speed over the interval since the previous record of the same session
     seconds, previous = 0.0, 0

@@ -16,10 +16,17 @@ def make_run(root, model, records, torn=False):
     return root
 
 
-RECORDS = [
-    {"step": 20, "loss": 3.0, "tokens": 2000, "tokens_per_s": 1000.0, "precision": "bf16-mixed"},
+RECORDS = [  # trained on a GPU, resumed on a CPU at step 20
+    {
+        "step": 20,
+        "loss": 3.0,
+        "tokens": 2000,
+        "tokens_per_s": 1000.0,
+        "precision": "bf16-mixed",
+        "device": "NVIDIA H100",
+    },
     {"step": 20, "val_loss": 3.2},
-    {"step": 40, "loss": 2.5, "tokens": 4000, "tokens_per_s": 500.0, "precision": "bf16-mixed"},
+    {"step": 40, "loss": 2.5, "tokens": 4000, "tokens_per_s": 500.0, "precision": "bf16-mixed", "device": "cpu"},
     {"step": 40, "val_loss": 2.7},
 ]
 
@@ -33,6 +40,7 @@ def test_summary_reads_the_model_and_the_training_record(tmp_path):
     assert (row["steps"], row["tokens"], row["train_loss"], row["val_loss"]) == (40, 4000, 2.5, 2.7)
     # 2000 tokens at 1000/s, then 2000 at 500/s: 6 s in all
     assert row["train_hours"] == pytest.approx(6 / 3600) and row["tokens_per_s"] == pytest.approx(4000 / 6)
+    assert row["device"] == "NVIDIA H100, cpu"
 
 
 def test_a_drt_ablation_is_named_in_its_architecture():
