@@ -17,7 +17,7 @@
 #     found there are scored and the others skipped.
 #   MODELS ("drt-x2 baselm-2l drt-x1"): the models to fine-tune and score; the comparisons take
 #     those of their models that are listed.
-#   RUNS (runs/bpe): fine-tunes under RUNS/finetune, exports under RUNS/export.
+#   RUNS (runs/bpe): fine-tunes under RUNS/finetune.
 #   OUT (results/r7), FIG_PREFIX (r7): where the records and figures go.
 #   SHIP (unset): a model directory to export the fine-tuned drt-x2 to, with a model card of its
 #     records (models/bpe-drt-x2 holds the GPU pre-training's).
@@ -59,7 +59,6 @@ for model in "${MODELS[@]}"; do
     fi
     $F train "configs/bpe/finetune/$model.yaml" --no-progress \
         --set "train.init_from=$start" --set "train.out_dir=$R/finetune/$model"
-    [ -f "$R/export/$model/config.json" ] || $F export "$R/finetune/$model" "$R/export/$model" --dtype bf16
 done
 runs=() labels=()
 for model in "${MODELS[@]}"; do runs+=("$P/$model"); labels+=("$model"); done
@@ -82,7 +81,7 @@ done
 for model in drt-x2 baselm-2l; do
     has "$model" || continue
     for length in ${LENGTHS//,/ }; do
-        [ -f "$OUT/lm-eval-ruler-$model-$length.json" ] || $F eval harness --model "$R/export/$model" \
+        [ -f "$OUT/lm-eval-ruler-$model-$length.json" ] || $F eval harness --model "$R/finetune/$model" \
             --tasks "$RULER" --limit "$LIMIT" --dtype bf16 --metadata "{\"max_seq_lengths\": [$length]}" \
             --out "$OUT/lm-eval-ruler-$model-$length.json"
     done
