@@ -237,6 +237,7 @@ class Trainer:
         probe = resolve_device(run.device, 0)
         self.ctx = dist_utils.init_distributed(probe.type)
         self.device = resolve_device(run.device, self.ctx.local_rank)
+        self.device_name = device_name(self.device)  # logged with every interval's metrics
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.precision = resolve_precision(run.precision, self.device)
@@ -747,7 +748,7 @@ class Trainer:
                             "real_tokens_per_s": real_last / max(elapsed, 1e-9),
                             "rss_mb": current_rss_bytes() / 2**20,
                             "precision": self.precision.name,
-                            "device": device_name(self.device),
+                            "device": self.device_name,
                         }
                         if self.real_tokens_seen is not None:
                             record["real_tokens"] = self.real_tokens_seen
