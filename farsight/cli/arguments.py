@@ -313,6 +313,15 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
     return model.to(MODEL_DTYPES[dtype]).eval(), tokenizer
 
 
+def measured_on(path: str) -> dict[str, str | None]:
+    """What a results file records of the model it measured: the path given, and the SHA-256 of the
+    trained weights behind it (`farsight.models.io.trained_weights`), by which a model card knows
+    a result measured on one export of a checkpoint holds for another."""
+    from farsight.models.io import trained_weights
+
+    return {"model": str(path), "trained_weights": trained_weights(path)}
+
+
 def parse_task_options(items: list[str]) -> dict[str, object]:
     """--task-option KEY=VALUE strings as a dict, each value read as YAML (7 is a number, uuids a
     string, [a, b] a list)."""

@@ -20,6 +20,7 @@ from farsight.cli.arguments import (
     check_plot_file,
     claim_output,
     load_model_and_tokenizer,
+    measured_on,
     model_chunk_size,
     model_tokenizer,
     needle_grid,
@@ -261,7 +262,7 @@ def _needle(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
     )
     summary.update(
-        model=str(args.model),
+        **measured_on(args.model),
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         align=align,
@@ -336,7 +337,7 @@ def _perplexity(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             window_length=args.window_length,
         )
-        results[path] = out
+        results[path] = {**out, "trained_weights": measured_on(path)["trained_weights"]}
         series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
     rows = [
         {"length": format_length(n), **{p: _ppl_cell(results[p]["by_length"][str(n)]) for p in args.model}}
@@ -437,7 +438,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"  answer:    {answer['prediction']!r}")
     print(answers_table(summary))
     summary = {
-        "model": str(args.model),
+        **measured_on(args.model),
         "data": str(args.data),
         "dtype": args.dtype,
         "kv_dtype": args.kv_dtype,

@@ -11,6 +11,7 @@ from farsight.cli.arguments import (
     add_model_argument,
     check_at_least,
     check_output_file,
+    measured_on,
     parse_list,
 )
 from farsight.errors import InputError, MissingDependencyError, MissingFileError
@@ -111,7 +112,7 @@ def _harness(args: argparse.Namespace) -> int:
     if "groups" in results:
         print(make_table(results, "groups"))
     # which model and dtype, as farsight's own evaluations record them (a model card checks the model)
-    write_json(args.out, {**results, "model": args.model, "dtype": args.dtype}, default=handle_non_serializable)
+    write_json(args.out, {**results, **measured_on(args.model), "dtype": args.dtype}, default=handle_non_serializable)
     if args.samples is not None:
         write_json_lines(args.samples, sample_records(samples or {}), default=handle_non_serializable)
     return 0

@@ -21,6 +21,7 @@ from farsight.cli.arguments import (
     check_plot_file,
     claim_output,
     load_model_and_tokenizer,
+    measured_on,
     model_chunk_size,
     model_tokenizer,
     needle_grid,
@@ -126,7 +127,7 @@ def _ruler(args: argparse.Namespace) -> int:
     print("\nstring match % (RULER's score)")
     print(average_table(results))
     results.update(
-        model=str(args.model),
+        **measured_on(args.model),
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         align=align,

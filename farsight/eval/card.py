@@ -16,6 +16,7 @@ from farsight.eval.efficiency import format_table
 from farsight.eval.needle import format_length, results_table
 from farsight.eval.perplexity import format_error
 from farsight.eval.runs import architecture, training_record
+from farsight.models.io import trained_weights
 from farsight.train.checkpoint import checkpoint_step, list_checkpoints
 from farsight.train.metrics import read_metrics
 
@@ -114,12 +115,42 @@ def _is_lm_eval(results: dict[str, Any]) -> bool:
     return "lm_eval_version" in results and isinstance(results.get("results"), dict)
 
 
-def _check_measured_on(path: Path, results: dict[str, Any], names: dict[Path, str]) -> None:
-    """Refuse a results file whose recorded model is not one of `names`."""
-    model = results.get("model")
-    if model is not None and Path(model).resolve() not in names:
+@dataclass
+class ModelNames:
+    """How a card calls each model its results may have been measured on (this export, each
+    stage's run and the checkpoint it went on from), found by path or by the SHA-256 of the
+    trained weights (`farsight.models.io.trained_weights`), which every copy of them shares."""
+
+    by_path: dict[Path, str]
+    by_weights: dict[str, str]
+
+    def label(self, model: str | None, weights: str | None) -> str | None:
+        """The name of the model a results file measured (`model` as it recorded the path,
+        `weights` the trained weights it recorded), None if it is none of these. A file that
+        records the weights is matched by them alone, since a run's path names other weights once
+        it trains on; an older one by its path, or by the weights that path holds now."""
+        if weights is not None:
+            return self.by_weights.get(weights)
+        if model is None:
+            return None
+        name = self.by_path.get(Path(model).resolve())
+        if name is None:
+            held = trained_weights(model)
+            name = self.by_weights.get(held) if held is not None else None
+        return name
+
+    def listed(self) -> str:
+        return " or ".join(sorted(set(self.by_path.values())))
+
+
+def _check_measured_on(path: Path, results: dict[str, Any], names: ModelNames) -> None:
+    """Refuse a results file whose recorded model is none of `names` (one that records no model,
+    from an older farsight, is taken as it is)."""
+    model, weights = results.get("model"), results.get("trained_weights")
+    if (model is not None or weights is not None) and names.label(model, weights) is None:
         raise InputError(
-            f"{path} was measured on {model}, not on this model; pass results of {' or '.join(sorted(set(names.values())))}"
+            f"{path} was measured on {model}, not on this model or a copy of its weights; pass results of {names.listed()} "
+            "or of another export of the same checkpoint"
         )
 
 
@@ -202,7 +233,7 @@ def answers_section(path: Path) -> list[str]:
     return [head, "", format_table(rows, ["task", "length", "target", "answer", "scores"], markdown=True), ""]
 
 
-def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
+def results_section(path: str | Path, names: ModelNames) -> list[str]:
     """Markdown for a results file: a needle summary (`farsight eval passkey ... --out`) or an
     lm-eval results file (`farsight eval harness ... --out`) measured on one of `names` (resolved
     path -> how the card calls it), the rows of a perplexity file (`farsight eval ppl ...
@@ -248,7 +279,7 @@ def results_section(path: str | Path, names: dict[Path, str]) -> list[str]:
     if isinstance(results.get("results"), dict) and all(_is_ppl_entry(e) for e in results["results"].values()):
         lines = []
         for model, entry in results["results"].items():
-            name = names.get(Path(model).resolve())
+            name = names.label(model, entry.get("trained_weights"))
             if name is None:
                 continue
             rows = [
@@ -341,15 +372,19 @@ def model_card(
     starts."""
     stages, origin = training_chain(source)
     total = sum(stage.record["tokens"] or 0 for stage in stages)
-    # results may name the exported directory, the run, the checkpoint, or an earlier stage's run
-    names: dict[Path, str] = {} if exported_to is None else {exported_to.resolve(): "this model"}
+    # results may name the exported directory, the run, the checkpoint or an earlier stage's run, or
+    # record the trained weights of one of them (measured on another export of them)
+    names = ModelNames({} if exported_to is None else {exported_to.resolve(): "this model"}, {})
     for number, stage in enumerate(stages, 1):
         label = (
             "this model" if number == len(stages) else f"stage {number} (`{stage.run.name}`, before the later stages)"
         )
-        names[stage.run.resolve()] = label
-        if stage.until is not None:
-            names[(stage.run / "checkpoints" / f"step_{stage.until:08d}").resolve()] = label
+        names.by_path[stage.run.resolve()] = label
+        checkpoint = stage.run if stage.until is None else stage.run / "checkpoints" / f"step_{stage.until:08d}"
+        names.by_path[checkpoint.resolve()] = label
+        weights = trained_weights(checkpoint)
+        if weights is not None:
+            names.by_weights[weights] = label
     training = ["## Training", ""]
     if origin is not None:
         training += [f"Stage 1 started from the weights of `{origin}`, whose training is not described here.", ""]

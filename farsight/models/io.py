@@ -218,6 +218,35 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     )
 
 
+# checksums.json's entry, in an exported directory, for the SHA-256 of the weights file it copies
+# as training wrote it (before any cast): every export of one checkpoint records the same value, so
+# a result measured on one copy is known to hold for another (`trained_weights`)
+TRAINED_WEIGHTS_KEY = "trained_weights"
+
+
+def trained_weights(path: str | os.PathLike) -> str | None:
+    """The SHA-256 of the weights file, as training wrote it, that the model directory (or the
+    run's newest checkpoint) `path` holds or copies: the entry an export recorded, else its own
+    model.safetensors' (as checksums.json lists it, or hashed here). None where `path` is no
+    model directory or holds no weights file; the files are not verified here (loading does)."""
+    try:
+        directory = resolve_model_dir(path)
+    except MissingFileError:
+        return None
+    record = directory / CHECKSUMS_FILE
+    try:
+        data = json.loads(record.read_text()) if record.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = {}
+    if isinstance(data, dict):
+        if isinstance(data.get(TRAINED_WEIGHTS_KEY), str):
+            return data[TRAINED_WEIGHTS_KEY]
+        entry = data.get("files", {}).get(WEIGHTS_FILE) if isinstance(data.get("files"), dict) else None
+        if isinstance(entry, dict) and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    return sha256_file(directory / WEIGHTS_FILE) if (directory / WEIGHTS_FILE).is_file() else None
+
+
 def check_tokenizer_fits(path: str | os.PathLike, tokenizer_vocab: int, model_vocab: int | None = None) -> None:
     """Refuse (ModelFileError) a tokenizer with more tokens than the model of directory `path` has
     embeddings for (`model_vocab`, read from its config.json when not given): its extra ids would

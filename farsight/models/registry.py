@@ -21,6 +21,7 @@ from farsight.models.io import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
     HF_SHIM_FILE,
+    TRAINED_WEIGHTS_KEY,
     WEIGHTS_FILE,
     cast_weights,
     check_tokenizer_fits,
@@ -28,6 +29,7 @@ from farsight.models.io import (
     read_model_meta,
     resolve_model_dir,
     stored_dtype,
+    trained_weights,
     write_checksums,
     write_config,
     write_hf_shim,
@@ -173,6 +175,7 @@ def export_model(
     # config.json gains what transformers reads (auto_map, the stored dtype) if the source lacks it
     meta = read_model_meta(source)
     weights_dtype = MODEL_DTYPES[dtype] if dtype is not None else stored_dtype(source)
+    origin = trained_weights(source)  # what every copy of these weights records
     exported_meta = {**meta, **hf_entries(meta["model_type"], weights_dtype)}
 
     def fill(staging: Path) -> None:
@@ -186,7 +189,7 @@ def export_model(
             else:
                 shutil.copyfile(source / name, staging / name)
         write_hf_shim(staging)
-        copied = write_checksums(staging, [*names, HF_SHIM_FILE], EXPORT_MARK)
+        copied = write_checksums(staging, [*names, HF_SHIM_FILE], {**EXPORT_MARK, TRAINED_WEIGHTS_KEY: origin})
         for name, entry in recorded.items():
             if name in copied and copied[name] != entry:
                 raise ModelFileError(

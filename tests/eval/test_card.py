@@ -1,5 +1,7 @@
+import hashlib
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -13,7 +15,9 @@ from farsight.cli import main
 from farsight.data.tokenizers import ByteTokenizer
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.card import model_card, training_chain
+from farsight.files import sha256_file
 from farsight.models import DRTConfig, DRTForCausalLM, export_model, load_model
+from farsight.models.io import trained_weights
 
 CONFIG = {
     "type": "drt",
@@ -243,6 +247,43 @@ def test_the_card_tabulates_lm_eval_results_of_this_model(project, tmp_path):
     other = write(tmp_path / "o.json", lm_eval_results("runs/unrelated"))
     with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):
         model_card(ft, "my-drt", [other])
+
+
+def test_results_measured_on_one_export_go_on_the_card_of_any_copy_of_its_weights(project, tmp_path):
+    ft = project / "runs" / "ft"
+    trained = sha256_file(ft / "checkpoints" / "step_00000020" / "model.safetensors")
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["export", str(ft), str(first), "--dtype", "bf16"]) == 0
+    assert main(["export", str(first), str(second)]) == 0  # an export of an export
+    assert trained_weights(first) == trained_weights(second) == trained_weights(ft) == trained
+    assert sha256_file(first / "model.safetensors") != trained  # the bf16 copy is another file
+    measured = tmp_path / "n.json"
+    passkey = ["eval", "passkey", "--model", str(first), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
+    assert main([*passkey, "--trials", "1", "--out", str(measured)]) == 0
+    assert json.loads(measured.read_text())["trained_weights"] == trained
+    shutil.rmtree(first)  # the copy measured is gone: its record still says whose weights it held
+    card = model_card(ft, "my-drt", [measured])(load_model(ft))
+    assert "**passkey** (`n.json`)" in card
+    # a file from before farsight recorded the weights: by the weights its path holds now
+    older = write(tmp_path / "o.json", needle_summary(str(second)))
+    assert "**passkey** (`o.json`)" in model_card(ft, "my-drt", [older])(load_model(ft))
+    ppl = {
+        "corpus": "data/lm-byte",
+        "split": "val",
+        "dtype": "bf16",
+        "results": {
+            str(first): {
+                "by_length": {"4096": {"nll": 1.2, "nll_sem": 0.01, "windows": 12}},
+                "trained_weights": trained,
+            }
+        },
+    }
+    assert "**perplexity of this model**" in model_card(ft, "my-drt", [write(tmp_path / "p.json", ppl)])(load_model(ft))
+    # the run's path, but the weights of another model (measured before it trained on, say): refused
+    other = hashlib.sha256(b"another model's weights").hexdigest()
+    elsewhere = write(tmp_path / "e.json", {**needle_summary(str(ft)), "trained_weights": other})
+    with pytest.raises(InputError, match=f"was measured on {ft}, not on this model or a copy of its weights"):
+        model_card(ft, "my-drt", [elsewhere])
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from farsight.hf import FarsightForCausalLM  # noqa: E402
 from farsight.hf.configuration import UNBOUNDED_POSITIONS  # noqa: E402
 from farsight.hf.harness import task_manager  # noqa: E402
 from farsight.models import load_model  # noqa: E402
+from farsight.models.io import trained_weights  # noqa: E402
 
 DOCS = [
     {
@@ -134,7 +135,9 @@ def test_farsight_eval_harness_prints_the_table_and_writes_json(tiny_drt_dir, ta
         python["results"]["farsight_passkey_mc"]
     )
     written = json.loads(out.read_text())
-    assert (written["model"], written["dtype"]) == (str(tiny_drt_dir), "fp32")  # what a model card checks
+    # what a model card checks: the model, and the trained weights that any copy of it shares
+    assert (written["model"], written["dtype"]) == (str(tiny_drt_dir), "fp32")
+    assert written["trained_weights"] == trained_weights(tiny_drt_dir) is not None
 
 
 def test_eval_harness_samples_hold_each_items_target_answer_and_score(tiny_drt_dir, tasks, tmp_path, capsys):
