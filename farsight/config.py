@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import numbers
 from typing import Any, TypeVar
 
 from farsight.errors import ConfigError
@@ -18,6 +20,10 @@ class ConfigBase:
     """Base for configs: `from_dict` checks keys and types, `validate` checks values."""
 
     def __post_init__(self) -> None:
+        # the types YAML loading checks hold for a config built in Python too (gumbel="false" is
+        # no boolean); from_dict has checked them already, naming the section
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(getattr(self, f.name), f.type, f"{type(self).__name__}.{f.name}"))
         self.validate()
 
     def validate(self) -> None:
@@ -67,11 +73,14 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
     elif base == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return int(value)
     elif base == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise ConfigError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     elif base == "str":
         if not isinstance(value, str):

@@ -44,7 +44,10 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     write leaves the old file as it was. A replaced file keeps its mode; a new one gets what `open`
     would give it (the umask applies, unlike mkstemp's owner-only mode)."""
     tmp = _name_beside(path, "tmp")
-    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    except OSError as exc:  # nothing is written yet: the folder refuses files (permissions, read-only, gone)
+        raise write_failure(path, exc) from exc
     created_mode = os.stat(
         tmp
     ).st_mode  # what the umask left; a writer that recreates tmp (safetensors) may not keep it
@@ -78,6 +81,19 @@ def atomic_directory(path: Path, fill: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def can_create_in(folder: Path) -> OSError | None:
+    """Whether a file can be created in the existing `folder`, found by creating (and removing) an
+    empty one: the error that refused it, or None. Permission bits alone do not tell (root passes
+    them, and a read-only or virtual file system refuses whatever they say)."""
+    probe = _name_beside(folder / "probe", "probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as exc:
+        return exc
+    os.unlink(probe)
+    return None
 
 
 def write_failure(path: str | os.PathLike, exc: OSError, then: str = "run the command again") -> WriteError:

@@ -6,11 +6,13 @@ Every bar in farsight comes from `progress_bar`, so `show_progress_bars(False)` 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from tqdm.auto import tqdm
 
 _enabled = True
+_bars: weakref.WeakSet[tqdm] = weakref.WeakSet()  # the bars progress_bar made that still exist
 
 
 def show_progress_bars(enabled: bool) -> None:
@@ -25,4 +27,13 @@ def progress_bars_shown() -> bool:
 
 def progress_bar(*args: Any, disable: bool = False, **kwargs: Any) -> tqdm:
     """A tqdm bar (same arguments), off when the caller disables it or bars are switched off."""
-    return tqdm(*args, disable=disable or not _enabled, **kwargs)
+    bar = tqdm(*args, disable=disable or not _enabled, **kwargs)
+    _bars.add(bar)
+    return bar
+
+
+def close_progress_bars() -> None:
+    """Close every bar still open (drawn as it stopped, ending its line), so that what a command
+    prints when a loop stops with an error starts a line of its own and no bar redraws after it."""
+    for bar in list(_bars):
+        bar.close()

@@ -49,6 +49,72 @@ def test_user_errors_print_one_line_and_return_2(tmp_path, capsys):
     assert "missing.yaml does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["trian", "x.yaml"], "invalid choice: 'trian' (choose from 'data', 'train', "),
+        (["eval", "passkey", "--model", "m", "--dtype", "bfloat16"], "invalid choice: 'bfloat16'"),
+        (["eval", "passkey", "--model", "m", "--lenghts", "1k"], "unrecognized arguments: --lenghts 1k"),
+        (["eval", "passkey", "--trials", "3"], "the following arguments are required: --model"),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_closest_choice_and_the_help(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and message in err
+    suggestion, help_of = {
+        "trian": ("did you mean train?", "`farsight --help`"),
+        "--dtype": ("did you mean bf16?", "`farsight eval passkey --help`"),
+        "--lenghts": ("did you mean --lengths?", "`farsight eval passkey --help`"),
+        "--trials": (None, "`farsight eval passkey --help`"),
+    }[next(a for a in argv if a in ("trian", "--dtype", "--lenghts", "--trials"))]
+    assert (suggestion is None or suggestion in err) and err.rstrip().endswith(f"see {help_of}")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, which refuses new files")
+def test_an_output_in_a_folder_that_refuses_files_is_refused_before_any_work(monkeypatch, capsys):
+    import farsight.cli.arguments
+
+    loaded = []
+    monkeypatch.setattr(farsight.cli.arguments, "load_model_and_tokenizer", lambda *a: loaded.append(a))
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    for flag, path in (("--out", "/proc/farsight-results.json"), ("--plot", "/proc/farsight-figure.png")):
+        assert main(["eval", "passkey", "--model", model, "--lengths", "1k", flag, path]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} {path} cannot be written: /proc refuses new files" in err and len(err.splitlines()) == 1
+    assert loaded == []
+
+
+def test_a_file_write_the_folder_refuses_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from farsight.errors import WriteError
+    from farsight.files import atomic_write
+
+    def refuse(path, flags, mode=0o777):
+        raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.raises(WriteError, match=r"cannot write .*out.json \(Permission denied\); check the permissions"):
+        atomic_write(tmp_path / "out.json", lambda tmp: None)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_inside_a_loop_closes_its_progress_bar_before_the_message(capsys):
+    import io
+
+    from farsight.progress import close_progress_bars, progress_bar
+
+    stream = io.StringIO()
+    bar = progress_bar(total=3, file=stream)
+    bar.update(1)
+    close_progress_bars()
+    assert bar.disable and stream.getvalue().endswith("\n")  # closed: the line ends, no redraw follows
+
+
 def test_traceback_flag_reraises_user_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         main(["--traceback", "train", str(tmp_path / "missing.yaml")])

@@ -4,23 +4,58 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from farsight.cli import data, demo, evaluation, model, train
 from farsight.errors import FarsightError
 from farsight.files import WRITE_FAILURES, write_failure
 from farsight.process_memory import tune_malloc
-from farsight.progress import show_progress_bars
+from farsight.progress import close_progress_bars, show_progress_bars
 
 # each adds its commands to the parser, in this order in `farsight --help`
 COMMAND_GROUPS = (data, train, model, demo, evaluation)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors in one line, as farsight's own errors are (the
+    usage block is what --help is for), naming the closest valid choice or option to a typo.
+    Subcommand parsers are of the same class (add_subparsers makes its parent's)."""
+
+    innermost: _Parser | None = None  # the deepest (sub)command parser of the current parse
+
+    def parse_known_args(
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        _Parser.innermost = self  # a subcommand's parser is called inside its parent's
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        # the root parser reports the arguments no subcommand took: name the subcommand's options
+        parser = _Parser.innermost if message.startswith("unrecognized") and _Parser.innermost else self
+        parser.exit(2, f"error: {message}{parser._suggestion(message)}; see `{parser.prog} --help`\n")
+
+    def _suggestion(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice is not None:
+            typo, candidates = choice[1], re.findall(r"[\w.-]+", choice[2])
+        else:
+            unknown = re.search(r"unrecognized arguments: (-[-\w]+)", message)
+            if unknown is None:
+                return ""
+            typo = unknown[1].split("=")[0]
+            candidates = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        close = difflib.get_close_matches(typo, candidates, n=1)
+        return f" (did you mean {close[0]}?)" if close else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="farsight", description=__doc__)
+    parser = _Parser(prog="farsight", description=__doc__)
     parser.add_argument("--traceback", action="store_true", help="show the full Python traceback on errors")
     _add_verbosity_arguments(parser, 0)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -111,6 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FarsightError as exc:
         if args.traceback:
             raise
+        close_progress_bars()
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -121,11 +157,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if args.traceback or exc.errno not in WRITE_FAILURES:
             raise
+        close_progress_bars()
         print(f"error: {write_failure(exc.filename or 'a file farsight was writing', exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.traceback:
             raise
+        close_progress_bars()
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from farsight.errors import InputError
+from farsight.files import can_create_in
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +240,11 @@ def _check_writable_folder(folder: Path, flag: str, path: str) -> None:
         raise InputError(
             f"{flag} {path} cannot be written: {existing} is not a folder; pass a path in a writable folder"
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
+    refused = can_create_in(existing)
+    if refused is not None:
         raise InputError(
-            f"{flag} {path} cannot be written: {existing} is not writable; pass a path in a writable folder"
+            f"{flag} {path} cannot be written: {existing} refuses new files ({refused.strerror or refused}); "
+            "pass a path in a writable folder"
         )
 
 

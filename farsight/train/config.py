@@ -21,7 +21,21 @@ SECTION_KINDS = {"model": ("type", None), "data": ("kind", "tokens")}
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 with YAML 1.2's floats: 1e-3 and 5E4 are numbers (1.1 reads them as strings)."""
+    """YAML 1.1 with YAML 1.2's floats: 1e-3 and 5E4 are numbers (1.1 reads them as strings), and
+    a key given twice in one mapping refused (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges are PyYAML's to resolve
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -59,9 +73,12 @@ def _parse_yaml(text: str, what: str, loader: type[yaml.SafeLoader] = _Loader) -
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(
-            f"{what} is not valid YAML ({problem}{where}); fix the syntax (quote strings that contain : [ ] {{ }} #)"
-        ) from exc
+        fix = (
+            "keep one of them"
+            if "given twice" in problem
+            else "fix the syntax (quote strings that contain : [ ] { } #)"
+        )
+        raise ConfigError(f"{what} is not valid YAML ({problem}{where}); {fix}") from exc
 
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -127,6 +144,8 @@ class RunConfig(ConfigBase):
             value = getattr(self, name)
             require(value >= 1, f"train.{name} must be >= 1, got {value}")
         require(self.eval_batches >= 0, f"train.eval_batches must be >= 0, got {self.eval_batches}")
+        # numpy's and torch's generators take seeds in [0, 2**32)
+        require(0 <= self.seed < 2**32, f"train.seed must be in [0, 2**32 - 1], got {self.seed}")
         require(
             self.precision in PRECISIONS,
             f"train.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",

@@ -92,3 +92,46 @@ def test_an_empty_config_file_is_refused(tmp_path):
 def test_set_fills_a_null_section_or_mapping():
     raw = apply_overrides({"train": None, "data": {"mix": None}}, ["train.steps=3", "data.mix.vt=1"])
     assert raw == {"train": {"steps": 3}, "data": {"mix": {"vt": 1}}}
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text(BASE + "train: {steps: 7}\n")
+    with pytest.raises(ConfigError, match=r"'train' is given twice in one mapping at line 5, column 1\); keep one"):
+        load_train_config(path)
+    path.write_text("model: {type: transformer}\ntrain:\n  steps: 3\n  steps: 7\n")
+    with pytest.raises(ConfigError, match="'steps' is given twice in one mapping at line 4"):
+        load_train_config(path)
+    merged = tmp_path / "merged.yaml"  # a key a YAML merge (<<) brings in may be given again
+    merged.write_text(BASE.replace("data: {path: d, seq_len: 64}", "data: {<<: {path: d, seq_len: 64}, seq_len: 32}"))
+    assert load_train_config(merged).data["seq_len"] == 32
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ("train.seed=-1", r"train.seed must be in \[0, 2\*\*32 - 1\], got -1"),
+        ("train.seed=4294967296", r"train.seed must be in \[0, 2\*\*32 - 1\], got 4294967296"),
+        ("optim.lr=.inf", "optim.lr must be a finite number, got inf"),
+        ("optim.weight_decay=.nan", "optim.weight_decay must be a finite number, got nan"),
+    ],
+)
+def test_seeds_numpy_cannot_take_and_numbers_that_are_not_finite_are_refused(base, override, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_train_config(base, [override])
+
+
+def test_configs_built_in_python_are_type_checked_as_files_are():
+    from farsight.models import DRTConfig
+    from farsight.train.config import OptimConfig
+
+    with pytest.raises(ConfigError, match="DRTConfig.gumbel must be true or false, got 'false'"):
+        DRTConfig(gumbel="false")  # a truthy string would have kept Gumbel noise on
+    with pytest.raises(ConfigError, match="DRTConfig.norm_eps must be a number, got '1e-5'"):
+        DRTConfig(norm_eps="1e-5")
+    with pytest.raises(ConfigError, match="OptimConfig.lr must be a finite number"):
+        OptimConfig(lr=float("inf"))
+    import numpy as np
+
+    config = DRTConfig(d_model=np.int64(64), norm_eps=np.float32(1e-5))  # numpy scalars are numbers
+    assert type(config.d_model) is int and type(config.norm_eps) is float
