@@ -50,8 +50,7 @@ class LlamaWithRetrieval(CausalRetrievalLM):
     """The modules CausalRetrievalLM's docstring asks for, registered in its order."""
 
     def __init__(self, config: LlamaRetrievalConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.lower = nn.ModuleList(TransformerBlock(config) for _ in range(config.lower_layers))
         self.add_retrieval(config)  # chunk encoder, landmark keys, the groups' retrieval queries

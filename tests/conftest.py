@@ -20,15 +20,17 @@ def _seed_and_threads():
 @pytest.fixture(autouse=True)
 def _library_output():
     """Each test starts with farsight's output as a fresh process has it: `farsight.cli.main`
-    attaches a terminal handler, sets the `farsight` logger's level and may turn the progress
-    bars off; all three are put back after the test."""
+    attaches a terminal handler, sets the `farsight` logger's level, stops its records from
+    reaching the root logger (which caplog reads) and may turn the progress bars off; all of it
+    is put back after the test."""
     from farsight.progress import show_progress_bars
 
     logger = logging.getLogger("farsight")
-    handlers, level = list(logger.handlers), logger.level
+    handlers, level, propagate = list(logger.handlers), logger.level, logger.propagate
     yield
     logger.handlers[:] = handlers
     logger.setLevel(level)
+    logger.propagate = propagate
     show_progress_bars(True)
 
 

@@ -115,6 +115,68 @@ def test_an_error_inside_a_loop_closes_its_progress_bar_before_the_message(capsy
     assert bar.disable and stream.getvalue().endswith("\n")  # closed: the line ends, no redraw follows
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["eval", "passkey", "--filler", "repeat", "--corpus", "elsewhere"],
+            "--corpus has no effect with --filler repeat (no corpus text); drop it",
+        ),
+        (
+            ["eval", "passkey", "--export-choice", "{tmp}/tasks", "--out", "{tmp}/r.json", "--plot", "{tmp}/p.png"],
+            "--out and --plot have no effect with --export-choice, which writes lm-eval tasks instead of evaluating",
+        ),
+        (
+            ["eval", "ruler", "--tasks", "niah_single_1", "--haystack", "noise", "--split", "train"],
+            "--split has no effect with --haystack noise",
+        ),
+        (
+            ["eval", "ruler", "--export", "{tmp}/tasks", "--memory", "disk"],
+            "--memory has no effect with --export",
+        ),
+        (
+            ["eval", "retrieval", "--text", "README.md", "--document", "3"],
+            "--document has no effect with --text (they pick a document of --corpus); drop it",
+        ),
+    ],
+)
+def test_options_the_chosen_mode_does_not_read_are_refused(argv, message, tmp_path, capsys):
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    argv = [a.format(tmp=tmp_path) for a in argv[:2]] + ["--model", model] + [a.format(tmp=tmp_path) for a in argv[2:]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dataset_file_given_for_its_folder_names_the_folder(tmp_path, capsys):
+    data = Path(__file__).resolve().parents[1] / "data" / "lm-byte"
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["data", "info", str(tmp_path / "notes.txt")]) == 2
+    assert "notes.txt is a file, not a prepared dataset; pass the folder" in capsys.readouterr().err
+    if (data / "train.bin").is_file():  # a dataset `make data` prepares
+        assert main(["data", "info", str(data / "train.bin")]) == 2
+        assert f"train.bin is a file; a prepared dataset is its folder: pass {data}" in capsys.readouterr().err
+
+
+def test_the_commands_messages_reach_the_terminal_once(tmp_path, capsys):
+    """A root handler that an imported library sets up (logging.basicConfig) does not print the
+    command's notes a second time."""
+    import logging
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    root.addHandler(handler)
+    try:
+        assert main(["data", "info", str(tmp_path / "nothing")]) == 2
+        seen = []
+        handler.emit = seen.append
+        logging.getLogger("farsight.data").warning("note: once")
+    finally:
+        root.removeHandler(handler)
+    assert seen == [] and capsys.readouterr().err.count("note: once") == 1
+
+
 def test_traceback_flag_reraises_user_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         main(["--traceback", "train", str(tmp_path / "missing.yaml")])

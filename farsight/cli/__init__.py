@@ -126,6 +126,9 @@ def configure_output(verbosity: int) -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel({-1: logging.ERROR, 0: logging.INFO}.get(verbosity, logging.DEBUG))
+    # the terminal handler is the command's output: a root handler that a library the command
+    # imports sets up (lm-eval's, transformers') would print each record a second time
+    logger.propagate = False
     show_progress_bars(verbosity >= 0)
 
 

@@ -204,6 +204,15 @@ def check_number(
         raise InputError(f"{flag} must be {wanted}, got {value}")
 
 
+def refuse_unused(args: argparse.Namespace, defaults: dict[str, object], why: str) -> None:
+    """Refuse options the chosen mode does not read (`defaults`: flag -> its default), when given
+    another value: an option that is silently ignored reads as one that took effect."""
+    given = [flag for flag, default in defaults.items() if getattr(args, flag[2:].replace("-", "_")) != default]
+    if given:
+        them = "it" if len(given) == 1 else "them"
+        raise InputError(f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect {why}; drop {them}")
+
+
 def check_output_file(path: str | None, flag: str) -> None:
     """The file `flag` names can be written: it is not a folder and its nearest existing folder is writable."""
     if path is not None:

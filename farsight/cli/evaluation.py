@@ -29,6 +29,7 @@ from farsight.cli.arguments import (
     parse_lengths,
     parse_list,
     parse_task_options,
+    refuse_unused,
 )
 from farsight.cli.harness import add_harness_command
 from farsight.cli.ruler import add_ruler_command
@@ -241,6 +242,8 @@ def _needle(args: argparse.Namespace) -> int:
         raise InputError(
             "--force lets --export-choice write into a folder that holds something else; add --export-choice DIR or drop --force"
         )
+    if args.filler == "repeat":
+        refuse_unused(args, {"--corpus": "data/stdlib-byte", "--split": "val"}, "with --filler repeat (no corpus text)")
     lengths, depths, trials = needle_grid(args)
     check_memory_for(args, lengths, trials)
     options = parse_task_options(args.task_option)
@@ -285,6 +288,11 @@ def _export_choice(
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.choice import export_choice_tasks
 
+    refuse_unused(
+        args,
+        {"--out": None, "--plot": None, "--memory": "device", "--kv-dtype": None, "--dtype": "fp32", "--batch-size": 1},
+        "with --export-choice, which writes lm-eval tasks instead of evaluating",
+    )
     check_output_folder(args.export_choice, "--export-choice")
     claim_output(args.export_choice, "tasks", args.force, "--export-choice")
     args.choices = 4 if args.choices is None else args.choices
@@ -465,7 +473,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     check_at_least(args, {"--max-tokens": 1, "--top": 1, "--document": 0})
     chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
     tokenizer = model_tokenizer(args.model)
-    if args.text:
+    if args.text is not None:
+        refuse_unused(args, {"--split": "val", "--document": 0}, "with --text (they pick a document of --corpus)")
         if not Path(args.text).is_file():
             what = (
                 "is a folder"

@@ -26,6 +26,7 @@ from farsight.cli.arguments import (
     model_tokenizer,
     needle_grid,
     parse_task_options,
+    refuse_unused,
 )
 from farsight.errors import InputError
 
@@ -93,7 +94,21 @@ def _ruler(args: argparse.Namespace) -> int:
     check_memory_for(args, lengths, trials)
     names = ruler_task_names(args.tasks)
     options = parse_task_options(args.task_option)
+    if args.haystack == "noise":
+        refuse_unused(args, {"--corpus": None, "--split": "val"}, "with --haystack noise (no real-text haystack)")
     if args.export:
+        refuse_unused(
+            args,
+            {
+                "--out": None,
+                "--plot": None,
+                "--memory": "device",
+                "--kv-dtype": None,
+                "--dtype": "fp32",
+                "--batch-size": 1,
+            },
+            "with --export, which writes lm-eval tasks instead of evaluating",
+        )
         return _export(args, names, options, lengths, depths, trials)
     if not args.model:
         raise InputError("--model is required to evaluate (or pass --export DIR to write lm-eval tasks)")

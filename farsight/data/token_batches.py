@@ -43,8 +43,13 @@ class TokenBatchConfig(ConfigBase):
 
 class TokenBatches:
     def __init__(self, config: TokenBatchConfig, seed: int, model: dict[str, Any] | None = None) -> None:
-        from farsight.data.token_files import load_token_dataset
+        from farsight.data.token_files import is_supervised, load_token_dataset
 
+        require(
+            not is_supervised(config.path),
+            f"{config.path} holds supervised examples (written by `farsight data prepare-sft`): set data.kind: sft, "
+            "which puts the loss on their completions (data.kind: tokens would train on the prompts too)",
+        )
         self.config = config
         self.seed = seed
         self.train = load_token_dataset(config.path, "train")

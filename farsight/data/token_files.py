@@ -76,11 +76,16 @@ _META_FIELDS = {"dtype": str, "vocab_size": int, "tokenizer": dict, "splits": di
 _SPLIT_FIELDS = {"tokens": int, "documents": int, "file": str, "offsets_file": str}
 
 
+def is_supervised(directory: str | os.PathLike[str]) -> bool:
+    """Whether `directory` holds supervised examples (the loss masks `farsight data prepare-sft` writes)."""
+    return any((Path(directory) / name).exists() for name in _SFT_MASK_FILES)
+
+
 def prepare_again(directory: Path, sft: bool | None = None) -> str:
     """The fix of a damaged dataset: the prepare command that wrote it (`sft`: supervised
     examples; None: told by the loss masks in `directory`), run again."""
     if sft is None:
-        sft = any((directory / name).exists() for name in _SFT_MASK_FILES)
+        sft = is_supervised(directory)
     command = "farsight data prepare-sft --source FILE.jsonl" if sft else "farsight data prepare --source SOURCE"
     return f"prepare the dataset again (`{command} ... --out {directory}`)"
 
@@ -447,6 +452,12 @@ def load_meta(out_dir: str | os.PathLike[str], sft: bool | None = None) -> dict[
     lacks a field the token files are read by, is a TokenDataError naming the fix (`sft`: the
     dataset is meant to hold supervised examples, so the fix is `farsight data prepare-sft`)."""
     directory = Path(out_dir)
+    if directory.is_file():
+        raise TokenDataError(
+            f"{directory} is a file; a prepared dataset is its folder: pass {directory.parent}"
+            if (directory.parent / META_FILENAME).is_file()
+            else f"{directory} is a file, not a prepared dataset; pass the folder `farsight data prepare{'-sft' if sft else ''} --out` wrote"
+        )
     if not directory.is_dir():
         raise TokenDataError(
             f"no prepared dataset at {directory} (no such directory); {_prepare_command(directory, bool(sft))}"

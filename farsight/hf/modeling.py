@@ -24,7 +24,7 @@ from farsight.errors import ConfigError, InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
 from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
 from farsight.models.io import stored_dtype
-from farsight.models.lm import packed_labels
+from farsight.models.lm import checked_labels
 from farsight.models.registry import load_model_tokenizer
 from farsight.models.session import check_left_padding
 from farsight.ops.documents import check_document_ids, document_ids_from_positions, document_starts
@@ -358,7 +358,7 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         )
         loss = None
         if labels is not None:
-            labels = packed_labels(labels.to(logits.device), document_ids)
+            labels = checked_labels(labels.to(logits.device), document_ids, self.config.vocab_size)
             if tokens is not None:  # a target counts when it and the position predicting it are tokens
                 targets = tokens.clone()
                 targets[:, 1:] &= tokens[:, :-1]

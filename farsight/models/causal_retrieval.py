@@ -42,7 +42,7 @@ from farsight.layers import BidirectionalAttention, GroupedCrossAttention, RMSNo
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
 from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks, PackedLayout, RetrievalInfo
-from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input, packed_labels
+from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input, checked_labels
 from farsight.models.session import check_left_padding
 from farsight.ops.documents import document_positions, document_starts
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
@@ -520,7 +520,7 @@ class CausalRetrievalLM(PretrainedLM):
         """
         input_ids = self.check_input_ids(input_ids)
         document_ids = check_packed_input(input_ids, document_ids, attention_mask=attention_mask)
-        labels = packed_labels(labels, document_ids)
+        labels = checked_labels(labels, document_ids, self.config.vocab_size)
         length = input_ids.shape[1]
         empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
         if empty is not None:

@@ -102,8 +102,7 @@ class DRTForCausalLM(CausalRetrievalLM):
     config_class: ClassVar[type[ConfigBase]] = DRTConfig
 
     def __init__(self, config: DRTConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         block_config = config.block_config()
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.lower = nn.ModuleList(TransformerBlock(block_config) for _ in range(config.lower_layers))

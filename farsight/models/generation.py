@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +41,13 @@ def sample_next_token(
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if temperature < 0:
-        raise InputError(f"temperature must be >= 0, got {temperature}")
+    for name, value, kind in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise InputError(f"{name} must be a {'number' if kind is numbers.Real else 'whole number'}, got {value!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)):
+        raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise InputError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:

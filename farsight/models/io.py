@@ -10,8 +10,8 @@ it existed) still loads, with a warning, since nothing can be verified.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.errors import InputError, MissingFileError, ModelFileError
+from farsight.errors import InputError, InputTypeError, MissingFileError, ModelFileError
 from farsight.files import atomic_write, os_error_of, sha256_file
 from farsight.readers import read_json, require_fields
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -153,13 +155,12 @@ def write_checksums(path: Path, names: Iterable[str], extra: dict[str, Any] | No
 
 
 def read_checksums(path: Path) -> dict[str, dict[str, Any]] | None:
-    """The files checksums.json of directory `path` lists, or None (with a warning) without one."""
+    """The files checksums.json of directory `path` lists, or None (with a logged warning) without one."""
     record = path / CHECKSUMS_FILE
     if not record.exists():
-        warnings.warn(
-            f"{path} has no {CHECKSUMS_FILE} (written by an older farsight); its files cannot be verified — "
-            "re-save it with save_pretrained to add one",
-            stacklevel=3,
+        logger.warning(
+            f"note: {path} has no {CHECKSUMS_FILE} (written by an older farsight); its files cannot be verified — "
+            "re-save it with save_pretrained to add one"
         )
         return None
     fix = "restore the directory from a good copy or re-save the model"
@@ -207,6 +208,10 @@ def verify_model_dir(path: Path) -> dict[str, dict[str, Any]] | None:
 
 def resolve_model_dir(path: str | os.PathLike) -> Path:
     """A model directory, or a training run directory (its newest checkpoint)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputTypeError(
+            f"a model is named by its directory's path (str or Path), got {type(path).__name__} {path!r}"
+        )
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
         return path
@@ -276,23 +281,51 @@ def read_model_meta(path: str | os.PathLike, known_types: Iterable[str] | None =
     return meta
 
 
+def checked_device(device: str | torch.device, name: str) -> torch.device:
+    """`device` as a torch.device that this machine has; InputError naming `name` otherwise."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"{name}={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"{name}={str(device)!r} but this machine has no CUDA GPU; use 'cpu'")
+    return device
+
+
+def shape_mismatches(model: nn.Module, weights: Path) -> list[str]:
+    """The tensors of `model` whose shapes differ from those the safetensors file `weights` stores
+    under the same name, as "NAME is [shape] there, [shape] here" (the file's header is read, not
+    its tensors)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as stored:
+        shapes = {name: list(stored.get_slice(name).get_shape()) for name in stored.keys()}
+    return [
+        f"{name} is {shapes[name]} there, {list(tensor.shape)} here"
+        for name, tensor in model.state_dict().items()
+        if name in shapes and shapes[name] != list(tensor.shape)
+    ]
+
+
 def load_weights(model: nn.Module, path: str | os.PathLike, map_location: str | torch.device = "cpu") -> None:
     """Load the model.safetensors of directory `path` into `model`; every tensor must match."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
+    device = checked_device(map_location, "map_location")
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise MissingFileError(f"{weights} is missing; the checkpoint directory is incomplete")
     try:
-        missing, unexpected = load_model(model, weights, strict=False, device=str(map_location))
-    except RuntimeError as exc:
-        if "size mismatch" in str(exc):
+        mismatches = shape_mismatches(model, weights)
+        if mismatches:
+            more = f", and {len(mismatches) - 1} more" if len(mismatches) > 1 else ""
             raise ModelFileError(
-                f"{weights} holds tensors of other shapes than this model ({exc}); it has another architecture"
-            ) from exc
-        raise ModelFileError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
-    except (SafetensorError, OSError) as exc:
+                f"{weights} holds tensors of other shapes than this model ({mismatches[0]}{more}); "
+                "it has another architecture or vocabulary: build the model from the directory's config.json"
+            )
+        missing, unexpected = load_model(model, weights, strict=False, device=str(device))
+    except (RuntimeError, SafetensorError, OSError) as exc:
         raise ModelFileError(f"{weights} is truncated or corrupted ({exc}); re-save or use another checkpoint") from exc
     if missing or unexpected:
         raise ModelFileError(

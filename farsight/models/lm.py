@@ -17,7 +17,7 @@ from torch import nn
 
 from farsight.config import ConfigBase
 from farsight.data.tokenizers import TOKENIZER_FILENAME
-from farsight.errors import InputError, ModelFileError
+from farsight.errors import InputError, InputTypeError, ModelFileError
 from farsight.layers.attention import check_no_cache
 from farsight.models.io import (
     CONFIG_FILE,
@@ -189,10 +189,26 @@ def check_packed_input(
     return check_document_ids(document_ids, tuple(input_ids.shape)).to(input_ids.device)
 
 
-def packed_labels(labels: torch.Tensor | None, document_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """labels [B, T] with every document's first token set to -100 (ignored): the last token of
-    a packed document predicts nothing, as when the document is run on its own."""
-    if labels is None or document_ids is None:
+def checked_labels(
+    labels: torch.Tensor | None, document_ids: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor | None:
+    """labels [B, T], integer ids in the vocabulary or -100 (ignored), refused otherwise (an id
+    past the vocabulary would fail deep in the loss, on a GPU as a device-side assert); in a
+    packed row every document's first token is set to -100: the last token of a packed document
+    predicts nothing, as when the document is run on its own."""
+    if labels is None:
+        return labels
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
+        raise InputError("labels must be an integer torch.Tensor of token ids (-100 for positions without a target)")
+    if labels.numel():
+        targets = labels[labels != -100]
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+            bad = int(targets.min()) if int(targets.min()) < 0 else int(targets.max())
+            raise InputError(
+                f"label {bad} is outside the model's vocabulary [0, {vocab_size}); labels are token ids, or -100 "
+                "where a position has no target"
+            )
+    if document_ids is None:
         return labels
     if labels.shape != document_ids.shape:
         raise InputError(f"labels must have shape {list(document_ids.shape)} (batch, tokens), got {list(labels.shape)}")
@@ -206,6 +222,17 @@ class PretrainedLM(nn.Module):
     model_type: ClassVar[str]
     config_class: ClassVar[type[ConfigBase]]
     config: Any
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        expected = getattr(type(self), "config_class", None)  # a subclass outside farsight may name none
+        if expected is not None and not isinstance(config, expected):
+            raise InputTypeError(
+                f"{type(self).__name__} is built from a {expected.__name__}, got a {type(config).__name__}; pass "
+                f"{expected.__name__}(...), or {expected.__name__}.from_dict(mapping) for a mapping "
+                "(farsight.models.build_model takes a training config's model section)"
+            )
+        self.config = config
 
     @classmethod
     def config_defaults(cls, tokenizer: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from torch import nn
 
 from farsight.config import ConfigError
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer, load_tokenizer
-from farsight.errors import InputError, ModelFileError
+from farsight.errors import InputError, InputTypeError, ModelFileError
 from farsight.files import FOLDER_KINDS, atomic_directory, folder_kind, folder_lock, new_folders_for, reported_write
 from farsight.models.drt import DRTForCausalLM
 from farsight.models.io import (
@@ -45,6 +45,11 @@ MODEL_TYPES: dict[str, type[PretrainedLM]] = {
 
 def build_model(spec: dict[str, Any], tokenizer: Any = None) -> PretrainedLM:
     """Model from a config mapping with a `type` key (the `model` section of a training config)."""
+    if not isinstance(spec, dict):
+        raise InputTypeError(
+            f"build_model takes a model section, a mapping with a 'type' key such as {{'type': 'drt', 'd_model': 256}}; "
+            f"got {type(spec).__name__} {spec!r}"
+        )
     spec = dict(spec)
     model_type = spec.pop("type", None)
     if model_type not in MODEL_TYPES:
@@ -165,6 +170,12 @@ def export_model(
     it was and no folder behind; `out` must be new, empty or a previous export (another model
     directory only with `overwrite`), never the source, a run or a checkpoint
     (`check_export_target`). Returns the model directory exported."""
+    if dtype is not None and dtype not in MODEL_DTYPES:
+        raise InputError(
+            f"dtype={dtype!r} is not one of {', '.join(MODEL_DTYPES)}; pass one of these names, e.g. 'bf16'"
+        )
+    if readme is not None and not (isinstance(readme, str) or callable(readme)):
+        raise InputTypeError(f"readme must be the card's text or a function of the model, got {type(readme).__name__}")
     check_export_target(source, out, overwrite)
     source, out = resolve_model_dir(source), Path(out)
     model = load_model(source)  # refuse a damaged source: files against checksums.json, readable and finite weights

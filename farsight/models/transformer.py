@@ -17,7 +17,7 @@ from torch import nn
 from farsight.config import ConfigBase, require
 from farsight.errors import InputError
 from farsight.layers import ATTENTION_KINDS, RMSNorm, TransformerBlock, check_takes_documents, swiglu_hidden_size
-from farsight.models.lm import CausalLMOutput, PretrainedLM, check_input_ids, check_packed_input, packed_labels
+from farsight.models.lm import CausalLMOutput, PretrainedLM, check_input_ids, check_packed_input, checked_labels
 from farsight.models.session import Session
 
 POSITIONS = ("rope", "alibi", "none")
@@ -98,8 +98,7 @@ class TransformerForCausalLM(PretrainedLM):
     config_class: ClassVar[type[ConfigBase]] = TransformerConfig
 
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -129,7 +128,7 @@ class TransformerForCausalLM(PretrainedLM):
         its documents would one at a time."""
         input_ids = check_input_ids(input_ids, self.config.vocab_size)
         document_ids = check_packed_input(input_ids, document_ids, caches)
-        labels = packed_labels(labels, document_ids)
+        labels = checked_labels(labels, document_ids, self.config.vocab_size)
         empty = self.empty_output(input_ids, labels, loss_weights, return_logits)
         if empty is not None:
             return empty

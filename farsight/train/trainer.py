@@ -301,10 +301,18 @@ class Trainer:
     def _init_weights(self, source: str) -> None:
         """Start from the weights of another run or model directory (a resume overrides them)."""
         path = resolve_model_dir(source)
-        model_type = read_model_meta(path)["model_type"]
-        if model_type != self.model.model_type:
+        meta = read_model_meta(path)
+        if meta["model_type"] != self.model.model_type:
             raise ConfigError(
-                f"train.init_from={source} holds a {model_type!r} model, but model.type is {self.model.model_type!r}"
+                f"train.init_from={source} holds a {meta['model_type']!r} model, but model.type is {self.model.model_type!r}; "
+                f"set model.type: {meta['model_type']} and its sizes, or start from a {self.model.model_type!r} model"
+            )
+        vocabulary = meta["config"].get("vocab_size")
+        if vocabulary != self.model.config.vocab_size:
+            raise ConfigError(
+                f"train.init_from={source} has a vocabulary of {vocabulary} tokens but the data's tokenizer gives "
+                f"{self.model.config.vocab_size}: the data was prepared with another tokenizer; prepare it with "
+                f"`farsight data prepare --tokenizer {source} ...` (or set model.vocab_size: {vocabulary} if its tokenizer fits)"
             )
         try:
             load_weights(self.model, path, self.device)
@@ -394,6 +402,14 @@ class Trainer:
                 "pass --allow-config-change to continue the run with the new ones, or --restart to start over"
             )
         data_changes = self._data_changes(path, state, allow_data_change or any(k.startswith("data.") for k in guarded))
+        vocabulary = read_model_meta(path)["config"].get("vocab_size")
+        if vocabulary != self.model.config.vocab_size:
+            raise ConfigError(
+                f"{path} has a vocabulary of {vocabulary} tokens but the data now gives {self.model.config.vocab_size}: "
+                "it was prepared again with another tokenizer, which a resumed run cannot take; resume on data prepared "
+                f"with the checkpoint's tokenizer (`farsight data prepare --tokenizer {path} ...`), or --restart "
+                "(or a new train.out_dir) to start over"
+            )
         from safetensors import SafetensorError
 
         try:

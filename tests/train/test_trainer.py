@@ -302,6 +302,35 @@ def test_init_from_starts_with_the_source_weights(token_dir, tmp_path):
         Trainer(other_type)
 
 
+def test_a_vocabulary_other_than_the_datas_is_named_with_its_tokenizer(token_dir, tmp_path, sft_dir):
+    """Weights of another vocabulary (another tokenizer's data) are refused in one line that says
+    so, for init_from and for a resume whose data was prepared again with another tokenizer."""
+    import shutil
+
+    from farsight.data.token_files import prepare_corpus
+    from farsight.data.tokenizers import load_tokenizer
+
+    wide = tiny_config(token_dir, tmp_path / "wide", steps=1)
+    wide.model["vocab_size"] = 300  # what a tokenizer of 300 ids gives
+    train(wide)
+    with pytest.raises(
+        ValueError, match=r"has a vocabulary of 300 tokens but the data's tokenizer gives 260: .*--tokenizer"
+    ):
+        Trainer(tiny_config(token_dir, tmp_path / "tuned", init_from=str(tmp_path / "wide")))
+    data = tmp_path / "data"
+    shutil.copytree(token_dir, data)
+    train(tiny_config(data, tmp_path / "run", steps=1))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("a", "b", "c", "d"):
+        (docs / f"{name}.txt").write_text(f"another text {name}, tokenized again " * 200)
+    prepare_corpus([str(docs)], load_tokenizer("gpt2"), data, val_fraction=0.5, seed=0, progress=False)
+    with pytest.raises(ValueError, match=r"has a vocabulary of 260 tokens but the data now gives 50259: .*--restart"):
+        train(tiny_config(data, tmp_path / "run", steps=2), allow_data_change=True)
+    with pytest.raises(ValueError, match=r"holds supervised examples .*set data.kind: sft"):
+        Trainer(tiny_config(sft_dir, tmp_path / "sft-as-text"))
+
+
 def test_init_from_is_read_only_when_a_run_starts(token_dir, tmp_path, farsight_log):
     """A finished or resumed run keeps its own weights and never reads init_from (its source may be
     gone); --restart reads it again and trains exactly as a fresh run does."""

@@ -1,0 +1,91 @@
+"""What the Python API says to a caller who passes the wrong kind of thing: one error naming the
+argument and the fix, never an error from deep inside torch or a library."""
+
+import pytest
+import torch
+
+from farsight.errors import InputError, InputTypeError, ModelFileError
+from farsight.models import (
+    DRTConfig,
+    DRTForCausalLM,
+    TransformerConfig,
+    TransformerForCausalLM,
+    build_model,
+    export_model,
+    load_model,
+)
+
+SMALL = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 2}
+DRT = {**SMALL, "chunk_size": 8, "window": 16, "top_k": 2, "encoder_layers": 1}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "drt"
+    DRTForCausalLM(DRTConfig(**DRT)).save_pretrained(path)
+    return path
+
+
+def test_a_model_is_built_from_its_own_config_class():
+    with pytest.raises(InputTypeError, match=r"DRTForCausalLM is built from a DRTConfig, got a dict; pass DRTConfig"):
+        DRTForCausalLM({"d_model": 32})
+    with pytest.raises(
+        InputTypeError, match="TransformerForCausalLM is built from a TransformerConfig, got a DRTConfig"
+    ):
+        TransformerForCausalLM(DRTConfig(**DRT))
+    with pytest.raises(InputTypeError, match=r"build_model takes a model section, a mapping with a 'type' key"):
+        build_model("drt")
+
+
+def test_a_model_is_named_by_a_path_on_a_device_this_machine_has(saved, tmp_path):
+    for wrong in (3, None):
+        with pytest.raises(InputTypeError, match="a model is named by its directory's path"):
+            load_model(wrong)
+    with pytest.raises(InputError, match=r"map_location='gpu' is not a device; use 'cpu', 'cuda'"):
+        load_model(saved, map_location="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="map_location='cuda' but this machine has no CUDA GPU"):
+            load_model(saved, map_location="cuda")
+    with pytest.raises(InputError, match=r"dtype='bfloat16' is not one of fp32, bf16, fp16"):
+        export_model(saved, tmp_path / "out", dtype="bfloat16")
+    with pytest.raises(InputError, match="is not one of fp32, bf16, fp16"):
+        export_model(saved, tmp_path / "out", dtype=torch.bfloat16)
+    with pytest.raises(InputTypeError, match="readme must be the card's text or a function of the model, got int"):
+        export_model(saved, tmp_path / "out", readme=5)
+    assert not (tmp_path / "out").exists()
+
+
+def test_weights_of_other_shapes_name_the_first_tensor_that_differs(saved):
+    wider = DRTForCausalLM(DRTConfig(**{**DRT, "vocab_size": 300}))
+    with pytest.raises(ModelFileError) as refused:
+        from farsight.models.io import load_weights
+
+        load_weights(wider, saved)
+    message = str(refused.value)
+    assert "holds tensors of other shapes than this model (embed.weight is [260, 32] there, [300, 32] here" in message
+    assert "\n" not in message and "size mismatch" not in message
+
+
+@pytest.mark.parametrize(
+    "model", [DRTForCausalLM(DRTConfig(**DRT)), TransformerForCausalLM(TransformerConfig(**SMALL))]
+)
+def test_labels_are_token_ids_of_the_vocabulary_or_minus_100(model):
+    ids = torch.randint(0, 200, (2, 24))
+    with pytest.raises(InputError, match=r"label 1\d{3} is outside the model's vocabulary \[0, 260\)"):
+        model(ids, labels=ids + 1000)
+    with pytest.raises(InputError, match="labels must be an integer torch.Tensor"):
+        model(ids, labels=ids.float())
+    ignored = ids.clone()
+    ignored[:, :5] = -100
+    assert torch.isfinite(model(ids, labels=ignored).loss)
+
+
+def test_sampling_settings_must_be_numbers():
+    model = TransformerForCausalLM(TransformerConfig(**SMALL))
+    ids = torch.randint(0, 200, (1, 8))
+    with pytest.raises(InputError, match="temperature must be a number, got '0'"):
+        model.generate(ids, max_new_tokens=2, temperature="0")
+    with pytest.raises(InputError, match="top_k must be a whole number, got 2.5"):
+        model.generate(ids, max_new_tokens=2, top_k=2.5)
+    with pytest.raises(InputError, match="temperature must be a finite number >= 0"):
+        model.generate(ids, max_new_tokens=2, temperature=float("nan"))
