@@ -149,6 +149,28 @@ def test_options_the_chosen_mode_does_not_read_are_refused(argv, message, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "passkey", "--lengths", "1k", "--memory", "disk"],
+        ["eval", "ppl", "--corpus", "elsewhere", "--kv-dtype", "bf16"],
+        ["eval", "generate", "--data", "README.md", "--memory", "host"],
+    ],
+)
+def test_memory_tiers_are_refused_for_a_model_without_chunk_memory(argv, capsys):
+    model = str(Path(__file__).resolve().parents[1] / "models" / "base-baselm-2l")  # a sliding-window transformer
+    assert main([*argv[:2], "--model", model, *argv[2:]]) == 2
+    err = capsys.readouterr().err
+    assert "--memory and --kv-dtype choose where a DRT keeps its chunk memory" in err and "drop them" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_an_empty_text_path_is_named(capsys):
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    assert main(["eval", "retrieval", "--model", model, "--text", ""]) == 2
+    assert capsys.readouterr().err == "error: --text is empty; pass a text file\n"
+
+
 def test_a_dataset_file_given_for_its_folder_names_the_folder(tmp_path, capsys):
     data = Path(__file__).resolve().parents[1] / "data" / "lm-byte"
     (tmp_path / "notes.txt").write_text("x")

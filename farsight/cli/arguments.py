@@ -357,6 +357,20 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} bytes"
 
 
+def check_memory_tier(path: str, memory: str, kv_dtype: str | None) -> None:
+    """Refuse --memory other than device, or --kv-dtype, for a model without DRT's chunk memory
+    (read from its config, before it loads): a transformer keeps its caches on the device."""
+    from farsight.models import read_model_meta, resolve_model_dir
+
+    meta = read_model_meta(resolve_model_dir(path))
+    if meta["model_type"] != "drt" and (memory != "device" or kv_dtype is not None):
+        raise InputError(
+            f"--memory and --kv-dtype choose where a DRT keeps its chunk memory; {path} is a "
+            f"{meta['config'].get('attention', 'causal')} transformer, whose caches stay on the device in the "
+            "model's dtype: drop them"
+        )
+
+
 def session_bytes_per_token(path: str, memory: str, kv_dtype: str | None, dtype: str) -> tuple[float, float, str]:
     """(RAM bytes, disk bytes, what) that a decoding session of the model at `path` keeps per
     prompt token, read from its config without loading it: a DRT's chunk memory (K/V of every
@@ -366,6 +380,7 @@ def session_bytes_per_token(path: str, memory: str, kv_dtype: str | None, dtype:
 
     from farsight.models import KV_DTYPES, MODEL_DTYPES, read_model_meta, resolve_model_dir
 
+    check_memory_tier(path, memory, kv_dtype)
     meta = read_model_meta(resolve_model_dir(path))
     config = meta["config"]
     d_model = int(config.get("d_model", 256))

@@ -15,6 +15,7 @@ from farsight.cli.arguments import (
     add_needle_grid_arguments,
     check_at_least,
     check_memory_for,
+    check_memory_tier,
     check_output_file,
     check_output_folder,
     check_plot_file,
@@ -330,6 +331,8 @@ def _perplexity(args: argparse.Namespace) -> int:
             args.window_length = parse_length(args.window_length)
         except ValueError as exc:
             raise InputError(f"--window-length {args.window_length!r} is not a length such as 128k: {exc}") from exc
+    for path in args.model:
+        check_memory_tier(path, args.memory, args.kv_dtype)
     split = open_corpus(args.corpus, args.split, args.model)
     results, series = {}, {}
     for path in args.model:
@@ -410,6 +413,7 @@ def _generate(args: argparse.Namespace) -> int:
     from farsight.eval.needle import parse_length
 
     check_output_file(args.out, "--out")
+    check_memory_tier(args.model, args.memory, args.kv_dtype)
     check_at_least(args, {"--max-new-tokens": 1, "--limit": 1, "--per-bucket": 1, "--show": 0})
     if args.limit is not None and args.per_bucket is not None:
         raise InputError("--limit takes the first examples and --per-bucket spreads over the file; pass one of the two")
@@ -474,6 +478,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
     tokenizer = model_tokenizer(args.model)
     if args.text is not None:
+        if not args.text.strip():
+            raise InputError("--text is empty; pass a text file")
         refuse_unused(args, {"--split": "val", "--document": 0}, "with --text (they pick a document of --corpus)")
         if not Path(args.text).is_file():
             what = (

@@ -10,6 +10,7 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     check_at_least,
+    check_memory_tier,
     check_output_file,
     measured_on,
     parse_list,
@@ -71,6 +72,7 @@ def _harness(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_output_file(args.samples, "--samples")
     check_at_least(args, {"--batch-size": 1, "--num-fewshot": 0})
+    check_memory_tier(args.model, args.memory, args.kv_dtype)
     if args.limit is not None and not (math.isfinite(args.limit) and args.limit > 0):
         raise InputError(f"--limit must be > 0, got {args.limit}")
     if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):

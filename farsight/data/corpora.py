@@ -19,6 +19,7 @@ shakespeare source, with its download, in `farsight.data.shakespeare`.
 
 from __future__ import annotations
 
+import codecs
 import inspect
 import json
 import logging
@@ -68,6 +69,29 @@ def read_text_file(path: Path) -> tuple[str, int]:
 
 def invalid_utf8_note(path: Path | str, invalid: int) -> str:
     return f"{path}: {invalid:,} byte{'s' if invalid != 1 else ''} not valid UTF-8, read as U+FFFD"
+
+
+def jsonl_lines(path: Path, error: type[Exception]) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of each non-blank line of the JSONL file `path`, read the way
+    every farsight reader of JSONL reads: UTF-8, a byte-order mark at the start skipped, invalid
+    bytes read as U+FFFD and counted in one note at the end. A UTF-16 or UTF-32 file (what some
+    editors save) is refused as `error` with the fix."""
+    with open(path, "rb") as handle:
+        head = handle.read(4)
+    if head[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE) or (len(head) >= 2 and b"\x00" in head[:2]):
+        raise error(f"{path} is UTF-16 or UTF-32 text; re-save it as UTF-8 (one JSON object per line)")
+    invalid = 0
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            bad = len(_INVALID_BYTE.findall(line))
+            if bad:
+                invalid += bad
+                line = line.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
+            yield number, line
+    if invalid:
+        _note(invalid_utf8_note(path, invalid))
 
 
 def _read_text(path: Path) -> str:
@@ -189,40 +213,36 @@ class JsonlSource(Source):
         self.id_field = id_field
 
     def __iter__(self) -> Iterator[Document]:
-        invalid = 0
-        with open(self.path, encoding="utf-8", errors="surrogateescape") as handle:
-            for line_number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                bad = len(_INVALID_BYTE.findall(line))
-                if bad:
-                    invalid += bad
-                    line = line.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
-                where = f"{self.path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise CorpusError(
-                        f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object"
-                    ) from error
-                if not isinstance(record, dict):
-                    raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
-                text = _field(record, self.text_field, where, "text_field")
-                doc_id = (
-                    f"{self.path.name}:{line_number}"
-                    if self.id_field is None
-                    else str(_field(record, self.id_field, where, "id_field", want_str=False))
-                )
-                yield Document(doc_id=doc_id, text=text, license=self.license)
-        if invalid:
-            _note(invalid_utf8_note(self.path, invalid))
+        for line_number, line in jsonl_lines(self.path, CorpusError):
+            where = f"{self.path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise CorpusError(
+                    f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object"
+                ) from error
+            if not isinstance(record, dict):
+                raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            text = _field(record, self.text_field, where, "text_field")
+            doc_id = (
+                f"{self.path.name}:{line_number}"
+                if self.id_field is None
+                else str(_field(record, self.id_field, where, "id_field", want_str=False))
+            )
+            yield Document(doc_id=doc_id, text=text, license=self.license)
 
 
 def _field(record: Mapping[str, Any], name: str, where: str, option: str, want_str: bool = True) -> Any:
     if name not in record:
         keys = ", ".join(sorted(map(str, record))) or "(none)"
+        if {"prompt", "completion"} <= record.keys() or "messages" in record:
+            raise CorpusError(
+                f"{where}: a supervised example ({keys}), not a document with a {name!r} field; prepare such files "
+                "with `farsight data prepare-sft`"
+            )
         raise CorpusError(
-            f"{where}: record has no {name!r} field; available keys: {keys}; pass {option}=... to read another field"
+            f"{where}: record has no {name!r} field; available keys: {keys}; give each record a {name!r} field "
+            f"(from Python, pass {option}=... to read another one)"
         )
     value = record[name]
     if want_str and not isinstance(value, str):

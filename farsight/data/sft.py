@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +48,6 @@ CHAT_TEMPLATE = "farsight-chat-v1"
 ROLES = ("system", "user", "assistant")
 MASK_SUFFIX = ".mask.bin"
 SKIP_FLAG = "--skip-bad-records"
-_INVALID_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes an invalid byte to
 _BATCH_EXAMPLES = 256
 
 
@@ -191,34 +189,24 @@ def read_examples(path: str | os.PathLike[str], skipped: SkippedRecords | None =
     """The examples of the JSONL file `path`, in order. A bad record stops the reading with an
     SFTDataError naming FILE:LINE, or, when `skipped` is given, is counted there and left out.
     Invalid UTF-8 bytes are read as U+FFFD."""
-    from farsight.data.corpora import invalid_utf8_note
+    from farsight.data.corpora import jsonl_lines
 
     path = Path(path)
     check_jsonl_file(path)
-    invalid = 0
-    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            bad_bytes = len(_INVALID_BYTE.findall(line))
-            if bad_bytes:
-                invalid += bad_bytes
-                line = line.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
-            where = f"{path}:{number}"
+    for number, line in jsonl_lines(path, SFTDataError):
+        where = f"{path}:{number}"
+        try:
             try:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise BadRecord("invalid JSON", f"invalid JSON ({error.msg} at column {error.colno})") from None
-                example = parse_record(record, where)
-            except BadRecord as bad:
-                if skipped is None:
-                    raise refuse(bad, where) from None
-                skipped.add(bad, where)
-                continue
-            yield example
-    if invalid:
-        logger.warning(f"note: {invalid_utf8_note(path, invalid)}")
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise BadRecord("invalid JSON", f"invalid JSON ({error.msg} at column {error.colno})") from None
+            example = parse_record(record, where)
+        except BadRecord as bad:
+            if skipped is None:
+                raise refuse(bad, where) from None
+            skipped.add(bad, where)
+            continue
+        yield example
 
 
 def check_jsonl_file(path: str | os.PathLike[str]) -> None:

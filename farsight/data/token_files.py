@@ -383,10 +383,11 @@ def _tokenize_sources(
         for index, source in enumerate(sources):
             bar.set_description_str(f"tokenizing {source.spec}")
             batch: list[Document] = []
-            characters = 0
+            characters, text_in_source = 0, 0
             for document in source:
                 batch.append(document)
                 characters += len(document.text)
+                text_in_source += len(document.text)
                 counts[index]["documents"] += 1
                 if len(batch) >= _BATCH_DOCUMENTS or characters >= _BATCH_CHARACTERS:
                     flush(batch, index)
@@ -396,6 +397,11 @@ def _tokenize_sources(
             if counts[index]["documents"] == 0:
                 raise TokenDataError(
                     f"source {source.spec!r} produced no documents; check that it points at the data you meant"
+                )
+            if text_in_source == 0:  # a dataset of end-of-document tokens alone would train on nothing
+                raise TokenDataError(
+                    f"source {source.spec!r} holds {counts[index]['documents']} document(s), all empty; "
+                    "check that it points at the data you meant"
                 )
 
 

@@ -56,7 +56,8 @@ def draw_windows(split: Any, length: int, count: int, seed: int) -> tuple[np.nda
             f"the held-out split ({len(split)} tokens) holds {len(slots)} disjoint windows of {length} tokens, "
             f"fewer than the {count} asked for; ask for --windows {len(slots)} or fewer, or a shorter length"
             if len(slots)
-            else f"the held-out split has {len(split)} tokens, fewer than the evaluation length {length}"
+            else f"the held-out split has {len(split)} tokens, fewer than the {length:,}-token windows drawn from it "
+            "(the longest length, or the window length); lower --lengths or --window-length, or hold out more text"
         )
     offsets = np.sort(rng.choice(slots, size=count, replace=False))
     return np.stack([np.asarray(split.tokens[o : o + length], dtype=np.int64) for o in offsets]), source

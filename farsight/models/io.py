@@ -218,8 +218,10 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     checkpoints = sorted((path / "checkpoints").glob("step_*[0-9]")) if path.is_dir() else []
     if checkpoints:
         return checkpoints[-1]
+    what = "does not exist" if not path.exists() else "is a file" if path.is_file() else "holds neither"
     raise MissingFileError(
-        f"{path} is neither a model directory (with {CONFIG_FILE}) nor a training run with checkpoints"
+        f"{path} is neither a model directory (with {CONFIG_FILE}) nor a training run with checkpoints ({what}); "
+        "pass a folder written by `farsight export` or save_pretrained, or a run of `farsight train`"
     )
 
 

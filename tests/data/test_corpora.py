@@ -1,3 +1,4 @@
+import codecs
 import hashlib
 import io
 import json
@@ -85,6 +86,28 @@ def test_jsonl_missing_field_names_line_and_keys() -> None:
     ):
         list(source)
     assert [d.text for d in JsonlSource(FIXTURES / "missing_field.jsonl", text_field="id")] == ["m1", "m2", "m3", "m4"]
+
+
+def test_jsonl_of_supervised_examples_points_at_prepare_sft(tmp_path: Path) -> None:
+    for record in ('{"prompt": "2+2=", "completion": "4"}', '{"messages": []}'):
+        (tmp_path / "sft.jsonl").write_text(record + "\n")
+        with pytest.raises(CorpusError, match=r"sft\.jsonl:1: a supervised example .*`farsight data prepare-sft`"):
+            list(JsonlSource(tmp_path / "sft.jsonl"))
+
+
+def test_jsonl_with_a_byte_order_mark_reads_and_utf16_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from farsight.data.sft import SFTDataError, read_examples
+
+    text = '{"text": "a", "prompt": "p", "completion": "c"}\n'
+    (tmp_path / "bom.jsonl").write_bytes(codecs.BOM_UTF8 + text.encode())
+    assert [d.text for d in JsonlSource(tmp_path / "bom.jsonl")] == ["a"]
+    assert len(list(read_examples(tmp_path / "bom.jsonl"))) == 1
+    for encoding in ("utf-16", "utf-16-le"):
+        (tmp_path / "wide.jsonl").write_bytes(text.encode(encoding))
+        with pytest.raises(CorpusError, match=r"wide\.jsonl is UTF-16 or UTF-32 text; re-save it as UTF-8"):
+            list(JsonlSource(tmp_path / "wide.jsonl"))
+        with pytest.raises(SFTDataError, match="re-save it as UTF-8"):
+            list(read_examples(tmp_path / "wide.jsonl"))
 
 
 def test_jsonl_invalid_lines(tmp_path: Path) -> None:

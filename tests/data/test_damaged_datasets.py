@@ -80,10 +80,19 @@ def test_a_damaged_dataset_file_is_named_in_one_line(prepared, tmp_path, capsys,
         TokenDataError, match=rf"{tokens / name} {problem}.*prepare the dataset again .*farsight data prepare "
     ):
         load_token_dataset(tokens, "train")
-    if name == "meta.json":  # `data info` reads meta.json alone
-        assert main(["data", "info", str(tokens)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"error: {tokens / name}") and len(err.splitlines()) == 1
+    assert main(["data", "info", str(tokens)]) == 2  # `data info` reads every file the meta describes
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tokens / name}") and len(err.splitlines()) == 1
+
+
+def test_prepare_refuses_sources_whose_documents_are_all_empty(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (docs / name).write_text("")
+    with pytest.raises(TokenDataError, match=r"holds 2 document\(s\), all empty; check that it points"):
+        prepare_corpus([str(docs)], load_tokenizer("byte"), tmp_path / "tokens", progress=False)
+    assert not (tmp_path / "tokens").exists()
 
 
 @pytest.mark.parametrize(
