@@ -165,6 +165,14 @@ def test_memory_tiers_are_refused_for_a_model_without_chunk_memory(argv, capsys)
     assert len(err.splitlines()) == 1
 
 
+def test_a_value_listed_twice_is_refused(capsys):
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    assert main(["eval", "passkey", "--model", model, "--lengths", "1k,1024"]) == 2
+    assert capsys.readouterr().err == "error: --lengths='1k,1024' lists 1024 twice; list each once\n"
+    assert main(["eval", "passkey", "--model", model, "--depths", "0.5,0.5"]) == 2
+    assert "--depths='0.5,0.5' lists 0.5 twice" in capsys.readouterr().err
+
+
 def test_an_empty_text_path_is_named(capsys):
     model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
     assert main(["eval", "retrieval", "--model", model, "--text", ""]) == 2

@@ -114,11 +114,16 @@ def text_argument(text: str, flag: str) -> str:
 
 
 def parse_list(text: str, convert: Callable[[str], T], option: str, what: str) -> list[T]:
-    """The comma-separated items of `text`, each converted; an unreadable item is an InputError naming `option`."""
+    """The comma-separated items of `text`, each converted; an unreadable item, or one listed twice
+    (a grid would merge or repeat it), is an InputError naming `option`."""
     try:
-        return [convert(item) for item in text.split(",")]
+        items = [convert(item) for item in text.split(",")]
     except ValueError as exc:
         raise InputError(f"{option}={text!r} is not a comma-separated list of {what}: {exc}") from exc
+    repeated = next((item for index, item in enumerate(items) if item in items[:index]), None)
+    if repeated is not None:
+        raise InputError(f"{option}={text!r} lists {repeated} twice; list each once")
+    return items
 
 
 def parse_labels(
@@ -300,7 +305,7 @@ def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
         if model_tokenizer(path).to_spec() != data.tokenizer.to_spec():
             raise InputError(
                 f"{corpus} was prepared with another tokenizer than the model {path}'s, so its scores would mean nothing; "
-                f"prepare it with `farsight data prepare --tokenizer {path} ...`"
+                f"pass --corpus with a dataset prepared with `farsight data prepare --tokenizer {path} ...`"
             )
     return data
 

@@ -541,7 +541,12 @@ def _compare(args: argparse.Namespace) -> int:
     summaries = []
     for label, path in zip(labels, args.results):
         if not Path(path).is_file():
-            raise MissingFileError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
+            what = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise MissingFileError(
+                f"{path} {what}; pass result files written by `farsight eval passkey ... --out FILE` (e.g. {path}/*.json)"
+                if Path(path).is_dir()
+                else f"{path} {what}; write it with `farsight eval passkey ... --out {path}`"
+            )
         summary = read_json(Path(path), "pass a file written by `farsight eval passkey ... --out`", kind=object)
         check_needle_summary(summary, path)
         summaries.append((label, summary))

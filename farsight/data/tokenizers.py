@@ -365,6 +365,11 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
             f"unknown tokenizer {str(name_or_path)!r}: valid names are {', '.join(repr(n) for n in BUILTIN_NAMES)}, "
             f"or the path of a tokenizer.json (or a directory holding one) written by Tokenizer.save; {path} does not exist"
         )
+    if path.suffix != ".json":  # a dataset's .bin, a .jsonl of records: not a tokenizer at all
+        raise TokenizerError(
+            f"{path} is not a tokenizer (a tokenizer.json); pass {' or '.join(BUILTIN_NAMES)}, a tokenizer.json, "
+            "or a model or dataset folder holding one"
+        )
     from farsight.readers import read_json
 
     spec = read_json(path, "re-save the tokenizer with Tokenizer.save", TokenizerError)

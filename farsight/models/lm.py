@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from farsight.config import ConfigBase
+from farsight.config import ConfigBase, ConfigError
 from farsight.data.tokenizers import TOKENIZER_FILENAME
 from farsight.errors import InputError, InputTypeError, ModelFileError
 from farsight.layers.attention import check_no_cache
@@ -398,6 +398,10 @@ class PretrainedLM(nn.Module):
                 "load it with farsight.models.load_model"
             )
         verify_model_dir(path)
-        model = cls(cls.config_class.from_dict(meta["config"], where="config"))
+        try:
+            config = cls.config_class.from_dict(meta["config"], where="config")
+        except ConfigError as exc:  # an edited config.json, or one of a newer farsight
+            raise ModelFileError(f"{path / CONFIG_FILE}: {exc}") from exc
+        model = cls(config)
         load_weights(model, path, map_location)
         return model.to(map_location)

@@ -714,6 +714,12 @@ class Trainer:
             note = precision_note(self.precision, self.device)
             if note:
                 logger.warning(note)
+            warmup = self.config.optim.warmup_steps
+            if warmup >= run.steps:
+                logger.warning(
+                    f"note: optim.warmup_steps={warmup} is not below train.steps={run.steps}: the learning rate rises "
+                    f"for the whole run and never reaches optim.lr={self.config.optim.lr:g}; lower optim.warmup_steps"
+                )
             if self.compiled is not None:
                 how = " (train.compile=auto)" if run.compile == "auto" else ""
                 logger.info(

@@ -199,3 +199,12 @@ def test_raw_tokenizers_file_is_explained(bpe: BPETokenizer, tmp_path: Path) -> 
     raw.write_text(json.dumps(bpe.to_spec()["tokenizer_json"]), encoding="utf-8")
     with pytest.raises(TokenizerError, match="raw Hugging Face tokenizers file"):
         load_tokenizer(tmp_path)
+
+
+def test_a_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
+    from farsight.data.tokenizers import TokenizerError
+
+    for name in ("train.bin", "records.jsonl"):
+        (tmp_path / name).write_bytes(b"\x00\x01")
+        with pytest.raises(TokenizerError, match=rf"{name} is not a tokenizer \(a tokenizer.json\); pass byte or gpt2"):
+            load_tokenizer(tmp_path / name)

@@ -89,3 +89,19 @@ def test_sampling_settings_must_be_numbers():
         model.generate(ids, max_new_tokens=2, top_k=2.5)
     with pytest.raises(InputError, match="temperature must be a finite number >= 0"):
         model.generate(ids, max_new_tokens=2, temperature=float("nan"))
+
+
+def test_an_unknown_field_in_config_json_names_the_file(saved, tmp_path):
+    import json
+    import shutil
+
+    edited = tmp_path / "edited"
+    shutil.copytree(saved, edited)
+    (edited / "checksums.json").unlink()  # as an older farsight wrote it: nothing to verify against
+    meta = json.loads((edited / "config.json").read_text())
+    meta["config"]["dmodel"] = meta["config"].pop("d_model")
+    (edited / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(
+        ModelFileError, match=r"edited/config.json: unknown config field 'config.dmodel' .*did you mean"
+    ):
+        load_model(edited)

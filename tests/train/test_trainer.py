@@ -331,6 +331,14 @@ def test_a_vocabulary_other_than_the_datas_is_named_with_its_tokenizer(token_dir
         Trainer(tiny_config(sft_dir, tmp_path / "sft-as-text"))
 
 
+def test_a_warmup_as_long_as_the_run_is_noted(token_dir, tmp_path, farsight_log):
+    train(tiny_config(token_dir, tmp_path / "short", steps=2))  # warmup_steps 2
+    assert "optim.warmup_steps=2 is not below train.steps=2: the learning rate rises" in farsight_log.text
+    farsight_log.clear()
+    train(tiny_config(token_dir, tmp_path / "long", steps=3))
+    assert "warmup_steps" not in farsight_log.text
+
+
 def test_init_from_is_read_only_when_a_run_starts(token_dir, tmp_path, farsight_log):
     """A finished or resumed run keeps its own weights and never reads init_from (its source may be
     gone); --restart reads it again and trains exactly as a fresh run does."""
