@@ -173,6 +173,14 @@ def test_a_value_listed_twice_is_refused(capsys):
     assert "--depths='0.5,0.5' lists 0.5 twice" in capsys.readouterr().err
 
 
+def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
+    model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
+    same = str(tmp_path / "x.png")
+    assert main(["eval", "passkey", "--model", model, "--lengths", "1k", "--out", same, "--plot", same]) == 2
+    assert capsys.readouterr().err == f"error: --out and --plot name the same file {same}; give each its own path\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_empty_text_path_is_named(capsys):
     model = str(Path(__file__).resolve().parents[1] / "models" / "passkey-drt")
     assert main(["eval", "retrieval", "--model", model, "--text", ""]) == 2

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from farsight.cli import data, demo, evaluation, model, train
+from farsight.cli.arguments import output_files_named
 from farsight.errors import FarsightError
 from farsight.files import WRITE_FAILURES, write_failure
 from farsight.process_memory import tune_malloc
@@ -142,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     `interrupted` and returns 130 (each command removes what it had half written)."""
     args = build_parser().parse_args(argv)
     configure_output(args.verbosity)
+    output_files_named().clear()  # the outputs another command of this process named are not this one's
     tune_malloc()  # the command owns the process (FARSIGHT_DEFAULT_MALLOC=1 leaves glibc's defaults)
     try:
         with _model_matmuls(args):

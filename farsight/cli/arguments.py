@@ -218,9 +218,21 @@ def refuse_unused(args: argparse.Namespace, defaults: dict[str, object], why: st
         raise InputError(f"{' and '.join(given)} {'has' if len(given) == 1 else 'have'} no effect {why}; drop {them}")
 
 
+_OUTPUT_FILES: dict[Path, str] = {}  # the output files this command's checks have named, and by which flag
+
+
+def output_files_named() -> dict[Path, str]:
+    """The output files the running command has checked so far (resolved path -> flag)."""
+    return _OUTPUT_FILES
+
+
 def check_output_file(path: str | None, flag: str) -> None:
-    """The file `flag` names can be written: it is not a folder and its nearest existing folder is writable."""
+    """The file `flag` names can be written: it is not a folder, its nearest existing folder is
+    writable, and no other output option of the command names it (one would overwrite the other)."""
     if path is not None:
+        named = _OUTPUT_FILES.setdefault(Path(path).resolve(), flag)
+        if named != flag:
+            raise InputError(f"{named} and {flag} name the same file {path}; give each its own path")
         if Path(path).is_dir():
             raise InputError(f"{flag} {path} is a folder; pass a file path")
         _check_writable_folder(Path(path).parent, flag, path)

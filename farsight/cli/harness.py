@@ -116,7 +116,9 @@ def _harness(args: argparse.Namespace) -> int:
     # which model and dtype, as farsight's own evaluations record them (a model card checks the model)
     write_json(args.out, {**results, **measured_on(args.model), "dtype": args.dtype}, default=handle_non_serializable)
     if args.samples is not None:
-        write_json_lines(args.samples, sample_records(samples or {}), default=handle_non_serializable)
+        measured = measured_on(args.model)  # on every line, so that a model card can tell whose answers they are
+        records = ({**record, **measured} for record in sample_records(samples or {}))
+        write_json_lines(args.samples, records, default=handle_non_serializable)
     return 0
 
 

@@ -423,6 +423,11 @@ def resolve_source(spec: str | os.PathLike[str], **options: Any) -> Source:
     or an existing file or folder path.
     """
     text = os.fspath(spec)
+    if not text.strip():  # an unset shell variable: Path("") is the current folder, read whole
+        raise CorpusError(
+            "a source is empty; pass a file, a folder, 'stdlib', 'shakespeare', 'hf:NAME' or 'jsonl:PATH'"
+        )
+    text = os.path.expanduser(text)
     if text in ("stdlib", "shakespeare"):
         kind, args = text, []
     elif text.startswith("hf:"):

@@ -183,17 +183,17 @@ CARD_ANSWERS_PER_TASK = 2
 CARD_ANSWER_CHARS = 80
 
 
-def answers_section(path: Path) -> list[str]:
-    """Markdown for an answers file (`farsight eval harness --samples`, JSON lines): the first
-    items of each task with their target, the model's answer (cut to CARD_ANSWER_CHARS
-    characters) and their scores."""
+def answers_section(path: Path, names: ModelNames) -> list[str]:
+    """Markdown for an answers file (`farsight eval harness --samples`, JSON lines) of one of
+    `names`: the first items of each task with their target, the model's answer (cut to
+    CARD_ANSWER_CHARS characters) and their scores."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(
             f"cannot read answers file {path} ({exc}); pass a file written by `farsight eval harness --samples`"
         ) from exc
-    records = []
+    records, checked = [], set()
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -208,6 +208,10 @@ def answers_section(path: Path) -> list[str]:
                 f"{path} line {number} is not an item's record (task, target, answer, scores); pass a file written by "
                 "`farsight eval harness --samples`"
             )
+        measured = (record.get("model"), record.get("trained_weights"))
+        if measured not in checked:
+            _check_measured_on(path, record, names)
+            checked.add(measured)
         records.append(record)
     shown: Counter[str] = Counter()
     rows = []
@@ -241,7 +245,7 @@ def results_section(path: str | Path, names: ModelNames) -> list[str]:
     --samples`, .jsonl)."""
     path = Path(path)
     if path.suffix == ".jsonl":
-        return answers_section(path)
+        return answers_section(path, names)
     results = _read_results(path)
     if _is_lm_eval(results):
         _check_measured_on(path, results, names)
@@ -406,6 +410,12 @@ def model_card(
         + ", ".join(f"{k} {v}" for k, v in optim.items())
         + ".",
     ]
+    repeated = next(
+        (path for i, path in enumerate(results) if Path(path).resolve() in {Path(r).resolve() for r in results[:i]}),
+        None,
+    )
+    if repeated is not None:
+        raise InputError(f"--results names {repeated} twice; name each results file once")
     results_lines = ["", "## Results", ""] if results else []
     for path in results:
         results_lines += results_section(path, names)

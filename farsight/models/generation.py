@@ -24,9 +24,17 @@ def sample_next_token(
 ) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy decoding."""
     check_sampling(temperature, top_k, top_p)
+    top = logits.float().max(dim=-1, keepdim=True).values
+    if not bool(torch.isfinite(top).all()):
+        raise InputError(
+            "the model's next-token logits are NaN or all -inf (an overflow, e.g. fp16 weights out of range); "
+            "run the model in fp32 or bf16"
+        )
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # shifted so that each row's largest logit is 0: a tiny temperature then sends the others to
+    # -inf rather than the largest to inf (inf - inf is NaN in the softmax)
+    logits = (logits.float() - top) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

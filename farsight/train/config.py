@@ -3,6 +3,7 @@ overrides; `base: other.yaml` starts from another config and changes only what t
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,14 @@ def _parse_yaml(text: str, what: str, loader: type[yaml.SafeLoader] = _Loader) -
             else "fix the syntax (quote strings that contain : [ ] { } #)"
         )
         raise ConfigError(f"{what} is not valid YAML ({problem}{where}); {fix}") from exc
+
+
+def _home_expanded(section: Any, fields: tuple[str, ...]) -> Any:
+    """A section with `~` expanded in its path `fields`, as a shell expands it on the command line
+    (a config file or --set passes it through as text, which would name a folder called `~`)."""
+    if not isinstance(section, dict):
+        return section
+    return {k: os.path.expanduser(v) if k in fields and isinstance(v, str) else v for k, v in section.items()}
 
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16")
@@ -189,9 +198,9 @@ class TrainConfig:
         require("type" in sections["model"], "model.type is required (e.g. transformer or drt)")
         return cls(
             model=dict(sections["model"]),
-            data=dict(sections["data"]),
+            data=_home_expanded(sections["data"], ("path", "corpus")),
             optim=OptimConfig.from_dict(sections["optim"], where="optim"),
-            train=RunConfig.from_dict(sections["train"], where="train"),
+            train=RunConfig.from_dict(_home_expanded(sections["train"], ("out_dir", "init_from")), where="train"),
         )
 
     def to_dict(self) -> dict[str, Any]:

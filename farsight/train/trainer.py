@@ -444,6 +444,20 @@ class Trainer:
                 )
         return True
 
+    def _check_finished_model(self, checkpoint: Path) -> None:
+        """Refuse, as a resume does, a model section other than the one a finished run was trained
+        with (its newest checkpoint's config.json): "nothing to train" would otherwise read as
+        the new model being trained already."""
+        built = self.model.config.to_dict()
+        trained = read_model_meta(checkpoint)["config"]
+        changed = sorted(key for key in built.keys() | trained.keys() if built.get(key) != trained.get(key))
+        if changed:
+            listed = ", ".join(f"model.{key} {trained.get(key)!r} -> {built.get(key)!r}" for key in changed[:4])
+            raise ConfigError(
+                f"{self.out_dir} finished training another model ({listed}); use a new train.out_dir, or restore the "
+                "original model section"
+            )
+
     def _data_changes(self, path: Path, state: dict[str, Any], allowed: bool) -> list[str]:
         """The config keys (data.path, data.corpus) whose files differ from those the checkpoint
         `path` recorded; refused (ConfigError) unless `allowed`. A checkpoint of an older farsight
@@ -697,6 +711,7 @@ class Trainer:
         dist_utils.barrier(self.ctx)
         found = list_checkpoints(self.ckpt_root) if resume else []
         if found and found[-1][0] >= run.steps:
+            self._check_finished_model(found[-1][1])
             # a finished run, or one continued past its config's steps (--set train.steps=N): leave it and its
             # config.yaml as they are; its trainer state is not read, so a shipped run may leave it out
             if self.ctx.is_main:

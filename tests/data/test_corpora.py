@@ -641,3 +641,9 @@ def test_cli_train_tokenizer_is_deterministic_and_feeds_prepare(tmp_path: Path, 
     (tmp_path / "blank.jsonl").write_text('{"text": " "}\n')
     assert main([*argv[:2], "--source", str(tmp_path / "blank.jsonl"), "--out", str(tmp_path / "f")]) == 2
     assert "hold no text to learn merges from" in capsys.readouterr().err and not (tmp_path / "f").exists()
+
+
+def test_an_empty_source_is_refused_rather_than_read_as_the_current_folder() -> None:
+    for spec in ("", "  "):
+        with pytest.raises(CorpusError, match="a source is empty; pass a file, a folder"):
+            resolve_source(spec)

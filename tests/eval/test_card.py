@@ -241,6 +241,12 @@ def test_the_card_tabulates_lm_eval_results_of_this_model(project, tmp_path):
     assert "**answers** (`h-samples.jsonl`): the first 2 items of each task" in card
     assert '| niah_single_1 | 4096 | ["0"] | ` 0\\|\'' + "x" * 76 + "…` | 4096 1.0 |" in card
     assert '["2"]' not in card  # two items a task
+    other_answers = tmp_path / "o-samples.jsonl"  # another model's answers: refused, not shown as this one's
+    other_answers.write_text("".join(json.dumps({**item, "model": "runs/unrelated"}) + "\n" for item in items))
+    with pytest.raises(InputError, match="o-samples.jsonl was measured on runs/unrelated, not on this model"):
+        model_card(ft, "my-drt", [other_answers])
+    with pytest.raises(InputError, match="--results names .*h-samples.jsonl twice"):
+        model_card(ft, "my-drt", [answers, answers])
     answers.write_text('{"task": "t"}\n')
     with pytest.raises(InputError, match="line 1 is not an item's record"):
         model_card(ft, "my-drt", [answers])

@@ -105,3 +105,13 @@ def test_an_unknown_field_in_config_json_names_the_file(saved, tmp_path):
         ModelFileError, match=r"edited/config.json: unknown config field 'config.dmodel' .*did you mean"
     ):
         load_model(edited)
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy_and_bad_logits_are_named():
+    from farsight.models import sample_next_token
+
+    logits = torch.randn(3, 50) * 10
+    assert torch.equal(sample_next_token(logits, temperature=1e-45), logits.argmax(-1))
+    logits[1] = float("nan")
+    with pytest.raises(InputError, match="logits are NaN or all -inf"):
+        sample_next_token(logits, temperature=0.8)

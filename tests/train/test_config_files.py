@@ -135,3 +135,13 @@ def test_configs_built_in_python_are_type_checked_as_files_are():
 
     config = DRTConfig(d_model=np.int64(64), norm_eps=np.float32(1e-5))  # numpy scalars are numbers
     assert type(config.d_model) is int and type(config.norm_eps) is float
+
+
+def test_a_home_folder_in_a_path_field_is_expanded_as_a_shell_would(base, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = load_train_config(base, ["data.path=~/tokens", "train.out_dir=~/runs/x", "train.init_from=~/runs/a"])
+    assert (config.data["path"], config.train.out_dir, config.train.init_from) == (
+        f"{tmp_path}/tokens",
+        f"{tmp_path}/runs/x",
+        f"{tmp_path}/runs/a",
+    )

@@ -283,6 +283,15 @@ def test_resume_refuses_another_model(token_dir, tmp_path):
         train(config)
 
 
+def test_a_finished_run_refuses_another_model_rather_than_saying_nothing_to_train(token_dir, tmp_path):
+    train(tiny_config(token_dir, tmp_path / "done", steps=1))
+    config = tiny_config(token_dir, tmp_path / "done", steps=1)
+    config.model["d_model"] = 64
+    with pytest.raises(ValueError, match=r"finished training another model \(model.d_model 32 -> 64, .*\); use a new"):
+        train(config)
+    assert train(tiny_config(token_dir, tmp_path / "done", steps=1)).status == "completed"
+
+
 def test_init_from_starts_with_the_source_weights(token_dir, tmp_path):
     train(tiny_config(token_dir, tmp_path / "source", steps=3))
     source = load_model(tmp_path / "source")
