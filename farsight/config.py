@@ -73,6 +73,9 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be true or false, got {value!r}")
     elif base == "int":
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral)):
+            if math.isfinite(value) and float(value).is_integer():  # 1e3 and 5E4 read as floats in YAML
+                return int(value)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{name} must be an integer, got {value!r}")
         return int(value)

@@ -472,14 +472,27 @@ def evaluate(
         device=device,
         align_context=align_context,
     )
-    return lm_eval.simple_evaluate(
-        model=model,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=log_samples,
-    )
+    try:
+        return lm_eval.simple_evaluate(
+            model=model,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=log_samples,
+        )
+    except ConnectionError as exc:  # `datasets` could not fetch a task's data (no network, or HF_HUB_OFFLINE=1)
+        raise InputError(
+            f"a task of {list(tasks)} needs its data from the Hugging Face Hub, which cannot be reached ({exc}); "
+            "run it where the Hub can be reached or its dataset is cached, or use tasks whose data is local (--include-path)"
+        ) from exc
+    except ValueError as exc:
+        if "Sample larger than population" not in str(exc):
+            raise
+        raise InputError(
+            f"num_fewshot={num_fewshot} asks for more examples than a task of {list(tasks)} holds to draw them from; "
+            "lower --num-fewshot"
+        ) from exc
 
 
 def sample_records(samples: dict[str, list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:

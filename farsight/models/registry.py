@@ -50,6 +50,11 @@ def build_model(spec: dict[str, Any], tokenizer: Any = None) -> PretrainedLM:
             f"build_model takes a model section, a mapping with a 'type' key such as {{'type': 'drt', 'd_model': 256}}; "
             f"got {type(spec).__name__} {spec!r}"
         )
+    if tokenizer is not None and not hasattr(tokenizer, "vocab_size"):
+        raise InputTypeError(
+            f"build_model's tokenizer is a tokenizer object, got {type(tokenizer).__name__} {tokenizer!r}; "
+            "pass farsight.data.tokenizers.load_tokenizer(...)"
+        )
     spec = dict(spec)
     model_type = spec.pop("type", None)
     if model_type not in MODEL_TYPES:
@@ -169,7 +174,8 @@ def export_model(
     verify it before it replaces `out`, so a failed export (a full disk, Ctrl-C) leaves `out` as
     it was and no folder behind; `out` must be new, empty or a previous export (another model
     directory only with `overwrite`), never the source, a run or a checkpoint
-    (`check_export_target`). Returns the model directory exported."""
+    (`check_export_target`). Returns the model directory the copy was made from (a run's newest
+    checkpoint for a run), `out` being the caller's."""
     if dtype is not None and dtype not in MODEL_DTYPES:
         raise InputError(
             f"dtype={dtype!r} is not one of {', '.join(MODEL_DTYPES)}; pass one of these names, e.g. 'bf16'"

@@ -172,8 +172,23 @@ class Session:
         of different lengths share a batch (models that mask padding: DRT).
         """
         if isinstance(ids, torch.Tensor):
+            if length is not None and length != ids.shape[-1]:
+                raise InputError(
+                    f"length={length!r} goes with an iterable of blocks; a tensor prompt's length is its last dimension "
+                    f"({ids.shape[-1]}): drop length"
+                )
             blocks, length = [ids], ids.shape[-1] or None
             mask = None if attention_mask is None else check_left_padding(attention_mask, ids).to(self.device)
+            if mask is not None and self.tokens_seen and not bool(mask.all()):
+                raise InputError(
+                    "attention_mask with zeros (left padding) goes with a session's first prefill; a later prompt "
+                    "continues every row where it stopped, so it has no padding: feed the rows in sessions of their own"
+                )
+        elif not isinstance(ids, Iterable) or isinstance(ids, (str, bytes)):
+            raise InputError(
+                f"prefill takes token ids as a [B, T] / [T] tensor or an iterable of such tensors, got a {type(ids).__name__}; "
+                "wrap the ids with torch.tensor(...)"
+            )
         else:
             if attention_mask is not None:
                 raise InputError(
@@ -186,6 +201,11 @@ class Session:
             self._begin(length, mask)
         fed = 0
         for block in blocks:
+            if not isinstance(block, torch.Tensor):
+                raise InputError(
+                    f"prefill's blocks are tensors of token ids, got a {type(block).__name__}; "
+                    "wrap the ids with torch.tensor(...)"
+                )
             if block.shape[-1]:
                 self._feed(block, every_position=False)
                 fed += block.shape[-1]
@@ -199,6 +219,10 @@ class Session:
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([B] or [B, 1]); returns the next-token logits [B, V]."""
+        if not isinstance(token, torch.Tensor):
+            raise InputError(
+                f"step takes a tensor of one token id per row, got a {type(token).__name__}; wrap it with torch.tensor(...)"
+            )
         if token.numel() != self.batch_size:
             raise InputError(f"step takes one token per row ({self.batch_size}), got shape {list(token.shape)}")
         return self._feed(token.reshape(self.batch_size, 1), every_position=False)[:, -1]

@@ -339,6 +339,12 @@ def _checked_sections(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_train_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """The config of the YAML file `path` (its `base:` chain laid under it) with `overrides`,
+    a list of "section.key=value" strings as `farsight train --set` takes them."""
+    if isinstance(overrides, (str, dict)):
+        raise ConfigError(
+            f"overrides are a list of 'section.key=value' strings, got a {type(overrides).__name__}; wrap it in [...]"
+        )
     raw = read_config_file(Path(path))
     return TrainConfig.from_dict(apply_overrides(raw, overrides or []))
 

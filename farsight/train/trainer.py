@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from farsight.data.batches import build_batch_source
-from farsight.errors import ConfigError, FarsightError, MissingDependencyError
+from farsight.errors import ConfigError, FarsightError, InputTypeError, MissingDependencyError
 from farsight.files import claim_output_folder, folder_lock
 from farsight.models import PretrainedLM, build_model, load_weights, read_model_meta, resolve_model_dir
 from farsight.ops.documents import document_starts
@@ -226,6 +226,11 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
+        if not isinstance(config, TrainConfig):
+            raise InputTypeError(
+                f"training takes a TrainConfig, got {type(config).__name__}; build one with "
+                "farsight.train.config.load_train_config('run.yaml') or TrainConfig.from_dict(mapping)"
+            )
         self.config = config
         run = config.train
         self.out_dir = Path(run.out_dir)

@@ -382,3 +382,20 @@ def test_eval_harness_on_a_training_run_names_its_newest_checkpoint_to_the_tasks
     newest = run / "checkpoints" / "step_00000010"
     assert seen == [{"pretrained": str(newest)}]
     assert AutoTokenizer.from_pretrained(seen[0]["pretrained"])("The grass is green.").input_ids
+
+
+def test_more_few_shot_examples_than_a_task_holds_and_unreachable_data_are_one_line(
+    tiny_drt_dir, tasks, tmp_path, capsys, monkeypatch
+):
+    base = ["eval", "harness", "--model", str(tiny_drt_dir), "--include-path", str(tasks), "--limit", "1"]
+    assert main([*base, "--tasks", "farsight_passkey_mc", "--num-fewshot", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "num_fewshot=5 asks for more examples than a task of ['farsight_passkey_mc'] holds" in err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in err
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/data' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", unreachable)
+    assert main([*base, "--tasks", "farsight_passkey_mc"]) == 2
+    assert "needs its data from the Hugging Face Hub, which cannot be reached" in capsys.readouterr().err

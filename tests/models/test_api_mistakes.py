@@ -115,3 +115,23 @@ def test_sampling_at_a_tiny_temperature_is_greedy_and_bad_logits_are_named():
     logits[1] = float("nan")
     with pytest.raises(InputError, match="logits are NaN or all -inf"):
         sample_next_token(logits, temperature=0.8)
+
+
+def test_session_inputs_are_tensors_and_padding_goes_with_the_first_prefill():
+    model = DRTForCausalLM(DRTConfig(**DRT)).eval()
+    ids = torch.randint(0, 200, (1, 20))
+    with model.new_session(1) as session:
+        with pytest.raises(InputError, match="prefill takes token ids as a .* tensor .*, got a int"):
+            session.prefill(5)
+        with pytest.raises(InputError, match="prefill's blocks are tensors of token ids, got a list"):
+            session.prefill([[1, 2, 3]])
+        with pytest.raises(InputError, match=r"length=5 goes with an iterable of blocks"):
+            session.prefill(ids, length=5)
+    with model.new_session(1) as session:
+        session.prefill(ids)
+        padded = torch.ones_like(ids)
+        padded[:, :4] = 0
+        with pytest.raises(InputError, match="attention_mask with zeros .* goes with a session's first prefill"):
+            session.prefill(ids, attention_mask=padded)
+        with pytest.raises(InputError, match="step takes a tensor of one token id per row, got a int"):
+            session.step(5)
