@@ -61,6 +61,11 @@ class FarsightConfig(PreTrainedConfig):
             raise ConfigError(f"memory={memory!r} is not a chunk-memory tier; choose one of {list(MEMORY_TIERS)}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype={kv_dtype!r} is unknown; choose one of {list(KV_DTYPES)} or leave it unset")
+        if self.model_type != "drt" and (memory != "device" or kv_dtype is not None):
+            raise ConfigError(
+                f"memory={memory!r} / kv_dtype={kv_dtype!r} choose where a DRT keeps its chunk memory; this is a "
+                f"{self.config.get('attention', 'causal')} transformer, whose caches stay on the device: leave them unset"
+            )
         return {"memory": memory, "kv_dtype": kv_dtype}
 
     @property

@@ -390,8 +390,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         agree with the positions."""
         input_ids = self.model.check_input_ids(input_ids)
         tokens = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None:  # checked even when all ones: a mask of another shape is a mistake
             tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
+            tokens = None if bool(tokens.all()) else tokens
         document_ids = _check_positions(position_ids, cache_position, tokens, input_ids)
         document_ids = _check_sequence_boundaries(packing or {}, document_ids, input_ids)
         # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
@@ -466,8 +467,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         session_options = self.config.session_options(memory, kv_dtype)
         sampling = {key: options[key] for key in ("temperature", "top_k", "top_p")}
         mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None:  # checked even when all ones: a mask of another shape is a mistake
             mask = check_left_padding(attention_mask, input_ids)
+            mask = None if bool(mask.all()) else mask
         ids_so_far = [input_ids]
 
         def on_token(token: torch.Tensor) -> torch.Tensor | None:  # token [B] -> rows that end with it

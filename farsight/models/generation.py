@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from farsight.errors import InputError
+from farsight.errors import InputError, InputTypeError
 
 if TYPE_CHECKING:
     from farsight.models.session import Session
@@ -62,6 +62,30 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise InputError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
+    """eos/pad ids given as one id (int, numpy or 0-d tensor) or several, each in [0, vocab_size)
+    (when the session's model says its vocabulary size)."""
+    if value is None:
+        return []
+    items = value.tolist() if hasattr(value, "tolist") else value
+    items = [items] if isinstance(items, numbers.Integral) else items
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise InputError(f"{name} is a token id or a list of them, got {value!r}")
+    ids = []
+    for item in items:
+        if (
+            isinstance(item, bool)
+            or not isinstance(item, numbers.Integral)
+            or item < 0
+            or item >= (vocab_size or item + 1)
+        ):
+            raise InputError(
+                f"{name} holds {item!r}, not a token id of the model's vocabulary [0, {vocab_size or '...'})"
+            )
+        ids.append(int(item))
+    return ids
+
+
 def generate(
     session: Session,
     input_ids: torch.Tensor,
@@ -84,18 +108,24 @@ def generate(
     the rows already ended) and may return a bool [B] of rows that end with it, as at an eos
     (transformers' streamers and stopping criteria run on it).
     """
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not callable(getattr(session, "prefill", None)):  # a model, say, where its session belongs
+        raise InputTypeError(
+            f"generate decodes in a Session, got a {type(session).__name__}; pass model.new_session(batch_size) "
+            "(or call model.generate(input_ids, ...))"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
-    eos_ids = (
-        []
-        if eos_token_id is None
-        else [eos_token_id]
-        if isinstance(eos_token_id, int)
-        else [int(e) for e in eos_token_id]
-    )
-    if pad_token_id is None and eos_ids:
-        pad_token_id = eos_ids[0]
+    vocab_size = getattr(getattr(getattr(session, "model", None), "config", None), "vocab_size", None)
+    eos_ids = _token_ids(eos_token_id, "eos_token_id", vocab_size)
+    pad_ids = _token_ids(pad_token_id, "pad_token_id", vocab_size)
+    if len(pad_ids) > 1:
+        raise InputError(f"pad_token_id is one token id, got {pad_token_id!r}")
+    pad_token_id = pad_ids[0] if pad_ids else eos_ids[0] if eos_ids else None
+    if not isinstance(input_ids, torch.Tensor):
+        raise InputError(
+            f"input_ids must be a tensor of token ids, got a {type(input_ids).__name__}; wrap them with torch.tensor(...)"
+        )
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
     logits = session.prefill(input_ids, attention_mask)
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=logits.device)

@@ -170,3 +170,19 @@ def test_the_usual_causal_lm_methods(tiny_drt_dir, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype="auto")
     assert again.dtype == torch.bfloat16 and type(again) is type(model)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+def test_an_attention_mask_of_another_shape_is_refused_even_when_all_ones(tiny_drt_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    ids = torch.randint(0, 200, (1, 9))
+    for mask in (torch.ones(1, 3), torch.ones(2, 9)):
+        with pytest.raises(InputError, match="attention_mask"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2)
+        with pytest.raises(InputError, match="attention_mask must be a tensor of the ids' shape"):
+            model(ids, attention_mask=mask)
+    assert model.generate(ids, attention_mask=torch.ones(1, 9), max_new_tokens=2).shape == (1, 11)
+
+
+def test_chunk_memory_options_on_a_transformer_are_refused_when_loading(castle_dir):
+    with pytest.raises(ValueError, match="choose where a DRT keeps its chunk memory; .* leave them unset"):
+        AutoModelForCausalLM.from_pretrained(castle_dir, memory="disk")

@@ -135,3 +135,23 @@ def test_session_inputs_are_tensors_and_padding_goes_with_the_first_prefill():
             session.prefill(ids, attention_mask=padded)
         with pytest.raises(InputError, match="step takes a tensor of one token id per row, got a int"):
             session.step(5)
+
+
+def test_generate_checks_its_session_lengths_and_token_ids():
+    import numpy as np
+
+    from farsight.models import generate
+
+    model = DRTForCausalLM(DRTConfig(**DRT)).eval()
+    ids = torch.randint(0, 200, (1, 20))
+    with pytest.raises(InputTypeError, match="generate decodes in a Session, got a DRTForCausalLM"):
+        generate(model, ids, 3)
+    for bad in (None, "5", 2.5, True):
+        with pytest.raises(InputError, match="max_new_tokens must be a whole number >= 0"):
+            model.generate(ids, max_new_tokens=bad)
+    with pytest.raises(InputError, match=r"eos_token_id holds 9999, not a token id of the model's vocabulary \[0, 260\)"):
+        model.generate(ids, max_new_tokens=2, eos_token_id=9999)
+    with model.new_session(1) as session, pytest.raises(InputError, match="pad_token_id holds -1"):
+        generate(session, ids, 2, eos_token_id=3, pad_token_id=-1)
+    out = model.generate(ids, max_new_tokens=2, eos_token_id=np.int64(258), temperature=0)  # numpy ids are ids
+    assert out.shape == (1, 22)
