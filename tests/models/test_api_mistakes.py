@@ -149,7 +149,9 @@ def test_generate_checks_its_session_lengths_and_token_ids():
     for bad in (None, "5", 2.5, True):
         with pytest.raises(InputError, match="max_new_tokens must be a whole number >= 0"):
             model.generate(ids, max_new_tokens=bad)
-    with pytest.raises(InputError, match=r"eos_token_id holds 9999, not a token id of the model's vocabulary \[0, 260\)"):
+    with pytest.raises(
+        InputError, match=r"eos_token_id holds 9999, not a token id of the model's vocabulary \[0, 260\)"
+    ):
         model.generate(ids, max_new_tokens=2, eos_token_id=9999)
     with model.new_session(1) as session, pytest.raises(InputError, match="pad_token_id holds -1"):
         generate(session, ids, 2, eos_token_id=3, pad_token_id=-1)
