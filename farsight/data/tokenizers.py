@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import numbers
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -76,13 +78,25 @@ class Tokenizer(ABC):
     def lmk_id(self) -> int:
         return self.special_tokens["lmk"]
 
-    @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without adding bos/eos."""
+        return self._encode(_checked_text(text))
+
+    @abstractmethod
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of the str `text`."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """`encode` applied to each text; subclasses override this with a faster batched path."""
-        return [self.encode(text) for text in texts]
+        """`encode` applied to each text of the sequence `texts`."""
+        if isinstance(texts, (str, bytes)):  # a str is a sequence of characters, not of texts
+            raise TokenizerError(
+                f"encode_batch takes a list of texts, got a {type(texts).__name__}; use encode for one text"
+            )
+        return self._encode_batch([_checked_text(text) for text in texts])
+
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`_encode` of each text; subclasses override this with a faster batched path."""
+        return [self._encode(text) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, skipping pad and lmk; bos/eos appear as their token text (e.g. "<|endoftext|>").
@@ -150,7 +164,7 @@ class ByteTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return 256 + len(SPECIAL_NAMES)
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def _decode(self, ids: list[int]) -> str:
@@ -191,11 +205,11 @@ class _BackendTokenizer(Tokenizer):
         """A copy of the `tokenizers.Tokenizer` pipeline (changing it leaves this one as it is)."""
         return tokenizers.Tokenizer.from_str(self._backend.to_str())
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self._backend.encode_batch(texts, add_special_tokens=False)]
 
     def _decode(self, ids: list[int]) -> str:
         # The byte-level decoder replaces invalid UTF-8 with U+FFFD rather than raising.
@@ -380,10 +394,32 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
     return tokenizer_from_spec(spec)
 
 
+def _checked_text(text: Any) -> str:
+    """`text` if it is a str; a TokenizerError naming what it is otherwise. A lone surrogate (from
+    a file read with errors="surrogateescape") is kept out of the tokenizer as U+FFFD."""
+    if not isinstance(text, str):
+        fix = "decode the bytes first (text.decode('utf-8'))" if isinstance(text, bytes) else "pass a str"
+        raise TokenizerError(f"a tokenizer encodes text (a str), got a {type(text).__name__}; {fix}")
+    return _SURROGATE.sub("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _as_int_list(ids: Iterable[int]) -> list[int]:
     # numpy arrays and torch tensors convert in C through tolist(); plain iterables go one by one.
+    if ids is None or isinstance(ids, (str, bytes)):
+        raise TokenizerError(f"decode takes a sequence of token ids, got {ids!r}")
     tolist = getattr(ids, "tolist", None)
-    values = tolist() if callable(tolist) else list(ids)
-    if isinstance(values, int):
-        return [values]
+    values = tolist() if callable(tolist) else list(ids) if isinstance(ids, Iterable) else ids
+    if isinstance(values, numbers.Integral) and not isinstance(values, bool):
+        return [int(values)]
+    if not isinstance(values, list):
+        raise TokenizerError(f"decode takes a sequence of token ids, got a {type(ids).__name__}")
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TokenizerError(
+                f"decode takes integer token ids, got {value!r}"
+                + ("; decode a batch row by row" if isinstance(value, list) else "")
+            )
     return [int(value) for value in values]

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from farsight.data import tokenizers as tk
 from farsight.data.tokenizers import (
@@ -208,3 +209,24 @@ def test_a_file_that_is_no_tokenizer_is_named_as_such(tmp_path):
         (tmp_path / name).write_bytes(b"\x00\x01")
         with pytest.raises(TokenizerError, match=rf"{name} is not a tokenizer \(a tokenizer.json\); pass byte or gpt2"):
             load_tokenizer(tmp_path / name)
+
+
+@pytest.mark.parametrize("name", ["byte", "gpt2"])
+def test_encode_takes_text_and_decode_takes_integer_ids(name):
+    from farsight.data.tokenizers import TokenizerError
+
+    tokenizer = load_tokenizer(name)
+    for bad in (None, 123, ["a"]):
+        with pytest.raises(TokenizerError, match="a tokenizer encodes text \\(a str\\)"):
+            tokenizer.encode(bad)
+    with pytest.raises(TokenizerError, match="decode the bytes first"):
+        tokenizer.encode(b"x")
+    with pytest.raises(TokenizerError, match="encode_batch takes a list of texts, got a str"):
+        tokenizer.encode_batch("abc")
+    # a lone surrogate (a file read with surrogateescape) reads as U+FFFD, as invalid bytes do
+    assert tokenizer.encode("a\udc80b") == tokenizer.encode("a\ufffdb")
+    with pytest.raises(TokenizerError, match="decode takes integer token ids, got 1.5"):
+        tokenizer.decode([1.5])  # int() would have cut it to 1
+    with pytest.raises(TokenizerError, match="decode a batch row by row"):
+        tokenizer.decode(torch.tensor([[65, 66]]))
+    assert tokenizer.decode(torch.tensor(tokenizer.encode("ab"))) == "ab"
