@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from farsight.data.batches import describe_data
+from farsight.data.corpora import jsonl_lines
 from farsight.errors import InputError, MissingFileError
 from farsight.eval.efficiency import format_table
 from farsight.eval.needle import format_length, results_table
@@ -188,15 +189,13 @@ def answers_section(path: Path, names: ModelNames) -> list[str]:
     `names`: the first items of each task with their target, the model's answer (cut to
     CARD_ANSWER_CHARS characters) and their scores."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = list(jsonl_lines(path, InputError))
+    except OSError as exc:
         raise InputError(
             f"cannot read answers file {path} ({exc}); pass a file written by `farsight eval harness --samples`"
         ) from exc
     records, checked = [], set()
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
