@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 from typing import Any, TypeVar
 
 from farsight.errors import ConfigError
@@ -86,6 +87,8 @@ def _coerce(value: Any, annotation: Any, name: str) -> Any:
             raise ConfigError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     elif base == "str":
+        if isinstance(value, os.PathLike):  # a path field given as a Path
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")
     return value

@@ -209,6 +209,17 @@ def check_number(
         raise InputError(f"{flag} must be {wanted}, got {value}")
 
 
+# the options (and their defaults) that only an evaluation reads, not an export of its tasks
+EVALUATION_ONLY = {
+    "--out": None,
+    "--plot": None,
+    "--memory": "device",
+    "--kv-dtype": None,
+    "--dtype": "fp32",
+    "--batch-size": 1,
+}
+
+
 def refuse_unused(args: argparse.Namespace, defaults: dict[str, object], why: str) -> None:
     """Refuse options the chosen mode does not read (`defaults`: flag -> its default), when given
     another value: an option that is silently ignored reads as one that took effect."""

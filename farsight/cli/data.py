@@ -272,10 +272,10 @@ def _prepare_sft(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     import json
 
-    from farsight.data.token_files import SPLITS, load_meta, load_token_dataset
+    from farsight.data.token_files import load_meta, load_token_dataset
 
     meta = load_meta(args.path)
-    for split in SPLITS:  # the token files as the meta describes them: a truncated one is refused here
+    for split in meta["splits"]:  # the token files as the meta describes them: a truncated one is refused here
         load_token_dataset(args.path, split)
     print(json.dumps(meta, indent=2))
     return 0

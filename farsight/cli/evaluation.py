@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from farsight.cli.arguments import (
+    EVALUATION_ONLY,
     add_dtype_argument,
     add_force_argument,
     add_json_output_argument,
@@ -245,11 +246,18 @@ def _needle(args: argparse.Namespace) -> int:
         )
     if args.filler == "repeat":
         refuse_unused(args, {"--corpus": "data/stdlib-byte", "--split": "val"}, "with --filler repeat (no corpus text)")
+    if args.export_choice:
+        refuse_unused(
+            args,
+            EVALUATION_ONLY,
+            "with --export-choice, which writes lm-eval tasks instead of evaluating",
+        )
     lengths, depths, trials = needle_grid(args)
     check_memory_for(args, lengths, trials)
     options = parse_task_options(args.task_option)
     if args.export_choice:
         return _export_choice(args, lengths, depths, trials, options)
+    measured = measured_on(args.model)  # the weights loaded now, whatever the run saves while this runs
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
@@ -266,7 +274,7 @@ def _needle(args: argparse.Namespace) -> int:
         kv_dtype=args.kv_dtype,
     )
     summary.update(
-        **measured_on(args.model),
+        **measured,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         align=align,
@@ -289,11 +297,6 @@ def _export_choice(
     from farsight.data.tasks import make_filler, make_task
     from farsight.eval.choice import export_choice_tasks
 
-    refuse_unused(
-        args,
-        {"--out": None, "--plot": None, "--memory": "device", "--kv-dtype": None, "--dtype": "fp32", "--batch-size": 1},
-        "with --export-choice, which writes lm-eval tasks instead of evaluating",
-    )
     check_output_folder(args.export_choice, "--export-choice")
     claim_output(args.export_choice, "tasks", args.force, "--export-choice")
     args.choices = 4 if args.choices is None else args.choices
@@ -336,6 +339,7 @@ def _perplexity(args: argparse.Namespace) -> int:
     split = open_corpus(args.corpus, args.split, args.model)
     results, series = {}, {}
     for path in args.model:
+        weights = measured_on(path)["trained_weights"]  # the weights loaded now
         model, _ = load_model_and_tokenizer(path, args.dtype)
         out = evaluate_perplexity(
             model,
@@ -348,7 +352,7 @@ def _perplexity(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             window_length=args.window_length,
         )
-        results[path] = {**out, "trained_weights": measured_on(path)["trained_weights"]}
+        results[path] = {**out, "trained_weights": weights}
         series[path] = {int(k): v["ppl"] for k, v in out["by_length"].items()}
     rows = [
         {"length": format_length(n), **{p: _ppl_cell(results[p]["by_length"][str(n)]) for p in args.model}}
@@ -432,6 +436,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise InputError(
             f"{args.data} holds no usable example; pass a JSONL file of prompt/completion or messages records"
         )
+    measured = measured_on(args.model)  # the weights loaded now
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
     summary = evaluate_answers(
         model,
@@ -450,7 +455,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"  answer:    {answer['prediction']!r}")
     print(answers_table(summary))
     summary = {
-        **measured_on(args.model),
+        **measured,
         "data": str(args.data),
         "dtype": args.dtype,
         "kv_dtype": args.kv_dtype,
@@ -540,13 +545,12 @@ def _compare(args: argparse.Namespace) -> int:
     labels = parse_labels(args.labels, args.results, "result files", lambda path: path.stem, unique=False)
     summaries = []
     for label, path in zip(labels, args.results):
-        if not Path(path).is_file():
-            what = "is a folder" if Path(path).is_dir() else "does not exist"
+        if Path(path).is_dir():
             raise MissingFileError(
-                f"{path} {what}; pass result files written by `farsight eval passkey ... --out FILE` (e.g. {path}/*.json)"
-                if Path(path).is_dir()
-                else f"{path} {what}; write it with `farsight eval passkey ... --out {path}`"
+                f"{path} is a folder; pass result files written by `farsight eval passkey ... --out FILE` (e.g. {path}/*.json)"
             )
+        if not Path(path).is_file():
+            raise MissingFileError(f"{path} does not exist; write it with `farsight eval passkey ... --out {path}`")
         summary = read_json(Path(path), "pass a file written by `farsight eval passkey ... --out`", kind=object)
         check_needle_summary(summary, path)
         summaries.append((label, summary))

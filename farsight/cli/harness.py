@@ -95,6 +95,7 @@ def _harness(args: argparse.Namespace) -> int:
     from farsight.hf.harness import evaluate, sample_records  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    measured = measured_on(args.model)  # the weights loaded now; --out and --samples record the same
     results = evaluate(
         args.model,
         tasks,
@@ -114,9 +115,9 @@ def _harness(args: argparse.Namespace) -> int:
     if "groups" in results:
         print(make_table(results, "groups"))
     # which model and dtype, as farsight's own evaluations record them (a model card checks the model)
-    write_json(args.out, {**results, **measured_on(args.model), "dtype": args.dtype}, default=handle_non_serializable)
+    write_json(args.out, {**results, **measured, "dtype": args.dtype}, default=handle_non_serializable)
     if args.samples is not None:
-        measured = measured_on(args.model)  # on every line, so that a model card can tell whose answers they are
+        # on every line, so that a model card can tell whose answers they are
         records = ({**record, **measured} for record in sample_records(samples or {}))
         write_json_lines(args.samples, records, default=handle_non_serializable)
     return 0

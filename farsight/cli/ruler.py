@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from farsight.cli.arguments import (
+    EVALUATION_ONLY,
     add_dtype_argument,
     add_force_argument,
     add_json_output_argument,
@@ -90,25 +91,19 @@ def _ruler(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_plot_file(args.plot)
     check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
-    lengths, depths, trials = needle_grid(args)
-    check_memory_for(args, lengths, trials)
-    names = ruler_task_names(args.tasks)
-    options = parse_task_options(args.task_option)
     if args.haystack == "noise":
         refuse_unused(args, {"--corpus": None, "--split": "val"}, "with --haystack noise (no real-text haystack)")
     if args.export:
         refuse_unused(
             args,
-            {
-                "--out": None,
-                "--plot": None,
-                "--memory": "device",
-                "--kv-dtype": None,
-                "--dtype": "fp32",
-                "--batch-size": 1,
-            },
+            EVALUATION_ONLY,
             "with --export, which writes lm-eval tasks instead of evaluating",
         )
+    lengths, depths, trials = needle_grid(args)
+    check_memory_for(args, lengths, trials)
+    names = ruler_task_names(args.tasks)
+    options = parse_task_options(args.task_option)
+    if args.export:
         return _export(args, names, options, lengths, depths, trials)
     if not args.model:
         raise InputError("--model is required to evaluate (or pass --export DIR to write lm-eval tasks)")
@@ -124,6 +119,7 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.ruler import average_table, evaluate_ruler, ruler_table
 
+    measured = measured_on(args.model)  # the weights loaded now, whatever the run saves while this runs
     model, _ = load_model_and_tokenizer(args.model, args.dtype)
     results = evaluate_ruler(
         model,
@@ -142,7 +138,7 @@ def _ruler(args: argparse.Namespace) -> int:
     print("\nstring match % (RULER's score)")
     print(average_table(results))
     results.update(
-        **measured_on(args.model),
+        **measured,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         align=align,

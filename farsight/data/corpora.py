@@ -427,17 +427,18 @@ def resolve_source(spec: str | os.PathLike[str], **options: Any) -> Source:
         raise CorpusError(
             "a source is empty; pass a file, a folder, 'stdlib', 'shakespeare', 'hf:NAME' or 'jsonl:PATH'"
         )
-    text = os.path.expanduser(text)
     if text in ("stdlib", "shakespeare"):
         kind, args = text, []
     elif text.startswith("hf:"):
         return HuggingFaceSource.from_spec(text, **options)
     elif text.startswith("jsonl:"):
-        kind, args = "jsonl", [text[len("jsonl:") :]]
+        if not text[len("jsonl:") :].strip():
+            raise CorpusError("'jsonl:' names no file; pass jsonl:PATH")
+        kind, args = "jsonl", [os.path.expanduser(text[len("jsonl:") :])]
     elif text.lower().endswith(".jsonl"):
-        kind, args = "jsonl", [text]
-    elif Path(text).exists():
-        kind, args = "files", [text]
+        kind, args = "jsonl", [os.path.expanduser(text)]
+    elif Path(text).expanduser().exists():
+        kind, args = "files", [os.path.expanduser(text)]
     else:
         raise CorpusError(
             f"unknown source {text!r}: expected 'stdlib', 'shakespeare', 'hf:NAME[:CONFIG][@SPLIT]', "

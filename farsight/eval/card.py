@@ -150,7 +150,7 @@ def _check_measured_on(path: Path, results: dict[str, Any], names: ModelNames) -
     model, weights = results.get("model"), results.get("trained_weights")
     if (model is not None or weights is not None) and names.label(model, weights) is None:
         raise InputError(
-            f"{path} was measured on {model}, not on this model or a copy of its weights; pass results of {names.listed()} "
+            f"{path} was measured on {model or f'weights {weights[:12]}'}, not on this model or a copy of its weights; pass results of {names.listed()} "
             "or of another export of the same checkpoint"
         )
 

@@ -481,18 +481,36 @@ def evaluate(
             task_manager=manager,
             log_samples=log_samples,
         )
-    except ConnectionError as exc:  # `datasets` could not fetch a task's data (no network, or HF_HUB_OFFLINE=1)
+    except _unreachable_hub_errors() as exc:  # a task's data could not be fetched (no network, or HF_HUB_OFFLINE=1)
         raise InputError(
             f"a task of {list(tasks)} needs its data from the Hugging Face Hub, which cannot be reached ({exc}); "
-            "run it where the Hub can be reached or its dataset is cached, or use tasks whose data is local (--include-path)"
+            "run it where the Hub can be reached or its dataset is cached, or use tasks whose data is local"
         ) from exc
     except ValueError as exc:
         if "Sample larger than population" not in str(exc):
             raise
         raise InputError(
             f"num_fewshot={num_fewshot} asks for more examples than a task of {list(tasks)} holds to draw them from; "
-            "lower --num-fewshot"
+            "ask for fewer"
         ) from exc
+
+
+def _unreachable_hub_errors() -> tuple[type[BaseException], ...]:
+    """What `datasets`, `requests` and huggingface_hub raise when a task's data cannot be fetched."""
+    errors: list[type[BaseException]] = [ConnectionError]
+    try:
+        import requests
+
+        errors.append(requests.exceptions.ConnectionError)
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+        errors += [LocalEntryNotFoundError, OfflineModeIsEnabled]
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 def sample_records(samples: dict[str, list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:

@@ -390,9 +390,10 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         agree with the positions."""
         input_ids = self.model.check_input_ids(input_ids)
         tokens = None
-        if attention_mask is not None:  # checked even when all ones: a mask of another shape is a mistake
-            tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
-            tokens = None if bool(tokens.all()) else tokens
+        if attention_mask is not None:
+            attention_mask = check_mask_shape(attention_mask, input_ids)  # even all ones: another shape is a mistake
+            if not bool(attention_mask.all()):
+                tokens = token_runs(attention_mask.to(input_ids.device), input_ids)
         document_ids = _check_positions(position_ids, cache_position, tokens, input_ids)
         document_ids = _check_sequence_boundaries(packing or {}, document_ids, input_ids)
         # bf16/fp16 products the CPU lacks run as fp32 GEMMs here (a backward outside runs torch's)
@@ -690,16 +691,23 @@ def left_padded_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor) -
     return check_left_padding(attention_mask, input_ids).sum(dim=1).tolist()
 
 
-def token_runs(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """bool [B, T] of an attention_mask [B, T] of 0 (padding) and 1 (token) whose rows each hold
-    their tokens as one run: padding on the left, on the right or both; anything else is refused.
-    A mask [T] is the mask of one row."""
+def check_mask_shape(attention_mask: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """attention_mask as [B, T] (a [T] one gains the batch dimension), refused unless it is a tensor
+    of input_ids' shape [B, T]."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1:
         attention_mask = attention_mask[None]
     if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(input_ids.shape):
         raise InputError(
             f"attention_mask must be a tensor of the ids' shape {list(input_ids.shape)}, one 0/1 per token"
         )
+    return attention_mask
+
+
+def token_runs(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """bool [B, T] of an attention_mask [B, T] of 0 (padding) and 1 (token) whose rows each hold
+    their tokens as one run: padding on the left, on the right or both; anything else is refused.
+    A mask [T] is the mask of one row."""
+    attention_mask = check_mask_shape(attention_mask, input_ids)
     if attention_mask.dtype != torch.bool and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
         raise InputError("attention_mask must hold 0 (padding) and 1 (token) only")
     tokens = attention_mask != 0

@@ -7,8 +7,9 @@ earlier chunks that the previous chunk's landmark chose, and streams any length 
 `new_session()` (chunk memory on the device, in host RAM or on disk). A subclass's `__init__`
 registers, in this order (it fixes the parameter names and the initialisation):
 
-    config          vocab_size, d_model, n_heads, head_dim, norm_eps, n_layers and the retrieval
-                    fields `check_retrieval_config` checks (chunk_size S, top_k K, groups G, ...)
+    config          passed to `super().__init__(config)`: vocab_size, d_model, n_heads, head_dim,
+                    norm_eps, n_layers and the retrieval fields `check_retrieval_config` checks
+                    (chunk_size S, top_k K, groups G, ...)
     embed           slot ids [B, P] -> h [B, P, D]
     lower           blocks: block(h [B, P, D], cache, **masks) -> [B, P, D]
     add_retrieval(block_config)   the chunk encoder, landmark keys and per-group retrieval queries

@@ -24,17 +24,12 @@ def sample_next_token(
 ) -> torch.Tensor:
     """logits [B, V] -> token ids [B]. temperature 0 is greedy decoding."""
     check_sampling(temperature, top_k, top_p)
-    top = logits.float().max(dim=-1, keepdim=True).values
-    if not bool(torch.isfinite(top).all()):
-        raise InputError(
-            "the model's next-token logits are NaN or all -inf (an overflow, e.g. fp16 weights out of range); "
-            "run the model in fp32 or bf16"
-        )
     if temperature == 0:
         return logits.argmax(dim=-1)
     # shifted so that each row's largest logit is 0: a tiny temperature then sends the others to
     # -inf rather than the largest to inf (inf - inf is NaN in the softmax)
-    logits = (logits.float() - top) / temperature
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,7 +40,13 @@ def sample_next_token(
         drop_sorted = probs.cumsum(-1) - probs >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    try:
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    except RuntimeError as exc:  # found where the draw needs the probabilities anyway: no extra sync per token
+        raise InputError(
+            "the model's next-token logits are NaN or all -inf (an overflow, e.g. fp16 weights out of range); "
+            "run the model in fp32 or bf16"
+        ) from exc
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -4,7 +4,7 @@ and read with checks; a training run directory resolves to its newest checkpoint
 
 Loading verifies every file checksums.json lists and refuses one that differs (flipped bytes, an
 edited config, a missing file). A directory without checksums.json (written by farsight before
-it existed) still loads, with a warning, since nothing can be verified.
+it existed) still loads, with a logged note, since nothing can be verified.
 """
 
 from __future__ import annotations

@@ -200,14 +200,13 @@ def checked_labels(
         return labels
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
         raise InputError("labels must be an integer torch.Tensor of token ids (-100 for positions without a target)")
-    if labels.numel():
-        targets = labels[labels != -100]
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
-            bad = int(targets.min()) if int(targets.min()) < 0 else int(targets.max())
-            raise InputError(
-                f"label {bad} is outside the model's vocabulary [0, {vocab_size}); labels are token ids, or -100 "
-                "where a position has no target"
-            )
+    outside = (labels >= vocab_size) | ((labels < 0) & (labels != -100))
+    if labels.numel() and bool(outside.any()):  # one reduction and one read; the offender only on error
+        bad = int(labels[outside][0])
+        raise InputError(
+            f"label {bad} is outside the model's vocabulary [0, {vocab_size}); labels are token ids, or -100 "
+            "where a position has no target"
+        )
     if document_ids is None:
         return labels
     if labels.shape != document_ids.shape:

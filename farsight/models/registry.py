@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ MODEL_TYPES: dict[str, type[PretrainedLM]] = {
 
 def build_model(spec: dict[str, Any], tokenizer: Any = None) -> PretrainedLM:
     """Model from a config mapping with a `type` key (the `model` section of a training config)."""
-    if not isinstance(spec, dict):
+    if not isinstance(spec, Mapping):
         raise InputTypeError(
             f"build_model takes a model section, a mapping with a 'type' key such as {{'type': 'drt', 'd_model': 256}}; "
             f"got {type(spec).__name__} {spec!r}"

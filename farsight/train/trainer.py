@@ -454,10 +454,12 @@ class Trainer:
         with (its newest checkpoint's config.json): "nothing to train" would otherwise read as
         the new model being trained already."""
         built = self.model.config.to_dict()
-        trained = read_model_meta(checkpoint)["config"]
+        # through the config class, so that a field added since the run was saved takes its default there too
+        trained = type(self.model.config).from_dict(read_model_meta(checkpoint)["config"], where="config").to_dict()
         changed = sorted(key for key in built.keys() | trained.keys() if built.get(key) != trained.get(key))
         if changed:
-            listed = ", ".join(f"model.{key} {trained.get(key)!r} -> {built.get(key)!r}" for key in changed[:4])
+            more = f", and {len(changed) - 4} more" if len(changed) > 4 else ""
+            listed = ", ".join(f"model.{key} {trained.get(key)!r} -> {built.get(key)!r}" for key in changed[:4]) + more
             raise ConfigError(
                 f"{self.out_dir} finished training another model ({listed}); use a new train.out_dir, or restore the "
                 "original model section"
