@@ -389,14 +389,12 @@ def check_memory_tier(path: str, memory: str, kv_dtype: str | None) -> None:
     """Refuse --memory other than device, or --kv-dtype, for a model without DRT's chunk memory
     (read from its config, before it loads): a transformer keeps its caches on the device."""
     from farsight.models import read_model_meta, resolve_model_dir
+    from farsight.models.transformer import refuse_chunk_memory
 
     meta = read_model_meta(resolve_model_dir(path))
-    if meta["model_type"] != "drt" and (memory != "device" or kv_dtype is not None):
-        raise InputError(
-            f"--memory and --kv-dtype choose where a DRT keeps its chunk memory; {path} is a "
-            f"{meta['config'].get('attention', 'causal')} transformer, whose caches stay on the device in the "
-            "model's dtype: drop them"
-        )
+    if meta["model_type"] != "drt":
+        attention = meta["config"].get("attention", "causal")
+        refuse_chunk_memory(attention, memory, kv_dtype, names="--memory and --kv-dtype", fix=f"drop them for {path}")
 
 
 def session_bytes_per_token(path: str, memory: str, kv_dtype: str | None, dtype: str) -> tuple[float, float, str]:

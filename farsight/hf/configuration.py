@@ -24,6 +24,7 @@ from transformers import PreTrainedConfig
 from farsight.config import ConfigBase
 from farsight.errors import ConfigError
 from farsight.models import KV_DTYPES, MEMORY_TIERS, MODEL_DTYPES, MODEL_TYPES
+from farsight.models.transformer import refuse_chunk_memory
 
 # max_position_embeddings of every farsight model (module docstring): far more tokens than any
 # context farsight has been run on (16M), and still an int32
@@ -61,11 +62,8 @@ class FarsightConfig(PreTrainedConfig):
             raise ConfigError(f"memory={memory!r} is not a chunk-memory tier; choose one of {list(MEMORY_TIERS)}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype={kv_dtype!r} is unknown; choose one of {list(KV_DTYPES)} or leave it unset")
-        if self.model_type != "drt" and (memory != "device" or kv_dtype is not None):
-            raise ConfigError(
-                f"memory={memory!r} / kv_dtype={kv_dtype!r} choose where a DRT keeps its chunk memory; this is a "
-                f"{self.config.get('attention', 'causal')} transformer, whose caches stay on the device: leave them unset"
-            )
+        if self.model_type != "drt":
+            refuse_chunk_memory(self.config.get("attention", "causal"), memory, kv_dtype, names="memory and kv_dtype")
         return {"memory": memory, "kv_dtype": kv_dtype}
 
     @property

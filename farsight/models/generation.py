@@ -49,11 +49,17 @@ def sample_next_token(
         ) from exc
 
 
+def _is_a(value: Any, kind: type) -> bool:
+    """Whether `value` is a number of `kind` (numbers.Real, numbers.Integral); a bool is none."""
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    for name, value, kind in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise InputError(f"{name} must be a {'number' if kind is numbers.Real else 'whole number'}, got {value!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)):
+    if not _is_a(temperature, numbers.Real):
+        raise InputError(f"temperature must be a number, got {temperature!r}")
+    if top_k is not None and not _is_a(top_k, numbers.Integral):
+        raise InputError(f"top_k must be a whole number, got {top_k!r}")
+    if top_p is not None and not _is_a(top_p, numbers.Real):
         raise InputError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if not math.isfinite(temperature) or temperature < 0:
         raise InputError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
@@ -72,19 +78,12 @@ def _token_ids(value: Any, name: str, vocab_size: int | None) -> list[int]:
     items = [items] if isinstance(items, numbers.Integral) else items
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise InputError(f"{name} is a token id or a list of them, got {value!r}")
-    ids = []
     for item in items:
-        if (
-            isinstance(item, bool)
-            or not isinstance(item, numbers.Integral)
-            or item < 0
-            or item >= (vocab_size or item + 1)
-        ):
+        if not _is_a(item, numbers.Integral) or item < 0 or (vocab_size is not None and item >= vocab_size):
             raise InputError(
                 f"{name} holds {item!r}, not a token id of the model's vocabulary [0, {vocab_size or '...'})"
             )
-        ids.append(int(item))
-    return ids
+    return [int(item) for item in items]
 
 
 def generate(
@@ -114,7 +113,7 @@ def generate(
             f"generate decodes in a Session, got a {type(session).__name__}; pass model.new_session(batch_size) "
             "(or call model.generate(input_ids, ...))"
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+    if not _is_a(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
     check_sampling(temperature, top_k, top_p)
     vocab_size = getattr(getattr(getattr(session, "model", None), "config", None), "vocab_size", None)

@@ -156,17 +156,31 @@ class TransformerForCausalLM(PretrainedLM):
         return TransformerSession(self, batch_size, memory, path, block, kv_dtype)
 
 
+def refuse_chunk_memory(
+    attention: str,
+    memory: str,
+    kv_dtype: Any,
+    path: Any = None,
+    names: str = "memory, path and kv_dtype",
+    fix: str = "leave them unset",
+) -> None:
+    """Refuse DRT's chunk-memory options (a tier other than "device", a path, a K/V dtype) for a
+    transformer of this `attention`, whose caches stay on the device in the model's dtype; `names`
+    and `fix` say them as the caller's interface does (keywords, command-line flags)."""
+    if memory != "device" or path is not None or kv_dtype is not None:
+        raise InputError(
+            f"{names} choose where a DRT keeps its chunk memory; this is a {attention!r} transformer, outside DRT's "
+            f"chunk-memory tiers (its caches stay on the device in the model's dtype): {fix}"
+        )
+
+
 class TransformerSession(Session):
     """Feeds tokens through each layer's cache, `block` tokens per forward call."""
 
     def __init__(
         self, model: TransformerForCausalLM, batch_size: int, memory: str, path: Any, block: int, kv_dtype: Any
     ) -> None:
-        if memory != "device" or path is not None or kv_dtype is not None:
-            raise InputError(
-                f"memory={memory!r}/path/kv_dtype select DRT's chunk-memory tier; a {model.config.attention!r} transformer "
-                "keeps its caches on the model's device in its dtype: leave memory='device', no path, no kv_dtype"
-            )
+        refuse_chunk_memory(model.config.attention, memory, kv_dtype, path)
         if not isinstance(block, int) or block < 1:
             raise InputError(f"block must be an integer >= 1, got {block!r}")
         super().__init__(model, batch_size)

@@ -66,18 +66,23 @@ def test_weights_of_other_shapes_name_the_first_tensor_that_differs(saved):
     assert "\n" not in message and "size mismatch" not in message
 
 
-@pytest.mark.parametrize(
-    "model", [DRTForCausalLM(DRTConfig(**DRT)), TransformerForCausalLM(TransformerConfig(**SMALL))]
-)
-def test_labels_are_token_ids_of_the_vocabulary_or_minus_100(model):
+@pytest.mark.parametrize("precision", ["fp32", "autocast-bf16", "bf16"])
+@pytest.mark.parametrize("kind", ["drt", "transformer"])
+def test_labels_are_token_ids_of_the_vocabulary_or_minus_100(kind, precision):
+    import contextlib
+
+    model = DRTForCausalLM(DRTConfig(**DRT)) if kind == "drt" else TransformerForCausalLM(TransformerConfig(**SMALL))
+    model = model.to(torch.bfloat16) if precision == "bf16" else model
+    context = torch.autocast("cpu", torch.bfloat16) if precision == "autocast-bf16" else contextlib.nullcontext()
     ids = torch.randint(0, 200, (2, 24))
-    with pytest.raises(InputError, match=r"label 1\d{3} is outside the model's vocabulary \[0, 260\)"):
-        model(ids, labels=ids + 1000)
-    with pytest.raises(InputError, match="labels must be an integer torch.Tensor"):
-        model(ids, labels=ids.float())
-    ignored = ids.clone()
-    ignored[:, :5] = -100
-    assert torch.isfinite(model(ids, labels=ignored).loss)
+    with context:
+        with pytest.raises(InputError, match=r"label 1\d{3} is outside the model's vocabulary \[0, 260\)"):
+            model(ids, labels=ids + 1000)
+        with pytest.raises(InputError, match="labels must be an integer torch.Tensor"):
+            model(ids, labels=ids.float())
+        ignored = ids.clone()
+        ignored[:, :5] = -100
+        assert torch.isfinite(model(ids, labels=ignored).loss)
 
 
 def test_sampling_settings_must_be_numbers():
@@ -112,6 +117,8 @@ def test_sampling_at_a_tiny_temperature_is_greedy_and_bad_logits_are_named():
 
     logits = torch.randn(3, 50) * 10
     assert torch.equal(sample_next_token(logits, temperature=1e-45), logits.argmax(-1))
+    half = logits.to(torch.bfloat16)  # what a bf16 model's head gives
+    assert torch.equal(sample_next_token(half, temperature=1e-45), half.argmax(-1))
     logits[1] = float("nan")
     with pytest.raises(InputError, match="logits are NaN or all -inf"):
         sample_next_token(logits, temperature=0.8)
