@@ -166,16 +166,12 @@ def parse_lengths(args: argparse.Namespace, minimum: int = 1) -> list[int]:
 
 def needle_grid(args: argparse.Namespace) -> tuple[list[int], list[float], dict[int, int]]:
     """The lengths, depths and trials per length that the needle-grid arguments ask for."""
-    from farsight.eval.needle import trials_per_length
+    from farsight.eval.needle import check_needle_grid, trials_per_length
 
     lengths = parse_lengths(args)
     depths = parse_list(args.depths, float, "--depths", "numbers")
-    for depth in depths:
-        if not 0.0 <= depth <= 1.0:
-            raise InputError(
-                f"--depths {depth} is outside [0, 1]; a depth is the needle's position as a fraction of the haystack"
-            )
-    return lengths, depths, trials_per_length(lengths, args.trials, args.long_trials)
+    trials = trials_per_length(lengths, args.trials, args.long_trials)
+    return lengths, depths, check_needle_grid(lengths, depths, trials, ("--lengths", "--depths", "--trials"))
 
 
 MAX_SEED = 2**63 - 1  # the largest seed torch's generators take

@@ -325,6 +325,12 @@ class HuggingFaceSource(Source):
             dataset = self._datasets.load_dataset(
                 self.name, self.config, split=self.split, streaming=self.streaming, **self.load_kwargs
             )
+        except unreachable_hub_errors() as error:
+            raise CorpusError(
+                f"Hugging Face dataset {self.spec} cannot be reached ({type(error).__name__}: {error}); run where the "
+                "Hub can be reached (HF_HUB_OFFLINE unset) or the dataset is cached, or save its text and pass the "
+                "file, folder or jsonl:PATH"
+            ) from error
         except Exception as error:  # datasets raises many unrelated types for "cannot load"
             raise CorpusError(
                 f"could not load Hugging Face dataset {self.spec}: {type(error).__name__}: {error}"
@@ -357,6 +363,25 @@ class HuggingFaceSource(Source):
             yield Document(
                 doc_id=doc_id, text=text, license=self.license, title=title if isinstance(title, str) else None
             )
+
+
+def unreachable_hub_errors() -> tuple[type[BaseException], ...]:
+    """What `datasets`, `requests` and huggingface_hub raise when a dataset cannot be fetched from the
+    Hugging Face Hub (no network, or HF_HUB_OFFLINE=1 and nothing cached)."""
+    errors: list[type[BaseException]] = [ConnectionError]
+    try:
+        import requests
+
+        errors.append(requests.exceptions.ConnectionError)
+    except ImportError:
+        pass
+    try:
+        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+        errors += [LocalEntryNotFoundError, OfflineModeIsEnabled]
+    except ImportError:
+        pass
+    return tuple(errors)
 
 
 class StdlibSource(Source):

@@ -26,6 +26,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from farsight.errors import FarsightError
+from farsight.files import FOLDER_KINDS, atomic_write, folder_kind
 
 SPEC_FORMAT_VERSION = 1
 TOKENIZER_FILENAME = "tokenizer.json"
@@ -134,14 +135,20 @@ class Tokenizer(ABC):
         return {}
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the spec to `directory/tokenizer.json` (created if needed) and return that path."""
+        """Write the spec to `directory/tokenizer.json` (created if needed, replaced atomically)
+        and return that path. The tokenizer of a prepared dataset, a training run or a checkpoint
+        is never replaced by another one (TokenizerError): their token ids were made with it."""
         target = Path(directory)
-        target.mkdir(parents=True, exist_ok=True)
         path = target / TOKENIZER_FILENAME
-        # A temporary file renamed into place means a reader never sees a half-written spec.
-        partial = target / f".{TOKENIZER_FILENAME}.{os.getpid()}.tmp"
-        partial.write_text(json.dumps(self.to_spec(), ensure_ascii=False), encoding="utf-8")
-        os.replace(partial, path)
+        spec = self.to_spec()
+        held = folder_kind(target)
+        if held in ("dataset", "run", "checkpoint") and path.is_file() and not _holds_spec(path, spec):
+            raise TokenizerError(
+                f"{target} holds {FOLDER_KINDS[held]} whose token ids were made with its own tokenizer.json, "
+                f"and this {type(self).__name__} differs from it; save to another folder"
+            )
+        target.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8"))
         return path
 
     def __repr__(self) -> str:
@@ -392,6 +399,14 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
             f"{path} is a raw Hugging Face tokenizers file, not a farsight tokenizer spec; wrap it with BPETokenizer(tokenizers.Tokenizer.from_file(...)) and call .save()"
         )
     return tokenizer_from_spec(spec)
+
+
+def _holds_spec(path: Path, spec: dict[str, Any]) -> bool:
+    """Whether the file `path` holds `spec` (as JSON reads it back; an unreadable file holds none)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) == json.loads(json.dumps(spec))
+    except (OSError, ValueError):
+        return False
 
 
 def _checked_text(text: Any) -> str:

@@ -4,6 +4,7 @@ first-token accuracy (what the DRT authors' code scores), over a length x depth 
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -70,6 +71,36 @@ def trials_per_length(lengths: list[int], trials: int, long_trials: int | None =
     return {n: trials if long_trials is None or n <= LONG else long_trials for n in lengths}
 
 
+def check_needle_grid(
+    lengths: list[int],
+    depths: list[float],
+    trials: int | dict[int, int],
+    names: tuple[str, str, str] = ("lengths", "depths", "trials"),
+) -> dict[int, int]:
+    """The trials per length of the grid lengths x depths, once it has a cell, every length is a
+    positive integer, every depth lies in [0, 1] and every length has at least one trial
+    (InputError otherwise). `names` name the three in the messages (the command's flags)."""
+    lengths_name, depths_name, trials_name = names
+    if not lengths:
+        raise InputError(f"{lengths_name} is empty; pass at least one length in tokens, e.g. [4096]")
+    if not depths:
+        raise InputError(f"{depths_name} is empty; pass at least one depth in [0, 1], e.g. [0.5]")
+    for length in lengths:
+        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+            raise InputError(f"{lengths_name} holds {length!r}; a length is a whole number of tokens >= 1")
+    for depth in depths:
+        if isinstance(depth, bool) or not isinstance(depth, numbers.Real) or not 0.0 <= depth <= 1.0:
+            raise InputError(
+                f"{depths_name} {depth!r} is outside [0, 1]; a depth is the needle's position as a fraction of the haystack"
+            )
+    per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
+    for length in lengths:
+        count = per_length.get(length)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+            raise InputError(f"{trials_name} must be a whole number >= 1, got {count!r} for length {length}")
+    return per_length
+
+
 def trial_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random.Generator:
     return np.random.default_rng([seed, length, depth_index, trial])
 
@@ -130,10 +161,10 @@ def evaluate_needle_task(
     """
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
+    per_length = check_needle_grid(lengths, depths, trials)
     decode_tokens = model.config.vocab_size
     results: list[TrialResult] = []
     # progress counts prompt tokens: a 1M-token trial moves the bar while it streams
-    per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
     total = sum(length * per_length[length] for length in lengths) * len(depths)
     bar = progress_bar(
         total=total, disable=not progress, unit="tok", unit_scale=True, dynamic_ncols=True, desc=task.name

@@ -19,7 +19,7 @@ from typing import Any
 
 from farsight.data.tasks.ruler import RulerTask, split_answer
 from farsight.eval.choice import write_lm_eval_task
-from farsight.eval.needle import evaluate_needle_task, format_length, trial_rng
+from farsight.eval.needle import check_needle_grid, evaluate_needle_task, format_length, trial_rng
 from farsight.files import atomic_write, new_folders_for, reported_write, writing_folder
 
 DEPTHLESS = 0.5  # the single depth of the tasks whose answer is spread over the whole context
@@ -154,9 +154,11 @@ def ruler_items(task: RulerTask, length: int, depths: list[float], trials: int, 
     input: the prompt (ending with the answer's lead-in); outputs: the references; answer: the
     reference answer as generated; input_tokens: the input re-tokenized, measured (the noise
     haystack re-tokenizes to exactly the sample's prompt)."""
+    depths = task_depths(task, depths)
+    trials = check_needle_grid([length], depths, trials)[length]
     tokenizer = task.tokenizer
     items = []
-    for di, depth in enumerate(task_depths(task, depths)):
+    for di, depth in enumerate(depths):
         for t in range(trials):
             sample = task.sample(length, depth, trial_rng(task_seed(seed, task.name), length, di, t))
             text = tokenizer.decode(sample.prompt.tolist())

@@ -32,6 +32,7 @@ import torch
 import yaml
 from lm_eval.api.model import TemplateLM
 
+from farsight.data.corpora import unreachable_hub_errors
 from farsight.errors import InputError, MissingFileError
 from farsight.hf.configuration import resolve_dtype
 from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
@@ -481,7 +482,7 @@ def evaluate(
             task_manager=manager,
             log_samples=log_samples,
         )
-    except _unreachable_hub_errors() as exc:  # a task's data could not be fetched (no network, or HF_HUB_OFFLINE=1)
+    except unreachable_hub_errors() as exc:  # a task's data could not be fetched (no network, or HF_HUB_OFFLINE=1)
         raise InputError(
             f"a task of {list(tasks)} needs its data from the Hugging Face Hub, which cannot be reached ({exc}); "
             "run it where the Hub can be reached or its dataset is cached, or use tasks whose data is local"
@@ -493,24 +494,6 @@ def evaluate(
             f"num_fewshot={num_fewshot} asks for more examples than a task of {list(tasks)} holds to draw them from; "
             "ask for fewer"
         ) from exc
-
-
-def _unreachable_hub_errors() -> tuple[type[BaseException], ...]:
-    """What `datasets`, `requests` and huggingface_hub raise when a task's data cannot be fetched."""
-    errors: list[type[BaseException]] = [ConnectionError]
-    try:
-        import requests
-
-        errors.append(requests.exceptions.ConnectionError)
-    except ImportError:
-        pass
-    try:
-        from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
-
-        errors += [LocalEntryNotFoundError, OfflineModeIsEnabled]
-    except ImportError:
-        pass
-    return tuple(errors)
 
 
 def sample_records(samples: dict[str, list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:

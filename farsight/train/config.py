@@ -3,6 +3,7 @@ overrides; `base: other.yaml` starts from another config and changes only what t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ import yaml
 
 from farsight.config import ConfigBase, ConfigError, require
 from farsight.errors import MissingFileError
+
+logger = logging.getLogger(__name__)
 
 SECTIONS = ("model", "data", "optim", "train")
 BASE_KEY = "base"
@@ -215,11 +218,14 @@ def _kind(value: Any) -> str:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `section.key=value` strings; values are parsed as YAML (numbers, bools, lists). A
-    section or mapping that is null gets the key as its first value."""
+    section or mapping that is null gets the key as its first value. As with a config's base, a
+    model of another type (`--set model.type=...`) or data of another kind starts its section
+    afresh, whatever the order of the strings: the other `--set` keys of that section apply on top."""
     if overrides and not isinstance(raw, dict):
         raise ConfigError(
             f"--set needs a config that is a mapping with sections {', '.join(SECTIONS)}, got {_kind(raw)}"
         )
+    parsed = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value (e.g. train.steps=100), got {item!r}")
@@ -227,6 +233,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         parts = key.strip().split(".")
         if len(parts) < 2 or parts[0] not in SECTIONS:
             raise ConfigError(f"--set key must start with a section ({', '.join(SECTIONS)}), got {key!r}")
+        parsed.append((item, key, parts, _parse_yaml(text, f"--set {item}")))
+    for item, _, parts, value in parsed:
+        if len(parts) == 2 and SECTION_KINDS.get(parts[0], ("",))[0] == parts[1]:
+            _switch_section_kind(raw, parts[0], value, item)
+    for _, key, parts, value in parsed:
         node = raw
         for part in parts[:-1]:
             if node.get(part) is None:
@@ -234,8 +245,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is not a section")
-        node[parts[-1]] = _parse_yaml(text, f"--set {item}")
+        node[parts[-1]] = value
     return raw
+
+
+def _switch_section_kind(raw: dict[str, Any], section: str, value: Any, item: str) -> None:
+    """Empty `raw[section]` when `value` names another model type (data kind) than it holds, as a
+    base's section is replaced by a config naming another one; the fields it drops are logged."""
+    key, default = SECTION_KINDS[section]
+    held = raw.get(section)
+    if not isinstance(held, dict) or held.get(key, default) == value:
+        return
+    dropped = sorted(name for name in held if name != key)
+    if dropped:
+        logger.info(
+            f"--set {item} starts the {section} section afresh, as a config of another {key} would; "
+            f"not used: {', '.join(dropped)} (set the ones it takes with --set {section}.NAME=VALUE)"
+        )
+    raw[section] = {}
 
 
 def merge_config(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,25 @@ def test_save_and_load_give_identical_ids(tokenizer: Tokenizer, tmp_path: Path) 
         assert loaded.encode_batch(ROUND_TRIP_TEXTS) == tokenizer.encode_batch(ROUND_TRIP_TEXTS)
 
 
+@pytest.mark.parametrize("kind", ["dataset", "run"])
+def test_save_never_replaces_the_tokenizer_that_made_a_datasets_or_runs_token_ids(tmp_path: Path, kind: str) -> None:
+    folder = tmp_path / kind
+    ByteTokenizer().save(folder)
+    if kind == "dataset":
+        (folder / "meta.json").write_text(json.dumps({"format": "farsight-tokens"}))
+    else:
+        (folder / "metrics.jsonl").write_text("")
+    before = (folder / "tokenizer.json").read_bytes()
+    other = train_bpe_tokenizer(["the cat sat on the mat " * 20], vocab_size=270)
+    with pytest.raises(
+        TokenizerError, match=f"{folder} holds a .* made with its own tokenizer.json, and this BPETokenizer differs"
+    ):
+        other.save(folder)
+    assert (folder / "tokenizer.json").read_bytes() == before
+    assert ByteTokenizer().save(folder) == folder / "tokenizer.json"  # the same tokenizer: written again
+    assert other.save(tmp_path / "elsewhere").is_file()
+
+
 def test_decode_skips_pad_and_lmk_and_accepts_arrays(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("ab c")
     padded = [tokenizer.pad_id, *ids[:1], tokenizer.lmk_id, *ids[1:], tokenizer.pad_id]

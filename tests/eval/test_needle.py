@@ -152,6 +152,23 @@ def test_trials_per_length():
         trials_per_length([1024], 10, 0)
 
 
+@pytest.mark.parametrize(
+    ("lengths", "depths", "trials", "problem"),
+    [
+        ([], [0.5], 2, "lengths is empty; pass at least one length"),
+        ([200], [], 2, "depths is empty; pass at least one depth"),
+        ([200], [0.5], 0, "trials must be a whole number >= 1, got 0 for length 200"),
+        ([200, 300], [0.5], {200: 2}, "got None for length 300"),
+        ([200], [1.5], 2, r"depths 1.5 is outside \[0, 1\]"),
+        ([200.5], [0.5], 2, "lengths holds 200.5; a length is a whole number of tokens"),
+    ],
+)
+def test_a_grid_without_a_trial_to_run_is_refused_before_the_model_runs(lengths, depths, trials, problem):
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), 16)
+    with pytest.raises(InputError, match=problem):
+        evaluate_needle_task(tiny_drt(), task, lengths, depths, trials, progress=False)
+
+
 def test_cli_eval_writes_json_and_heatmap(tmp_path):
     model = tiny_drt()
     model.save_pretrained(tmp_path / "m", tokenizer=TOK)

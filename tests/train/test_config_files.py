@@ -2,6 +2,8 @@
 commented out) keeps the base's values, an explicit null resets, and a file or section that is
 not a mapping is refused in one line, with or without --set."""
 
+import logging
+
 import pytest
 
 from farsight.cli import main
@@ -92,6 +94,22 @@ def test_an_empty_config_file_is_refused(tmp_path):
 def test_set_fills_a_null_section_or_mapping():
     raw = apply_overrides({"train": None, "data": {"mix": None}}, ["train.steps=3", "data.mix.vt=1"])
     assert raw == {"train": {"steps": 3}, "data": {"mix": {"vt": 1}}}
+
+
+def test_set_of_another_model_type_or_data_kind_starts_the_section_afresh_as_a_base_would(base, caplog):
+    caplog.set_level(logging.INFO, logger="farsight")
+    drt = base.with_name("drt.yaml")
+    drt.write_text(BASE.replace("transformer, d_model: 32", "drt, d_model: 32, chunk_size: 8, top_k: 2"))
+    # the type's own --set keys apply whether they come before or after the type
+    config = load_train_config(drt, ["model.n_layers=2", "model.type=transformer", "data.kind=needle"])
+    assert config.model == {"type": "transformer", "n_layers": 2}
+    assert config.data == {"kind": "needle"}
+    assert "not used: chunk_size, d_model, top_k" in caplog.text
+    assert "not used: path, seq_len" in caplog.text
+    # the type or kind the section has already (tokens by default): nothing is dropped
+    config = load_train_config(drt, ["model.type=drt", "data.kind=tokens"])
+    assert config.model == {"type": "drt", "d_model": 32, "chunk_size": 8, "top_k": 2}
+    assert config.data == {"path": "d", "seq_len": 64, "kind": "tokens"}
 
 
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
