@@ -815,6 +815,7 @@ MULTIKEY_STAGES = (
     ("1-warmup", "passkeys, then `multikey/1-warmup`", 600),
     ("2-recall", "then `multikey/2-recall`", 2400),
     ("3-lengths", "then `multikey/3-lengths`", 2400),
+    ("4-wide", "then `multikey/4-wide` (16 chunks retrieved)", 2400),
 )
 
 
@@ -822,7 +823,7 @@ def retrieved_cell(entry: dict) -> str:
     return f"{100 * entry['needle_retrieved']:.0f}"
 
 
-@table("ruler-multikey", "results/ruler-multikey/{stage1-drt-x2,drt-x2,1-warmup,2-recall,3-lengths}.json")
+@table("ruler-multikey", "results/ruler-multikey/{stage1-drt-x2,drt-x2,1-warmup,2-recall,3-lengths,4-wide}.json")
 def ruler_multikey() -> list[str]:
     lengths = sorted(
         int(n) for n in record(f"{MULTIKEY}/{MULTIKEY_STAGES[0][0]}.json")["tasks"]["niah_multikey_2"]["by_length"]

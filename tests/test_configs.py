@@ -57,7 +57,11 @@ def test_fine_tunes_start_from_a_shipped_run_with_the_same_model():
         assert config.train.init_from in by_out_dir, f"{key}: no config writes {config.train.init_from}"
         source_name, source = by_out_dir[config.train.init_from]
         assert source_name != key, f"{key} starts from its own run"
-        assert source.model == config.model, f"{key}'s model differs from {source_name}'s"
+        # the number of retrieved chunks may change between stages: it shapes no weight
+        same = {name: value for name, value in config.model.items() if name != "top_k"}
+        assert same == {name: value for name, value in source.model.items() if name != "top_k"}, (
+            f"{key}'s model differs from {source_name}'s"
+        )
 
 
 def test_config_paths_named_by_the_makefile_and_scripts_exist():

@@ -168,6 +168,24 @@ def test_training_batches_weight_needles_as_configured():
         NeedleBatchConfig(filler="repeat", needle_weight=-1.0).validate()
 
 
+@pytest.mark.parametrize("share", [0.0, 0.25])
+def test_a_near_question_share_puts_that_share_of_needles_right_before_the_question(monkeypatch, share):
+    cfg = NeedleBatchConfig(filler="repeat", seq_len=256, batch_tokens=256 * 64, near_question=share)
+    source = NeedleBatches(cfg, seed=0, model={"chunk_size": 16})
+    task = source.tasks["train"][0]
+    depths, sample = [], task.sample
+    monkeypatch.setattr(
+        task, "sample", lambda length, depth, *args: depths.append(depth) or sample(length, depth, *args)
+    )
+    for step in range(8):
+        source.train_batch(step, 0, 0)
+    near = depths.count(1.0) / len(depths)
+    assert len(depths) == 8 * 64 and (0.18 < near < 0.32 if share else near == 0)
+    assert ("25% of the needles right before the question" in cfg.describe()) == bool(share)
+    with pytest.raises(ConfigError, match=r"data.near_question must be in \[0, 1\], got 1.5"):
+        NeedleBatchConfig.from_dict({"filler": "repeat", "near_question": 1.5}, "data")
+
+
 BAD_NEEDLE_DATA = [
     ({"curriculum": "abc"}, "list of [step, length] pairs of integers"),
     ({"curriculum": [1, 2]}, "list of [step, length] pairs of integers"),

@@ -8,6 +8,10 @@ share of plain corpus windows for language modelling. Batches hold about `batch_
 so short curriculum stages use more samples per step. A RULER-style task reads the haystack
 RULER gives it (noise sentences, real text from `corpus`, or distractor needles), whatever
 `filler` says; `filler` sets the passkey tasks' haystack and the language-modelling rows' text.
+The needle asked about sits at a uniform depth, or, in a `near_question` share of the task
+rows, right before the question (depth 1): in reach of a sliding window, so that a windowed
+baseline trained on a mix whose answers mostly lie beyond its span still learns to copy the
+ones it can see.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class NeedleBatchConfig(ConfigBase):
     answer_weight: float = 10.0
     needle_weight: float = 1.0
     lm_fraction: float = 0.0
+    near_question: float = 0.0
     align: int | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
 
@@ -79,6 +84,7 @@ class NeedleBatchConfig(ConfigBase):
         require(self.answer_weight > 0, f"data.answer_weight must be > 0, got {self.answer_weight}")
         require(self.needle_weight >= 0, f"data.needle_weight must be >= 0, got {self.needle_weight}")
         require(0 <= self.lm_fraction < 1, f"data.lm_fraction must be in [0, 1), got {self.lm_fraction}")
+        require(0 <= self.near_question <= 1, f"data.near_question must be in [0, 1], got {self.near_question}")
         if self.curriculum is not None:
             shape = "data.curriculum must be a list of [step, length] pairs of integers starting at step 0, e.g. [[0, 256], [500, 1024]]"
             pairs = self.curriculum if isinstance(self.curriculum, list) else None
@@ -122,6 +128,7 @@ class NeedleBatchConfig(ConfigBase):
         )
         text += f", needles and questions weighted {self.needle_weight:g}x" if self.needle_weight != 1 else ""
         text += f", {self.lm_fraction:.0%} plain-text rows" if self.lm_fraction else ""
+        text += f", {self.near_question:.0%} of the needles right before the question" if self.near_question else ""
         where = {None: "at chunk boundaries", 1: "at any offset"}.get(
             self.align, f"at multiples of {self.align} tokens"
         )
@@ -198,11 +205,19 @@ class NeedleBatches:
                 continue
             task = tasks[int(rng.choice(len(tasks), p=self.weights))]
             shift = self.config.align * int(rng.integers(0, self.offsets)) if self.offsets > 1 else 0
-            sample = task.sample(length, float(rng.random()), rng, shift)
+            sample = task.sample(length, self._depth(rng), rng, shift)
             ids[i] = sample.input_ids
             weights[i] = sample.loss_weights(self.config.answer_weight, self.config.needle_weight)
         ids_t = torch.from_numpy(ids)
         return {"input_ids": ids_t, "labels": ids_t, "loss_weights": torch.from_numpy(weights)}
+
+    def _depth(self, rng: np.random.Generator) -> float:
+        """Where a row's needle goes: uniform in [0, 1], or 1 (right before the question) in a
+        `near_question` share of the rows. No extra draw without that share, so that the
+        batches of a config that leaves it out stay what they were."""
+        if self.config.near_question and rng.random() < self.config.near_question:
+            return 1.0
+        return float(rng.random())
 
     def train_batch(self, step: int, micro: int, rank: int) -> dict[str, torch.Tensor]:
         return self._batch("train", self.config.length_at(step), batch_rng(self.seed, 0, step, micro, rank))
