@@ -123,7 +123,7 @@ def generate(
         raise InputError(f"pad_token_id is one token id, got {pad_token_id!r}")
     pad_token_id = pad_ids[0] if pad_ids else eos_ids[0] if eos_ids else None
     if not isinstance(input_ids, torch.Tensor):
-        raise InputError(
+        raise InputTypeError(
             f"input_ids must be a tensor of token ids, got a {type(input_ids).__name__}; wrap them with torch.tensor(...)"
         )
     input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids

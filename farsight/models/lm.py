@@ -151,7 +151,7 @@ def chunked_causal_lm_loss(
 def check_input_ids(input_ids: torch.Tensor, vocab_size: int, forbidden: dict[str, int] | None = None) -> torch.Tensor:
     """Token ids must be a [B, T] (or [T]) integer tensor inside the vocabulary."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex():
-        raise InputError("input_ids must be an integer torch.Tensor of token ids")
+        raise InputTypeError("input_ids must be an integer torch.Tensor of token ids")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2:
@@ -199,7 +199,9 @@ def checked_labels(
     if labels is None:
         return labels
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
-        raise InputError("labels must be an integer torch.Tensor of token ids (-100 for positions without a target)")
+        raise InputTypeError(
+            "labels must be an integer torch.Tensor of token ids (-100 for positions without a target)"
+        )
     outside = (labels >= vocab_size) | ((labels < 0) & (labels != -100))
     if labels.numel() and bool(outside.any()):  # one reduction and one read; the offender only on error
         bad = int(labels[outside][0])

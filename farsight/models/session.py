@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from farsight.errors import InputError, StateError
+from farsight.errors import InputError, InputTypeError, StateError
 from farsight.models.generation import generate
 
 
@@ -185,7 +185,7 @@ class Session:
                     "continues every row where it stopped, so it has no padding: feed the rows in sessions of their own"
                 )
         elif not isinstance(ids, Iterable) or isinstance(ids, (str, bytes)):
-            raise InputError(
+            raise InputTypeError(
                 f"prefill takes token ids as a [B, T] / [T] tensor or an iterable of such tensors, got a {type(ids).__name__}; "
                 "wrap the ids with torch.tensor(...)"
             )
@@ -202,7 +202,7 @@ class Session:
         fed = 0
         for block in blocks:
             if not isinstance(block, torch.Tensor):
-                raise InputError(
+                raise InputTypeError(
                     f"prefill's blocks are tensors of token ids, got a {type(block).__name__}; "
                     "wrap the ids with torch.tensor(...)"
                 )
@@ -220,7 +220,7 @@ class Session:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token per row ([B] or [B, 1]); returns the next-token logits [B, V]."""
         if not isinstance(token, torch.Tensor):
-            raise InputError(
+            raise InputTypeError(
                 f"step takes a tensor of one token id per row, got a {type(token).__name__}; wrap it with torch.tensor(...)"
             )
         if token.numel() != self.batch_size:

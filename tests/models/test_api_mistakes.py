@@ -78,7 +78,7 @@ def test_labels_are_token_ids_of_the_vocabulary_or_minus_100(kind, precision):
     with context:
         with pytest.raises(InputError, match=r"label 1\d{3} is outside the model's vocabulary \[0, 260\)"):
             model(ids, labels=ids + 1000)
-        with pytest.raises(InputError, match="labels must be an integer torch.Tensor"):
+        with pytest.raises(InputTypeError, match="labels must be an integer torch.Tensor"):
             model(ids, labels=ids.float())
         ignored = ids.clone()
         ignored[:, :5] = -100
@@ -128,9 +128,9 @@ def test_session_inputs_are_tensors_and_padding_goes_with_the_first_prefill():
     model = DRTForCausalLM(DRTConfig(**DRT)).eval()
     ids = torch.randint(0, 200, (1, 20))
     with model.new_session(1) as session:
-        with pytest.raises(InputError, match="prefill takes token ids as a .* tensor .*, got a int"):
+        with pytest.raises(InputTypeError, match="prefill takes token ids as a .* tensor .*, got a int"):
             session.prefill(5)
-        with pytest.raises(InputError, match="prefill's blocks are tensors of token ids, got a list"):
+        with pytest.raises(InputTypeError, match="prefill's blocks are tensors of token ids, got a list"):
             session.prefill([[1, 2, 3]])
         with pytest.raises(InputError, match=r"length=5 goes with an iterable of blocks"):
             session.prefill(ids, length=5)
@@ -140,7 +140,7 @@ def test_session_inputs_are_tensors_and_padding_goes_with_the_first_prefill():
         padded[:, :4] = 0
         with pytest.raises(InputError, match="attention_mask with zeros .* goes with a session's first prefill"):
             session.prefill(ids, attention_mask=padded)
-        with pytest.raises(InputError, match="step takes a tensor of one token id per row, got a int"):
+        with pytest.raises(InputTypeError, match="step takes a tensor of one token id per row, got a int"):
             session.step(5)
 
 
