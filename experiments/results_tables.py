@@ -930,12 +930,19 @@ def ruler_lm_eval() -> list[str]:
     return lines
 
 
-@table("ruler-passkey", "results/ruler/{drt-x2,drt-x1,baselm-2l}-{inspan,passkey}.json")
+@table("ruler-passkey", "results/ruler/{drt-x2,drt-x1,baselm-2l}-{inspan-passkey,inspan,passkey}.json")
 def ruler_passkey() -> list[str]:
     done = [model for model in RULER_MODELS if (ROOT / f"{RULER}/{model}-passkey.json").exists()]
     lengths = sorted({n for model in done for n in by_length(f"{RULER}/{model}-passkey.json")})
-    lines = header("model", "in-span `niah_single_1` (4K, depth 1)", *(f"passkey {length_name(n)}" for n in lengths))
+    lines = header(
+        "model",
+        "in-span passkey 1K / 4K (depth 1)",
+        "in-span `niah_single_1` (4K, depth 1)",
+        *(f"passkey {length_name(n)}" for n in lengths),
+    )
     for model in done:
+        passkey = ROOT / f"{RULER}/{model}-inspan-passkey.json"
+        near = by_length(f"{RULER}/{model}-inspan-passkey.json") if passkey.exists() else {}
         inspan = ROOT / f"{RULER}/{model}-inspan.json"
         check = (
             rate_cell(record(f"{RULER}/{model}-inspan.json")["tasks"]["niah_single_1"]["by_length"]["4096"])
@@ -943,7 +950,49 @@ def ruler_passkey() -> list[str]:
             else "not run"
         )
         grid = by_length(f"{RULER}/{model}-passkey.json")
-        lines.append(row(code(model), check, *(rate_cell(grid.get(n)) for n in lengths)))
+        cells = " / ".join(rate_cell(near[n]) for n in (1024, 4096)) if near else "not run"
+        lines.append(row(code(model), cells, check, *(rate_cell(grid.get(n)) for n in lengths)))
+    return lines
+
+
+RULER_NEAR = "results/ruler-near"
+# (model, what its last stage was, its in-span record, its lm-eval records' prefix or None)
+RULER_NEAR_ROWS = (
+    ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l", None),
+    ("baselm-2l", "then the RULER mix", f"{RULER}/baselm-2l", f"{RULER}/baselm-2l"),
+    (
+        "baselm-2l",
+        "then the RULER mix, a fifth of the needles near",
+        f"{RULER_NEAR}/baselm-2l",
+        f"{RULER_NEAR}/baselm-2l",
+    ),
+    ("drt-x2", "then the RULER mix", f"{RULER}/drt-x2", f"{RULER}/drt-x2"),
+    ("drt-x2", "then the RULER mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", f"{RULER_NEAR}/drt-x2"),
+)
+
+
+@table(
+    "ruler-near",
+    "results/ruler-near/{stage1-baselm-2l,baselm-2l,drt-x2}-inspan-passkey.json, "
+    "results/ruler-near/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
+    "results/ruler/{baselm-2l,drt-x2}-inspan-passkey.json, "
+    "results/ruler/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}",
+)
+def ruler_near() -> list[str]:
+    lengths = (4096, 16384)
+    lines = header(
+        "model",
+        "fine-tuned on",
+        "in-span passkey 1K",
+        "in-span passkey 4K",
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in lengths),
+    )
+    for model, stage, inspan, lm_eval in RULER_NEAR_ROWS:
+        grid = by_length(f"{inspan}-inspan-passkey.json")
+        scores = (
+            lm_eval_cell(f"{lm_eval}-lm-eval-{n}.json", "niah_single_1", n) if lm_eval else "not run" for n in lengths
+        )
+        lines.append(row(code(model), stage, *(rate_cell(grid[n]) for n in (1024, 4096)), *scores))
     return lines
 
 

@@ -7,8 +7,10 @@
 # (their items, templates and scoring; lm-eval builds them with the model's byte tokenizer) at
 # LENGTHS tokens, LIMIT items per task and length, through `farsight eval harness`, and the
 # shipped model also through lm-eval's standard `hf` model (HF_TASKS: by default the two needle
-# tasks, as it runs about 4x slower than farsight's model on a CPU); and farsight's passkey from 1K
-# to 1M. Each lm-eval call also writes its items' targets and answers (`--samples`, JSON lines).
+# tasks, as it runs about 4x slower than farsight's model on a CPU); two in-span checks (R1's
+# passkey inside every window, and farsight's niah_single_1 right before RULER's question); and
+# farsight's passkey from 1K to 1M. Each lm-eval call also writes its items' targets and answers
+# (`--samples`, JSON lines).
 # Finished runs and result files are reused, so a second call only does what is missing.
 # Run from the repository root. LENGTHS, LIMIT, TASKS, HF_TASKS, HF_LENGTHS and MODELS narrow a quick check
 # (OUT and SHIPPED redirect its files).
@@ -45,10 +47,15 @@ for model in "${MODELS[@]}"; do
             --metadata "{\"max_seq_lengths\": [$length]}" --limit "$LIMIT" --dtype bf16 --out "$OUT/$model-lm-eval-$length.json" \
             --samples "$OUT/$model-lm-eval-$length-samples.jsonl"
     done
-    # the in-span check: farsight's niah_single_1 with the needle right before the question
-    # (depth 1), within every model's reach, so that a baseline's misses further out are its reach
+    # farsight's niah_single_1 with the needle right before RULER's long question (depth 1), about
+    # 120 tokens before the answer: in a DRT's reach, two 64-token windows away for the baseline
     [ -f "$OUT/$model-inspan.json" ] || $F eval ruler --model "runs/lm/ruler/$model" --tasks niah_single_1 \
         --haystack noise --lengths 4k --depths 1 --trials 50 --align 1 --dtype bf16 --out "$OUT/$model-inspan.json"
+    # the in-span check of R1: the passkey right before a short question (depth 1, about 45 tokens
+    # before the answer), inside every model's window
+    [ -f "$OUT/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" --lengths 1k,4k \
+        --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2 \
+        --out "$OUT/$model-inspan-passkey.json"
     # the passkey from 1K to 1M tokens, in the corpus's held-out text
     [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" \
         --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
