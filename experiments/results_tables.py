@@ -962,19 +962,29 @@ RULER_NEAR_ROWS = (
     ("baselm-2l", "then the RULER mix", f"{RULER}/baselm-2l", f"{RULER}/baselm-2l"),
     (
         "baselm-2l",
-        "then the RULER mix, a fifth of the needles near",
-        f"{RULER_NEAR}/baselm-2l",
-        f"{RULER_NEAR}/baselm-2l",
+        "then the mix, a twentieth of the needles near",
+        f"{RULER_NEAR}/baselm-2l-share05",
+        f"{RULER_NEAR}/baselm-2l-share05",
     ),
+    ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l", f"{RULER_NEAR}/baselm-2l"),
     ("drt-x2", "then the RULER mix", f"{RULER}/drt-x2", f"{RULER}/drt-x2"),
-    ("drt-x2", "then the RULER mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", f"{RULER_NEAR}/drt-x2"),
+    ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", f"{RULER_NEAR}/drt-x2-seed1"),
+    (
+        "drt-x2",
+        "then the mix, a twentieth of the needles near",
+        f"{RULER_NEAR}/drt-x2-share05",
+        f"{RULER_NEAR}/drt-x2-share05",
+    ),
+    ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", f"{RULER_NEAR}/drt-x2"),
 )
 
 
 @table(
     "ruler-near",
-    "results/ruler-near/{stage1-baselm-2l,baselm-2l,drt-x2}-inspan-passkey.json, "
-    "results/ruler-near/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
+    "results/ruler-near/{stage1-baselm-2l,baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1}"
+    "-inspan-passkey.json, "
+    "results/ruler-near/{baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1}-lm-eval-{4096,16384}"
+    "{.json,-samples.jsonl}, "
     "results/ruler/{baselm-2l,drt-x2}-inspan-passkey.json, "
     "results/ruler/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}",
 )

@@ -2,16 +2,17 @@
 # The in-span check of the RULER mix's baseline (docs/results.md, "The sliding-window baseline on
 # the RULER mix"): R1's in-span passkey check (the passkey about 45 tokens before the answer, inside
 # every window) of baselm-2l after its passkey stage, after the RULER mix of `make ruler`, and after
-# that mix with a fifth of the needles right before their question (configs/lm/ruler/near/), and
-# what that share costs drt-x2 on lm-eval's niah_single_1. Needs the runs of `make ruler`; finished
-# runs and result files are reused. Run from the repository root.
+# that mix with a fifth or a twentieth of the needles right before their question
+# (configs/lm/ruler/near/), and drt-x2 on lm-eval's niah_single_1 after each, and after the mix
+# alone with another seed (drt-x2-seed1). Needs the runs of `make ruler`; finished runs and result
+# files are reused. Run from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-near
 mkdir -p "$OUT"
 bash experiments/lm-data.sh
 INSPAN=(--lengths 1k,4k --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2)
-for model in drt-x2 baselm-2l; do
+for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1; do
     $F train "configs/lm/ruler/near/$model.yaml" --no-progress
     [ -f "$OUT/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" "${INSPAN[@]}" \
         --out "$OUT/$model-inspan-passkey.json"
