@@ -956,26 +956,17 @@ def ruler_passkey() -> list[str]:
 
 
 RULER_NEAR = "results/ruler-near"
-# (model, what its last stage was, its in-span record, its lm-eval records' prefix or None)
+# (model, what its last stage was, the prefix of its records: PREFIX-inspan-passkey.json and, where
+# lm-eval ran, PREFIX-lm-eval-LENGTH.json)
 RULER_NEAR_ROWS = (
-    ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l", None),
-    ("baselm-2l", "then the RULER mix", f"{RULER}/baselm-2l", f"{RULER}/baselm-2l"),
-    (
-        "baselm-2l",
-        "then the mix, a twentieth of the needles near",
-        f"{RULER_NEAR}/baselm-2l-share05",
-        f"{RULER_NEAR}/baselm-2l-share05",
-    ),
-    ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l", f"{RULER_NEAR}/baselm-2l"),
-    ("drt-x2", "then the RULER mix", f"{RULER}/drt-x2", f"{RULER}/drt-x2"),
-    ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", f"{RULER_NEAR}/drt-x2-seed1"),
-    (
-        "drt-x2",
-        "then the mix, a twentieth of the needles near",
-        f"{RULER_NEAR}/drt-x2-share05",
-        f"{RULER_NEAR}/drt-x2-share05",
-    ),
-    ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", f"{RULER_NEAR}/drt-x2"),
+    ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l", False),
+    ("baselm-2l", "then the RULER mix", f"{RULER}/baselm-2l", True),
+    ("baselm-2l", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/baselm-2l-share05", True),
+    ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l", True),
+    ("drt-x2", "then the RULER mix", f"{RULER}/drt-x2", True),
+    ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", True),
+    ("drt-x2", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/drt-x2-share05", True),
+    ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", True),
 )
 
 
@@ -997,10 +988,10 @@ def ruler_near() -> list[str]:
         "in-span passkey 4K",
         *(f"lm-eval `niah_single_1` {length_name(n)}" for n in lengths),
     )
-    for model, stage, inspan, lm_eval in RULER_NEAR_ROWS:
-        grid = by_length(f"{inspan}-inspan-passkey.json")
+    for model, stage, prefix, lm_eval in RULER_NEAR_ROWS:
+        grid = by_length(f"{prefix}-inspan-passkey.json")
         scores = (
-            lm_eval_cell(f"{lm_eval}-lm-eval-{n}.json", "niah_single_1", n) if lm_eval else "not run" for n in lengths
+            lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) if lm_eval else "not run" for n in lengths
         )
         lines.append(row(code(model), stage, *(rate_cell(grid[n]) for n in (1024, 4096)), *scores))
     return lines

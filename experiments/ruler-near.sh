@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The in-span check of the RULER mix's baseline (docs/results.md, "The sliding-window baseline on
-# the RULER mix"): R1's in-span passkey check (the passkey about 45 tokens before the answer, inside
-# every window) of baselm-2l after its passkey stage, after the RULER mix of `make ruler`, and after
-# that mix with a fifth or a twentieth of the needles right before their question
-# (configs/lm/ruler/near/), and drt-x2 on lm-eval's niah_single_1 after each, and after the mix
-# alone with another seed (drt-x2-seed1). Needs the runs of `make ruler`; finished runs and result
-# files are reused. Run from the repository root.
+# Copying inside the window after the RULER mix (docs/results.md, "Copying inside the window after
+# the RULER mix"): from the passkey stages of `make ruler`, the RULER mix with a fifth or a
+# twentieth of the needles right before their question (configs/lm/ruler/near/: drt-x2, baselm-2l
+# and their -share05 twins) and the mix alone with another seed (drt-x2-seed1); each run then takes
+# R1's in-span passkey check (the passkey about 45 tokens before the answer, inside every window)
+# and lm-eval's niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too.
+# `make ruler` checks its own runs the same way. Finished runs and result files are reused. Run
+# from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-near

@@ -86,6 +86,7 @@ def evaluate_ruler(
     """Every task over the grid; returns {"tasks": {name: needle summary + string match}, "average": {length: score}}.
 
     The tasks without depth (common and frequent words) run at DEPTHLESS only."""
+    check_needle_grid(lengths, depths, trials)
     results = {}
     for task in tasks:
         summary = evaluate_needle_task(
@@ -154,8 +155,8 @@ def ruler_items(task: RulerTask, length: int, depths: list[float], trials: int, 
     input: the prompt (ending with the answer's lead-in); outputs: the references; answer: the
     reference answer as generated; input_tokens: the input re-tokenized, measured (the noise
     haystack re-tokenizes to exactly the sample's prompt)."""
-    depths = task_depths(task, depths)
     trials = check_needle_grid([length], depths, trials)[length]
+    depths = task_depths(task, depths)
     tokenizer = task.tokenizer
     items = []
     for di, depth in enumerate(depths):
@@ -193,6 +194,7 @@ def export_lm_eval(
     or one task at every length. A task generates up to twice its longest answer's tokens. `out` is
     locked while it is written and must be new, empty or exported tasks unless `overwrite`
     (`farsight.files.writing_folder`)."""
+    per_length = check_needle_grid(lengths, depths, trials)
     out = Path(out)
     with writing_folder(out, "tasks", "an lm-eval task export", overwrite, fix="export to another folder"):
         templates = resources.files("farsight.eval") / "lm_eval_tasks" / "ruler"
@@ -202,7 +204,6 @@ def export_lm_eval(
                 with resources.as_file(templates / name) as source:
                     text = source.read_text(encoding="utf-8")
                 atomic_write(out / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
-        per_length = trials if isinstance(trials, dict) else {length: trials for length in lengths}
         written = []
         for task in tasks:
             for length in lengths:

@@ -234,9 +234,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if len(parts) < 2 or parts[0] not in SECTIONS:
             raise ConfigError(f"--set key must start with a section ({', '.join(SECTIONS)}), got {key!r}")
         parsed.append((item, key, parts, _parse_yaml(text, f"--set {item}")))
-    for item, _, parts, value in parsed:
-        if len(parts) == 2 and SECTION_KINDS.get(parts[0], ("",))[0] == parts[1]:
-            _switch_section_kind(raw, parts[0], value, item)
+    # the last value given for a section's type (kind) is the one that stays
+    kinds = {parts[0]: (item, value) for item, _, parts, value in parsed if _names_section_kind(parts)}
+    for section, (item, value) in kinds.items():
+        _switch_section_kind(raw, section, value, item)
     for _, key, parts, value in parsed:
         node = raw
         for part in parts[:-1]:
@@ -247,6 +248,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 raise ConfigError(f"--set {key}: {part} is not a section")
         node[parts[-1]] = value
     return raw
+
+
+def _names_section_kind(parts: list[str]) -> bool:
+    """Whether the --set key `parts` is a section's type or kind (model.type, data.kind)."""
+    return len(parts) == 2 and SECTION_KINDS.get(parts[0], ("",))[0] == parts[1]
 
 
 def _switch_section_kind(raw: dict[str, Any], section: str, value: Any, item: str) -> None:

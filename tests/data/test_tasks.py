@@ -186,6 +186,17 @@ def test_a_near_question_share_puts_that_share_of_needles_right_before_the_quest
         NeedleBatchConfig.from_dict({"filler": "repeat", "near_question": 1.5}, "data")
 
 
+def test_a_config_without_a_near_question_share_draws_the_batches_it_drew_before_the_share_existed():
+    """The share draws from the row's generator only when set, so runs of older configs resume
+    on the very batches they started with (the digest: the batch as drawn before the option)."""
+    import hashlib
+
+    cfg = NeedleBatchConfig(filler="repeat", seq_len=512, batch_tokens=2048, mix={"passkey": 1, "niah_single_1": 1})
+    batch = NeedleBatches(cfg, seed=0, model={"chunk_size": 16}).train_batch(3, 0, 0)
+    digest = hashlib.sha256(batch["input_ids"].numpy().tobytes() + batch["loss_weights"].numpy().tobytes())
+    assert digest.hexdigest() == "0afaa62f8e1117fa8cf383a6c9e357689899fe5350078bfe818c1950ceb58ef3"
+
+
 BAD_NEEDLE_DATA = [
     ({"curriculum": "abc"}, "list of [step, length] pairs of integers"),
     ({"curriculum": [1, 2]}, "list of [step, length] pairs of integers"),

@@ -9,6 +9,7 @@ import torch
 from farsight.cli import main
 from farsight.data.tasks.ruler import make_ruler_tasks
 from farsight.data.tokenizers import load_tokenizer
+from farsight.errors import InputError
 from farsight.eval import needle
 from farsight.eval.ruler import average_table, evaluate_ruler, export_lm_eval, ruler_items, ruler_table, string_match
 from farsight.models import DRTConfig, DRTForCausalLM
@@ -137,6 +138,26 @@ def test_lm_eval_runs_the_exported_items(tmp_path, monkeypatch):
         out = simple_evaluate(model=model, tasks=names, task_manager=manager)
         for name in names:
             assert out["results"][name]["string_match,none"] == score
+
+
+@pytest.mark.parametrize(
+    ("depths", "trials", "problem"),
+    [
+        ([], 2, "depths is empty"),
+        ([1.5], 2, r"depths 1.5 is outside \[0, 1\]"),
+        ([0.5], {700: 2}, "got None for length 600"),
+    ],
+)
+def test_ruler_grids_without_a_trial_to_run_are_refused_for_depthless_tasks_too(tmp_path, depths, trials, problem):
+    byte = load_tokenizer("byte")
+    tasks = make_ruler_tasks(["cwe"], byte, haystack="noise")  # a task without depth
+    with pytest.raises(InputError, match=problem):
+        ruler_items(tasks[0], 600, depths, trials)
+    with pytest.raises(InputError, match=problem):
+        export_lm_eval(tasks, [600], depths, trials, tmp_path / "tasks")
+    assert not (tmp_path / "tasks").exists()  # refused before anything is written
+    with pytest.raises(InputError, match=problem):
+        evaluate_ruler(None, tasks, [600], depths, trials, progress=False)
 
 
 def test_eval_ruler_command_on_the_demo_model(tmp_path, capsys):

@@ -80,6 +80,10 @@ def test_labels_are_token_ids_of_the_vocabulary_or_minus_100(kind, precision):
             model(ids, labels=ids + 1000)
         with pytest.raises(InputTypeError, match="labels must be an integer torch.Tensor"):
             model(ids, labels=ids.float())
+        with pytest.raises(InputTypeError, match="input_ids must be an integer torch.Tensor"):
+            model(ids.tolist())
+        with pytest.raises(InputTypeError, match="input_ids must be an integer torch.Tensor"):
+            model.generate(ids.tolist(), max_new_tokens=1)
         ignored = ids.clone()
         ignored[:, :5] = -100
         assert torch.isfinite(model(ids, labels=ignored).loss)
@@ -162,5 +166,10 @@ def test_generate_checks_its_session_lengths_and_token_ids():
         model.generate(ids, max_new_tokens=2, eos_token_id=9999)
     with model.new_session(1) as session, pytest.raises(InputError, match="pad_token_id holds -1"):
         generate(session, ids, 2, eos_token_id=3, pad_token_id=-1)
+    with (
+        model.new_session(1) as session,
+        pytest.raises(InputTypeError, match="input_ids must be a tensor of token ids, got a list"),
+    ):
+        generate(session, ids.tolist(), 2)
     out = model.generate(ids, max_new_tokens=2, eos_token_id=np.int64(258), temperature=0)  # numpy ids are ids
     assert out.shape == (1, 22)

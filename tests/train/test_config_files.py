@@ -106,8 +106,9 @@ def test_set_of_another_model_type_or_data_kind_starts_the_section_afresh_as_a_b
     assert config.data == {"kind": "needle"}
     assert "not used: chunk_size, d_model, top_k" in caplog.text
     assert "not used: path, seq_len" in caplog.text
-    # the type or kind the section has already (tokens by default): nothing is dropped
-    config = load_train_config(drt, ["model.type=drt", "data.kind=tokens"])
+    # the type or kind the section has already (tokens by default): nothing is dropped; the last
+    # value given is the one that counts
+    config = load_train_config(drt, ["model.type=transformer", "model.type=drt", "data.kind=tokens"])
     assert config.model == {"type": "drt", "d_model": 32, "chunk_size": 8, "top_k": 2}
     assert config.data == {"path": "d", "seq_len": 64, "kind": "tokens"}
 
