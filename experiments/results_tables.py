@@ -967,14 +967,16 @@ RULER_NEAR_ROWS = (
     ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", True),
     ("drt-x2", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/drt-x2-share05", True),
     ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", True),
+    ("drt-x2", "then the mix, a fifth near, another seed", f"{RULER_NEAR}/drt-x2-seed1-near", True),
 )
 
 
 @table(
     "ruler-near",
-    "results/ruler-near/{stage1-baselm-2l,baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1}"
-    "-inspan-passkey.json, "
-    "results/ruler-near/{baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1}-lm-eval-{4096,16384}"
+    "results/ruler-near/{stage1-baselm-2l,baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1,"
+    "drt-x2-seed1-near}-inspan-passkey.json, "
+    "results/ruler-near/{baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1,drt-x2-seed1-near}"
+    "-lm-eval-{4096,16384}"
     "{.json,-samples.jsonl}, "
     "results/ruler/{baselm-2l,drt-x2}-inspan-passkey.json, "
     "results/ruler/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}",

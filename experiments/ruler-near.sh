@@ -2,18 +2,18 @@
 # Copying inside the window after the RULER mix (docs/results.md, "Copying inside the window after
 # the RULER mix"): from the passkey stages of `make ruler`, the RULER mix with a fifth or a
 # twentieth of the needles right before their question (configs/lm/ruler/near/: drt-x2, baselm-2l
-# and their -share05 twins) and the mix alone with another seed (drt-x2-seed1); each run then takes
-# R1's in-span passkey check (the passkey about 45 tokens before the answer, inside every window)
-# and lm-eval's niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too.
-# `make ruler` checks its own runs the same way. Finished runs and result files are reused. Run
-# from the repository root.
+# and their -share05 twins), and for drt-x2 both with another seed (drt-x2-seed1: the mix alone,
+# drt-x2-seed1-near: a fifth near); each run then takes R1's in-span passkey check (the passkey
+# about 45 tokens before the answer, inside every window) and lm-eval's niah_single_1 at 4K and
+# 16K; baselm-2l's passkey stage takes the in-span check too. `make ruler` checks its own runs the
+# same way. Finished runs and result files are reused. Run from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-near
 mkdir -p "$OUT"
 bash experiments/lm-data.sh
 INSPAN=(--lengths 1k,4k --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2)
-for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1; do
+for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1 drt-x2-seed1-near; do
     $F train "configs/lm/ruler/near/$model.yaml" --no-progress
     [ -f "$OUT/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" "${INSPAN[@]}" \
         --out "$OUT/$model-inspan-passkey.json"
