@@ -250,6 +250,14 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def _another_kind(section: str, held: Any, value: Any) -> bool:
+    """Whether `value` names another model type (data kind) than the mapping `held` of `section`
+    has, its default when it names none: the one rule by which a config over a base and a --set
+    start that section afresh."""
+    key, default = SECTION_KINDS[section]
+    return isinstance(held, dict) and held.get(key, default) != value
+
+
 def _names_section_kind(parts: list[str]) -> bool:
     """Whether the --set key `parts` is a section's type or kind (model.type, data.kind)."""
     return len(parts) == 2 and SECTION_KINDS.get(parts[0], ("",))[0] == parts[1]
@@ -258,10 +266,10 @@ def _names_section_kind(parts: list[str]) -> bool:
 def _switch_section_kind(raw: dict[str, Any], section: str, value: Any, item: str) -> None:
     """Empty `raw[section]` when `value` names another model type (data kind) than it holds, as a
     base's section is replaced by a config naming another one; the fields it drops are logged."""
-    key, default = SECTION_KINDS[section]
     held = raw.get(section)
-    if not isinstance(held, dict) or held.get(key, default) == value:
+    if not _another_kind(section, held, value):
         return
+    key = SECTION_KINDS[section][0]
     dropped = sorted(name for name in held if name != key)
     if dropped:
         logger.info(
@@ -323,14 +331,9 @@ def read_config_file(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]
     raw = _checked_sections(path, _settle_empty(raw, inherited))
     # a model of another type (a data section of another kind) shares no settings with the base's:
     # it replaces that section whole, so a DRT's chunk_size cannot reach a transformer built from it
-    for section, (key, default) in SECTION_KINDS.items():
-        mine, theirs = raw.get(section), inherited.get(section)
-        if (
-            isinstance(mine, dict)
-            and isinstance(theirs, dict)
-            and key in mine
-            and mine[key] != theirs.get(key, default)
-        ):
+    for section, (key, _) in SECTION_KINDS.items():
+        mine = raw.get(section)
+        if isinstance(mine, dict) and key in mine and _another_kind(section, inherited.get(section), mine[key]):
             inherited = {**inherited, section: {}}
     return merge_config(inherited, raw)
 
