@@ -66,12 +66,26 @@ def read_json(path: Path, fix: str, error: ErrorType = InputError, *, kind: type
         ) from exc
     if not isinstance(value, kind):
         raise refusal(
-            path, f"is corrupted (a JSON {_json_kind(value)} where a JSON {_json_kind(kind())} belongs)", fix, error
+            path, f"is corrupted (a JSON {json_kind(value)} where a JSON {json_kind(kind())} belongs)", fix, error
         )
     return value
 
 
-def _json_kind(value: Any) -> str:
+def parse_json_object(text: str, where: str, fix: str, error: ErrorType = InputError) -> dict:
+    """The JSON object in `text` (a line of a JSONL file, a command-line value); anything else is
+    refused as `error`: "WHERE: invalid JSON (...); FIX" or "WHERE: a JSON array where a JSON
+    object belongs; FIX". `where` names the text: "PATH:LINE", "--metadata"."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: invalid JSON ({exc.msg} at column {exc.colno}); {fix}") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: a JSON {json_kind(value)} where a JSON object belongs; {fix}")
+    return value
+
+
+def json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's kind: object, array, string, number, boolean, null."""
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
 

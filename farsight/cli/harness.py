@@ -16,6 +16,7 @@ from farsight.cli.arguments import (
     parse_list,
 )
 from farsight.errors import InputError, MissingDependencyError, MissingFileError
+from farsight.readers import parse_json_object
 
 
 def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
@@ -125,18 +126,6 @@ def _harness(args: argparse.Namespace) -> int:
 
 def _parse_metadata(text: str | None) -> dict | None:
     """--metadata: a JSON object, or None when not given."""
-    import json
-
     if text is None:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"--metadata is not valid JSON ({exc.msg} at character {exc.pos}); pass an object, e.g. '{{\"max_seq_lengths\": [4096]}}'"
-        ) from None
-    if not isinstance(value, dict):
-        raise InputError(
-            f"--metadata must be a JSON object, got {type(value).__name__}; e.g. '{{\"max_seq_lengths\": [4096]}}'"
-        )
-    return value
+    return parse_json_object(text, "--metadata", """pass an object, e.g. '{"max_seq_lengths": [4096]}'""")

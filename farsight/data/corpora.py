@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import codecs
 import inspect
-import json
 import logging
 import os
 import re
@@ -33,6 +32,7 @@ from typing import Any
 
 from farsight.data.documents import UNSPECIFIED_LICENSE, CorpusError, Document, Source
 from farsight.data.shakespeare import ShakespeareSource
+from farsight.readers import parse_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -215,14 +215,7 @@ class JsonlSource(Source):
     def __iter__(self) -> Iterator[Document]:
         for line_number, line in jsonl_lines(self.path, CorpusError):
             where = f"{self.path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise CorpusError(
-                    f"{where}: invalid JSON ({error.msg} at column {error.colno}); every non-blank line must be one JSON object"
-                ) from error
-            if not isinstance(record, dict):
-                raise CorpusError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            record = parse_json_object(line, where, "every non-blank line must be one JSON object", CorpusError)
             text = _field(record, self.text_field, where, "text_field")
             doc_id = (
                 f"{self.path.name}:{line_number}"

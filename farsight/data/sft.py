@@ -41,6 +41,7 @@ import numpy as np
 from farsight.data.tokenizers import Tokenizer, load_tokenizer
 from farsight.errors import FarsightError, MissingFileError
 from farsight.progress import progress_bar
+from farsight.readers import json_kind
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _merge(segments: list[tuple[str | None, bool]]) -> tuple[tuple[str | None, b
 def parse_record(record: Any, where: str) -> Example:
     """The Example of one decoded JSONL record; BadRecord says why a record cannot be one."""
     if not isinstance(record, dict):
-        raise BadRecord("not an object", f"expected a JSON object, got {type(record).__name__}")
+        raise BadRecord("not an object", f"a JSON {json_kind(record)} where a JSON object belongs")
     has_pair = "prompt" in record or "completion" in record
     if "messages" in record:
         if has_pair:

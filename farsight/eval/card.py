@@ -18,6 +18,7 @@ from farsight.eval.needle import format_length, results_table
 from farsight.eval.perplexity import format_error
 from farsight.eval.runs import architecture, training_record
 from farsight.models.io import trained_weights
+from farsight.readers import parse_json_object
 from farsight.train.checkpoint import checkpoint_step, list_checkpoints
 from farsight.train.metrics import read_metrics
 
@@ -196,17 +197,10 @@ def answers_section(path: Path, names: ModelNames) -> list[str]:
         ) from exc
     records, checked = [], set()
     for number, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(
-                f"{path} line {number} is not JSON ({exc.msg}); pass a file written by `farsight eval harness --samples`"
-            ) from None
-        if not isinstance(record, dict) or not {"task", "target", "answer", "scores"} <= record.keys():
-            raise InputError(
-                f"{path} line {number} is not an item's record (task, target, answer, scores); pass a file written by "
-                "`farsight eval harness --samples`"
-            )
+        fix = "pass a file written by `farsight eval harness --samples`"
+        record = parse_json_object(line, f"{path}:{number}", fix)
+        if not {"task", "target", "answer", "scores"} <= record.keys():
+            raise InputError(f"{path}:{number}: not an item's record (task, target, answer, scores); {fix}")
         measured = (record.get("model"), record.get("trained_weights"))
         if measured not in checked:
             _check_measured_on(path, record, names)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import platform
 from collections.abc import Iterator
 
 import torch
@@ -86,8 +88,43 @@ def amp_function(function: type[torch.autograd.Function], device_type: str) -> t
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm): bf16 matmuls in hardware."""
-    return _cpu_has_any("avx512_bf16", "amx_bf16", "bf16")
+    """AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm): bf16 matmuls in hardware.
+
+    An x86 CPU's instructions count only where oneDNN, which runs torch's bf16 products there,
+    may use them (`ONEDNN_MAX_CPU_ISA` at AVX512_CORE_BF16 or above)."""
+    return _cpu_has_any("avx512_bf16", "amx_bf16", "bf16") and _onednn_isa_allows("AVX512_CORE_BF16")
+
+
+# oneDNN's x86 instruction-set levels, lowest first (its ONEDNN_MAX_CPU_ISA values; AVX10_1_512
+# is AVX512_CORE_FP16 and AVX10_1_512_AMX* the AVX512_CORE_AMX* levels under their newer names)
+_ONEDNN_ISA_LEVELS = (
+    ("SSE41",),
+    ("AVX",),
+    ("AVX2",),
+    ("AVX2_VNNI",),
+    ("AVX2_VNNI_2",),
+    ("AVX512_CORE",),
+    ("AVX512_CORE_VNNI",),
+    ("AVX512_CORE_BF16",),
+    ("AVX512_CORE_FP16", "AVX10_1_512"),
+    ("AVX512_CORE_AMX", "AVX10_1_512_AMX"),
+    ("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16"),
+)
+
+
+def _onednn_isa_level(name: str) -> int | None:
+    name = name.strip().upper()
+    return next((level for level, names in enumerate(_ONEDNN_ISA_LEVELS) if name in names), None)
+
+
+def _onednn_isa_allows(needed: str) -> bool:
+    """Whether oneDNN may use the `needed` level: its cap (ONEDNN_MAX_CPU_ISA, or the older
+    DNNL_MAX_CPU_ISA) is unset, ALL/DEFAULT, a name this list lacks, or at least `needed`."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if cap is None or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    level = _onednn_isa_level(cap)
+    return level is None or level >= _onednn_isa_level(needed)
 
 
 def _cpu_has_any(*flags: str) -> bool:
@@ -111,8 +148,9 @@ def native_bf16_matmul(device: torch.device) -> bool:
 
 @functools.cache
 def cpu_has_native_fp16() -> bool:
-    """AVX512-FP16 or AMX-FP16 (x86): fp16 matmuls in hardware (most x86 CPUs have neither)."""
-    return _cpu_has_any("avx512_fp16", "amx_fp16")
+    """AVX512-FP16 or AMX-FP16 (x86): fp16 matmuls in hardware (most x86 CPUs have neither), where
+    `ONEDNN_MAX_CPU_ISA` lets oneDNN use them (AVX512_CORE_FP16 or above)."""
+    return _cpu_has_any("avx512_fp16", "amx_fp16") and _onednn_isa_allows("AVX512_CORE_FP16")
 
 
 def software_matmul_dtypes(device: torch.device) -> frozenset[torch.dtype]:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from farsight.errors import InputError
-from farsight.readers import read_text
+from farsight.readers import parse_json_object, read_text
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -19,16 +18,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
+            records.append(
+                parse_json_object(line, f"{path}:{number}", "is it a farsight metrics.jsonl? Delete the line to go on")
+            )
+        except InputError:
             if number == len(lines):
                 break
-            raise InputError(
-                f"{path} line {number} is not JSON ({exc}); is it a farsight metrics.jsonl? Delete the line to go on"
-            ) from exc
-        if not isinstance(record, dict):
-            raise InputError(
-                f"{path} line {number} is not a JSON object; is it a farsight metrics.jsonl? Delete the line to go on"
-            )
-        records.append(record)
+            raise
     return records

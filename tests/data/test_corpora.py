@@ -116,7 +116,10 @@ def test_jsonl_invalid_lines(tmp_path: Path) -> None:
     with pytest.raises(CorpusError, match=r"bad\.jsonl:2: invalid JSON"):
         list(JsonlSource(path))
     path.write_text('["a list"]\n', encoding="utf-8")
-    with pytest.raises(CorpusError, match=r"bad\.jsonl:1: expected a JSON object"):
+    with pytest.raises(
+        CorpusError,
+        match=r"bad\.jsonl:1: a JSON array where a JSON object belongs; every non-blank line must be one JSON object",
+    ):
         list(JsonlSource(path))
     path.write_text('{"text": 7}\n', encoding="utf-8")
     with pytest.raises(CorpusError, match=r"field 'text' must be a string"):

@@ -81,7 +81,7 @@ def test_segments_are_tokenized_apart_so_the_boundary_is_exact():
 
 BAD = [
     ("not json", "invalid JSON"),
-    ("[1, 2]", "expected a JSON object, got list"),
+    ("[1, 2]", "a JSON array where a JSON object belongs"),
     ({"text": "x"}, 'neither "prompt" and "completion" nor "messages" (its keys: text)'),
     ({"prompt": "x"}, 'has "prompt" but no "completion"'),
     ({"prompt": "x", "completion": 3}, '"completion" must be a string, got int'),

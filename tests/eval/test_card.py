@@ -248,7 +248,7 @@ def test_the_card_tabulates_lm_eval_results_of_this_model(project, tmp_path):
     with pytest.raises(InputError, match="--results names .*h-samples.jsonl twice"):
         model_card(ft, "my-drt", [answers, answers])
     answers.write_text('{"task": "t"}\n')
-    with pytest.raises(InputError, match="line 1 is not an item's record"):
+    with pytest.raises(InputError, match=r"h-samples\.jsonl:1: not an item's record"):
         model_card(ft, "my-drt", [answers])
     other = write(tmp_path / "o.json", lm_eval_results("runs/unrelated"))
     with pytest.raises(InputError, match="was measured on runs/unrelated, not on this model"):

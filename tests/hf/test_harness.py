@@ -325,9 +325,12 @@ def test_eval_harness_metadata_reaches_the_tasks_with_the_models_tokenizer(tiny_
     ]
     capsys.readouterr()
     assert main([*argv, "--metadata", "{max_seq_lengths: 4096}"]) == 2
-    assert "--metadata is not valid JSON" in capsys.readouterr().err
+    assert (
+        "--metadata: invalid JSON (Expecting property name enclosed in double quotes at column 2); pass an object"
+        in capsys.readouterr().err
+    )
     assert main([*argv, "--metadata", "[4096]"]) == 2
-    assert "--metadata must be a JSON object, got list" in capsys.readouterr().err
+    assert "--metadata: a JSON array where a JSON object belongs; pass an object" in capsys.readouterr().err
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_drt_dir))  # what RULER's generators do with it

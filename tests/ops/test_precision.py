@@ -129,3 +129,38 @@ def test_the_context_widens_only_what_the_cpu_lacks(monkeypatch):
     assert not isinstance(widened_matmuls(cpu, torch.float32, None), WidenedMatmuls)
     assert software_matmul_dtypes(torch.device("cuda", 0)) == frozenset()
     assert not isinstance(widened_matmuls(torch.device("cuda", 0), torch.bfloat16), WidenedMatmuls)
+
+
+@pytest.mark.parametrize(
+    ("cap", "bf16", "fp16"),
+    [
+        (None, True, True),
+        ("ALL", True, True),
+        ("avx2", False, False),
+        ("AVX512_CORE", False, False),
+        ("AVX512_CORE_BF16", True, False),
+        ("AVX10_1_512", True, True),
+        ("AVX512_CORE_AMX_FP16", True, True),
+    ],
+)
+def test_a_cpu_counts_the_instructions_onednn_may_use(monkeypatch, cap, bf16, fp16):
+    # ONEDNN_MAX_CPU_ISA caps the instructions oneDNN runs torch's bf16/fp16 products with: below
+    # AVX512_CORE_BF16 they are emulated, so a CPU that has the instructions counts as one without
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "avx512_fp16": True})
+    monkeypatch.setattr(ops_precision.platform, "machine", lambda: "x86_64")
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    ops_precision.cpu_has_native_bf16.cache_clear()
+    ops_precision.cpu_has_native_fp16.cache_clear()
+    try:
+        assert ops_precision.cpu_has_native_bf16() is bf16
+        assert ops_precision.cpu_has_native_fp16() is fp16
+        assert software_matmul_dtypes(torch.device("cpu")) == {
+            dtype for dtype, native in ((torch.bfloat16, bf16), (torch.float16, fp16)) if not native
+        }
+    finally:
+        ops_precision.cpu_has_native_bf16.cache_clear()
+        ops_precision.cpu_has_native_fp16.cache_clear()

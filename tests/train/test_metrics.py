@@ -15,8 +15,8 @@ def test_a_torn_last_line_is_skipped(tmp_path):
 @pytest.mark.parametrize(
     "text, problem",
     [
-        ('{"step": 1}\nnot json\n{"step": 2}\n', "line 2 is not JSON"),
-        ('[1, 2]\n{"step": 2}\n', "line 1 is not a JSON object"),
+        ('{"step": 1}\nnot json\n{"step": 2}\n', ":2: invalid JSON"),
+        ('[1, 2]\n{"step": 2}\n', ":1: a JSON array where a JSON object belongs"),
     ],
 )
 def test_a_bad_line_before_the_end_is_named(tmp_path, text, problem):
