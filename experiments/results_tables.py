@@ -999,6 +999,58 @@ def ruler_near() -> list[str]:
     return lines
 
 
+# (the NIAH wording, whether a fifth of the needles sit near, the seed, the steps, the prefix of its records)
+RULER_RECIPE_ROWS = (
+    ("varied", False, 0, 900, f"{RULER}/drt-x2"),
+    ("varied", True, 0, 900, f"{RULER_NEAR}/drt-x2"),
+    ("varied", True, 1, 900, f"{RULER_NEAR}/drt-x2-seed1-near"),
+    ("varied", True, 0, 2700, f"{RULER_NEAR}/drt-x2-long"),
+    ("varied", True, 1, 2700, f"{RULER_NEAR}/drt-x2-long-seed1"),
+    ("composed", True, 0, 900, f"{RULER_NEAR}/drt-x2-composed"),
+    ("composed", True, 1, 900, f"{RULER_NEAR}/drt-x2-composed-seed1"),
+)
+RULER_RECIPE_LM_EVAL = (4096, 16384, 65536, 131072)
+RULER_RECIPE_PASSKEY = (65536, 262144, 1048576)
+RULER_RECIPE_RUNS = "drt-x2,drt-x2-seed1-near,drt-x2-long,drt-x2-long-seed1,drt-x2-composed,drt-x2-composed-seed1"
+
+
+@table(
+    "ruler-recipes",
+    "results/ruler/drt-x2-{inspan-passkey,passkey}.json, "
+    "results/ruler/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-{{inspan-passkey,passkey}}.json, "
+    f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-lm-eval-{{4096,16384,65536,131072}}{{.json,-samples.jsonl}}",
+)
+def ruler_recipes() -> list[str]:
+    lines = header(
+        "NIAH wording",
+        "a fifth near",
+        "seed",
+        "steps",
+        "in-span passkey 1K / 4K",
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_RECIPE_LM_EVAL),
+        *(f"passkey {length_name(n)}" for n in RULER_RECIPE_PASSKEY),
+    )
+    for wording, near_share, seed, steps, prefix in RULER_RECIPE_ROWS:
+        near = by_length(f"{prefix}-inspan-passkey.json")
+        passkey = by_length(f"{prefix}-passkey.json") if (ROOT / f"{prefix}-passkey.json").exists() else {}
+        lines.append(
+            row(
+                f"`{wording}`",
+                "yes" if near_share else "no",
+                str(seed),
+                str(steps),
+                " / ".join(rate_cell(near[n]) for n in (1024, 4096)),
+                *(
+                    lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run"
+                    for n in RULER_RECIPE_LM_EVAL
+                ),
+                *(rate_cell(passkey.get(n)) for n in RULER_RECIPE_PASSKEY),
+            )
+        )
+    return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # R6: efficiency (benchmarks/drt.py and benchmarks/castle.py records)
 

@@ -233,6 +233,41 @@ def test_varied_wording_draws_every_phrasing_and_keeps_the_task_exact(tokenizer,
     assert seen == set(range(len(phrasings)))
 
 
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+@pytest.mark.parametrize("name", ["niah_single_1", "niah_multikey_2", "niah_multivalue", "niah_multiquery"])
+def test_composed_wording_varies_every_part_keeps_the_task_exact_and_never_says_rulers_sentences(tokenizer, name):
+    from farsight.data.tasks.ruler import NIAH_NEEDLES
+
+    task = make_ruler_tasks([name], tokenizer, 16, haystack="noise", options={"wording": "composed"})[0]
+    questions, heads = set(), set()
+    for seed in range(24):
+        s = task.sample(1536, 0.5, rng(seed))
+        assert len(s.input_ids) == 1536 and s.info["phrasing"] is None
+        prompt = text(tokenizer, s.prompt)
+        assert tokenizer.encode(prompt) == s.prompt.tolist()
+        assert split_answer(text(tokenizer, s.answer)) == s.info["references"]
+        spans = [text(tokenizer, s.input_ids[a : a + n]) for a, n in s.evidence]
+        assert [span.strip() for span in spans] == s.info["references"]
+        # every needle, distractors of a needle haystack included, has the drawn head
+        head = s.info["needle"].split("{")[0]
+        needles = [text(tokenizer, s.input_ids[p : p + n]) for p, n in zip(s.needle_positions, s.needle_lengths)]
+        assert all(needle.startswith(head) and needle.endswith(".") for needle in needles)
+        heads.add(next(i for i, h in enumerate(NIAH_NEEDLES) if h.split("{")[0] in s.info["needle"]))
+        tail = prompt[-400:]  # the question and lead-in, after the haystack, keys written KEY
+        for key in s.info["keys"]:
+            tail = tail.replace(key, "KEY")
+        questions.add(tail[tail.index("\n") :])
+        # RULER's needle, question and lead-in (lm-eval's templates) never appear
+        assert "One of the special magic" not in prompt and "mentioned in the provided text" not in prompt
+        assert "Make sure to memorize it" not in prompt
+    assert len(questions) >= 16 and len(heads) >= 4
+
+
+def test_composed_wording_is_for_niah_tasks_only():
+    with pytest.raises(InputError, match="wording must be one of \\['ruler', 'varied'\\]"):
+        make_ruler_tasks(["vt"], BYTE, 1, haystack="noise", options={"wording": "composed"})
+
+
 def test_ruler_wording_is_the_default_and_draws_as_before():
     plain = make_ruler_tasks(["niah_single_1", "vt"], BYTE, 1, haystack="noise")
     ruler = make_ruler_tasks(["niah_single_1", "vt"], BYTE, 1, haystack="noise", options={"wording": "ruler"})

@@ -284,6 +284,7 @@ def _listing(items: list[str]) -> str:
 # snapped to text boundaries); the value comes last, so its tokens are the needle's tail.
 
 WORDINGS = ("ruler", "varied")
+NIAH_WORDINGS = (*WORDINGS, "composed")  # composed: NIAH only (below)
 
 # NIAH: (needle head before the value, intro, question for one value, question for several);
 # {kind}: "number", "word" or "uuid" (plural in a question for several), {key}: the asked key(s)
@@ -334,6 +335,76 @@ VT_PHRASINGS = (
 )
 
 
+# NIAH, wording="composed": every part drawn on its own per sample, so the prompts vary far more
+# than four phrasings: what the value is called (NIAH_NOUNS; "{kind}" is number/word/uuid), the
+# needle (NIAH_NEEDLES), the instruction (NIAH_INTROS, or none), the question for one value or for
+# several (NIAH_QUESTIONS), where it says the value is (NIAH_PLACES, drawn again for the lead-in),
+# the labels around question and answer (NIAH_LABELS) and the answer's lead-in (NIAH_LEADS), which
+# ends where the link " is"/" are" follows. The plural question also asks for a single value, as
+# RULER's own question does. None of RULER's sentences appears: its needle opens "One of the", its
+# question and lead-in say "mentioned in the provided text", which no part here does.
+NIAH_NOUNS = ("special magic {kind}", "secret {kind}", "hidden {kind}", "magic {kind}", "{kind}", "special {kind}")
+NIAH_NEEDLES = (
+    " The {noun} for {key} is:",
+    " The {noun} for {key} is",
+    " Remember this: the {noun} of {key} is",
+    " Note that {key} goes with the {noun}",
+    " For the record, the {noun} registered under {key} is",
+    " Here is the {noun} for {key}:",
+    " Keep in mind that the {noun} of {key} is",
+)
+NIAH_INTROS = (
+    "",
+    "Special magic {kinds} are hidden in the text below. Memorize them: you will be asked about them.\n",
+    "A few secret {kinds} are scattered through the following text.\n",
+    "Read the document below; some {kinds} in it are paired with names.\n",
+    "The text below hides some {kinds}. Remember them for the question at the end.\n",
+    "Below is a long text. Somewhere in it, names are given {kinds}.\n",
+)
+# (question for one value, question for several); {nouns}: the noun's plural
+NIAH_QUESTIONS = (
+    ("What is the {noun} for {key}{place}?", "What are the {nouns} for {key}{place}?"),
+    ("Which {noun} belongs to {key}{place}?", "Which {nouns} belong to {key}{place}?"),
+    ("Tell me the {noun} of {key}{place}.", "Tell me every {noun} of {key}{place}."),
+    ("Find the {noun} for {key}{place}.", "Find all the {nouns} for {key}{place}."),
+    ("What are all the {nouns} for {key}{place}?", "What are all the {nouns} for {key}{place}?"),
+    ("Look up the {noun} registered under {key}{place}.", "Look up the {nouns} registered under {key}{place}."),
+)
+NIAH_PLACES = (
+    "",
+    " in the text",
+    " in the text above",
+    " in the document",
+    " given above",
+    " from the passage",
+    " stated in the context",
+    " written earlier",
+)
+NIAH_LABELS = (("\n", " "), ("\nQuestion: ", " Answer: "), ("\nQ: ", " A: "), ("\n", "\n"))
+# (lead-in for one value, for several)
+NIAH_LEADS = (
+    ("The {noun} for {key}{place}", "The {nouns} for {key}{place}"),
+    ("The {noun} of {key}{place}", "The {nouns} of {key}{place}"),
+    ("The {noun} that goes with {key}", "The {nouns} that go with {key}"),
+)
+
+
+def _composed_niah(rng: np.random.Generator, kind: str, plural: bool) -> tuple[str, str, str]:
+    """(needle head with {key}, instruction, question and lead-in with {key}) of one composed draw."""
+    noun = NIAH_NOUNS[int(rng.integers(len(NIAH_NOUNS)))].format(kind=kind)
+    nouns = noun + "s"
+    needle = NIAH_NEEDLES[int(rng.integers(len(NIAH_NEEDLES)))].format(noun=noun, key="{key}")
+    intro = NIAH_INTROS[int(rng.integers(len(NIAH_INTROS)))].format(kinds=kind + "s")
+    places = rng.integers(len(NIAH_PLACES), size=2)
+    question = NIAH_QUESTIONS[int(rng.integers(len(NIAH_QUESTIONS)))][plural]
+    before, after = NIAH_LABELS[int(rng.integers(len(NIAH_LABELS)))]
+    lead = NIAH_LEADS[int(rng.integers(len(NIAH_LEADS)))][plural]
+    fill = {"noun": noun, "nouns": nouns, "key": "{key}"}
+    asked = before + question.format(place=NIAH_PLACES[places[0]], **fill)
+    asked += after + lead.format(place=NIAH_PLACES[places[1]], **fill)
+    return needle, intro, asked
+
+
 def _phrasing(rng: np.random.Generator, wording: str, phrasings: tuple) -> int:
     """The phrasing of one draw: the first (RULER's) for wording="ruler", else a random one."""
     return 0 if wording == "ruler" else int(rng.integers(len(phrasings)))
@@ -379,13 +450,13 @@ class NIAHTask(RulerTask):
         self.key_kind = _choice(self.name, "key_kind", key_kind, VALUE_KINDS)
         self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
         self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
-        self.wording = _choice(self.name, "wording", wording, WORDINGS)
+        self.wording = _choice(self.name, "wording", wording, NIAH_WORDINGS)
 
-    def _needle(self, key: str, value: str, phrasing: int = 0) -> tuple[np.ndarray, int, int]:
-        """A needle's ids in phrasing `phrasing` of NIAH_PHRASINGS, and the offset and length of its value."""
-        head = self._ids(NIAH_PHRASINGS[phrasing][0].format(kind=NOUN[self.value_kind], key=key))
+    def _needle(self, key: str, value: str, head: str) -> tuple[np.ndarray, int, int]:
+        """A needle's ids with the head `head` ({key} left to fill), and the offset and length of its value."""
+        head_ids = self._ids(head.format(key=key))
         value_ids = self._ids(" " + value)
-        return np.concatenate([head, value_ids, self.encode(".")]), len(head), len(value_ids)
+        return np.concatenate([head_ids, value_ids, self.encode(".")]), len(head_ids), len(value_ids)
 
     def draw(self, rng: np.random.Generator) -> RulerDraw:
         make_key, key_space = MAKERS[self.key_kind]
@@ -397,25 +468,34 @@ class NIAHTask(RulerTask):
         keys = _distinct(rng, self.keys, make_key, used[self.key_kind], key_space, "keys")
         values = [_distinct(rng, self.values, make_value, used[self.value_kind], value_space, "values") for _ in keys]
         asked = list(range(self.queries))  # keys are random, so the first ones are a random choice
-        phrasing = _phrasing(rng, self.wording, NIAH_PHRASINGS)
-        needle_text, intro_text, single, plural_question = NIAH_PHRASINGS[phrasing]
+        kind = NOUN[self.value_kind]
+        several = self.values > 1 or self.queries > 1
+        if self.wording == "composed":
+            phrasing = None
+            head, intro_text, question_text = _composed_niah(rng, kind, several)
+        else:
+            phrasing = _phrasing(rng, self.wording, NIAH_PHRASINGS)
+            head_text, intro_text, single, plural_question = NIAH_PHRASINGS[phrasing]
+            head = head_text.format(kind=kind, key="{key}")
+            intro_text = intro_text.format(kind=kind)
+            question_text = (plural_question if several else single).format(
+                kind=kind + "s" if several else kind, key="{key}"
+            )
         needles, evidence, references = [], [], []
         order = [(k, v) for k in asked for v in range(self.values)]
         order += [(k, v) for k in range(self.queries, self.keys) for v in range(self.values)]
         for k, v in order:
-            ids, offset, n = self._needle(keys[k], values[k][v], phrasing)
+            ids, offset, n = self._needle(keys[k], values[k][v], head)
             if k < self.queries:
                 evidence.append((len(needles), offset, n))
                 references.append(values[k][v])
             needles.append(ids)
-        kind = NOUN[self.value_kind]
-        plural = kind + "s" if self.values > 1 or self.queries > 1 else kind
         asked_keys = _listing([keys[k] for k in asked])
-        intro = self.encode(intro_text.format(kind=kind))
-        question = (single if plural == kind else plural_question).format(kind=plural, key=asked_keys)
-        link = self.encode(" is" if plural == kind else " are")
+        intro = self.encode(intro_text)
+        question = question_text.format(key=asked_keys)
+        link = self.encode(" are" if several else " is")
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
-        info = {"keys": [keys[k] for k in asked], "values": references, "phrasing": phrasing}
+        info = {"keys": [keys[k] for k in asked], "values": references, "phrasing": phrasing, "needle": head}
         return RulerDraw(intro, needles, self._ids(question), link, answer, references, evidence, info, used)
 
     def haystack(self, n: int, draw: RulerDraw, rng: np.random.Generator) -> np.ndarray:
@@ -431,7 +511,7 @@ class NIAHTask(RulerTask):
             keys = _distinct(rng, count, make_key, draw.used[self.key_kind], key_space, "keys")
             values = _distinct(rng, count, make_value, draw.used[self.value_kind], value_space, "values")
             for key, value in zip(keys, values):
-                line = self._needle(key, value, draw.info["phrasing"])[0]
+                line = self._needle(key, value, draw.info["needle"])[0]
                 if used + len(line) > n:
                     return self.list_context(lines, n, rng)
                 lines.append(line)
