@@ -1008,10 +1008,13 @@ RULER_RECIPE_ROWS = (
     ("varied", True, 1, 2700, f"{RULER_NEAR}/drt-x2-long-seed1"),
     ("composed", True, 0, 900, f"{RULER_NEAR}/drt-x2-composed"),
     ("composed", True, 1, 900, f"{RULER_NEAR}/drt-x2-composed-seed1"),
+    ("composed", True, 2, 900, f"{RULER_NEAR}/drt-x2-composed-seed2"),
 )
 RULER_RECIPE_LM_EVAL = (4096, 16384, 65536, 131072)
 RULER_RECIPE_PASSKEY = (65536, 262144, 1048576)
-RULER_RECIPE_RUNS = "drt-x2,drt-x2-seed1-near,drt-x2-long,drt-x2-long-seed1,drt-x2-composed,drt-x2-composed-seed1"
+RULER_RECIPE_RUNS = (
+    "drt-x2,drt-x2-seed1-near,drt-x2-long,drt-x2-long-seed1,drt-x2-composed,drt-x2-composed-seed1,drt-x2-composed-seed2"
+)
 
 
 @table(

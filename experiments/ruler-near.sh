@@ -4,13 +4,13 @@
 # twentieth of the needles right before their question (configs/lm/ruler/near/: drt-x2, baselm-2l
 # and their -share05 twins), and for drt-x2 both with another seed (drt-x2-seed1: the mix alone,
 # drt-x2-seed1-near: a fifth near), a fifth near trained three times as long with both seeds
-# (drt-x2-long, drt-x2-long-seed1), and a fifth near in the composed NIAH wording with both seeds
-# (drt-x2-composed, drt-x2-composed-seed1); each run then takes R1's in-span passkey check (the passkey
-# about 45 tokens before the answer, inside every window) and lm-eval's niah_single_1 at 4K and
-# 16K; baselm-2l's passkey stage takes the in-span check too. The drt-x2 runs with a fifth near
-# also answer niah_single_1 at 64K and 128K and the passkey from 1K to 1M, as `make ruler`'s do.
-# `make ruler` checks its own runs the same way. Finished runs and result files are reused. Run
-# from the repository root.
+# (drt-x2-long, drt-x2-long-seed1), and a fifth near in the composed NIAH wording with three
+# seeds (drt-x2-composed, drt-x2-composed-seed1, drt-x2-composed-seed2); each run then takes R1's
+# in-span passkey check (the passkey about 45 tokens before the answer, inside every window) and
+# lm-eval's niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too.
+# The drt-x2 runs with a fifth near also answer niah_single_1 at 64K and 128K and the passkey from
+# 1K to 1M, as `make ruler`'s do. `make ruler` checks its own runs the same way. Finished runs and
+# result files are reused. Run from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-near
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 bash experiments/lm-data.sh
 INSPAN=(--lengths 1k,4k --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2)
 for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1 drt-x2-seed1-near drt-x2-long \
-    drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1; do
+    drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1 drt-x2-composed-seed2; do
     $F train "configs/lm/ruler/near/$model.yaml" --no-progress
     [ -f "$OUT/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" "${INSPAN[@]}" \
         --out "$OUT/$model-inspan-passkey.json"
@@ -30,7 +30,8 @@ for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1 drt-
 done
 [ -f "$OUT/stage1-baselm-2l-inspan-passkey.json" ] || $F eval passkey --model runs/lm/ruler/stage1-baselm-2l \
     "${INSPAN[@]}" --out "$OUT/stage1-baselm-2l-inspan-passkey.json"
-for model in drt-x2 drt-x2-seed1-near drt-x2-long drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1; do
+for model in drt-x2 drt-x2-seed1-near drt-x2-long drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1 \
+    drt-x2-composed-seed2; do
     for length in 65536 131072; do
         [ -f "$OUT/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/near/$model" \
             --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
