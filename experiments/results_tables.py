@@ -930,6 +930,14 @@ def ruler_lm_eval() -> list[str]:
     return lines
 
 
+def inspan_passkey_cell(prefix: str) -> str:
+    """R1's in-span passkey check of PREFIX-inspan-passkey.json: `1K / 4K` exact match, or `not run`."""
+    if not (ROOT / f"{prefix}-inspan-passkey.json").exists():
+        return "not run"
+    near = by_length(f"{prefix}-inspan-passkey.json")
+    return " / ".join(rate_cell(near[n]) for n in (1024, 4096))
+
+
 @table("ruler-passkey", "results/ruler/{drt-x2,drt-x1,baselm-2l}-{inspan-passkey,inspan,passkey}.json")
 def ruler_passkey() -> list[str]:
     done = [model for model in RULER_MODELS if (ROOT / f"{RULER}/{model}-passkey.json").exists()]
@@ -941,8 +949,6 @@ def ruler_passkey() -> list[str]:
         *(f"passkey {length_name(n)}" for n in lengths),
     )
     for model in done:
-        passkey = ROOT / f"{RULER}/{model}-inspan-passkey.json"
-        near = by_length(f"{RULER}/{model}-inspan-passkey.json") if passkey.exists() else {}
         inspan = ROOT / f"{RULER}/{model}-inspan.json"
         check = (
             rate_cell(record(f"{RULER}/{model}-inspan.json")["tasks"]["niah_single_1"]["by_length"]["4096"])
@@ -950,8 +956,9 @@ def ruler_passkey() -> list[str]:
             else "not run"
         )
         grid = by_length(f"{RULER}/{model}-passkey.json")
-        cells = " / ".join(rate_cell(near[n]) for n in (1024, 4096)) if near else "not run"
-        lines.append(row(code(model), cells, check, *(rate_cell(grid.get(n)) for n in lengths)))
+        lines.append(
+            row(code(model), inspan_passkey_cell(f"{RULER}/{model}"), check, *(rate_cell(grid.get(n)) for n in lengths))
+        )
     return lines
 
 
@@ -999,16 +1006,22 @@ def ruler_near() -> list[str]:
     return lines
 
 
-# (the NIAH wording, whether a fifth of the needles sit near, the seed, the steps, the prefix of its records)
+# (the prefix of a run's records, the run's copied config and metrics under results/runs/): the
+# wording, near-question share, seed and steps of each row are read from that config
 RULER_RECIPE_ROWS = (
-    ("varied", False, 0, 900, f"{RULER}/drt-x2"),
-    ("varied", True, 0, 900, f"{RULER_NEAR}/drt-x2"),
-    ("varied", True, 1, 900, f"{RULER_NEAR}/drt-x2-seed1-near"),
-    ("varied", True, 0, 2700, f"{RULER_NEAR}/drt-x2-long"),
-    ("varied", True, 1, 2700, f"{RULER_NEAR}/drt-x2-long-seed1"),
-    ("composed", True, 0, 900, f"{RULER_NEAR}/drt-x2-composed"),
-    ("composed", True, 1, 900, f"{RULER_NEAR}/drt-x2-composed-seed1"),
-    ("composed", True, 2, 900, f"{RULER_NEAR}/drt-x2-composed-seed2"),
+    (f"{RULER}/drt-x2", "lm/ruler/drt-x2"),
+    *(
+        (f"{RULER_NEAR}/{run}", f"lm/ruler/near/{run}")
+        for run in (
+            "drt-x2",
+            "drt-x2-seed1-near",
+            "drt-x2-long",
+            "drt-x2-long-seed1",
+            "drt-x2-composed",
+            "drt-x2-composed-seed1",
+            "drt-x2-composed-seed2",
+        )
+    ),
 )
 RULER_RECIPE_LM_EVAL = (4096, 16384, 65536, 131072)
 RULER_RECIPE_PASSKEY = (65536, 262144, 1048576)
@@ -1022,28 +1035,30 @@ RULER_RECIPE_RUNS = (
     "results/ruler/drt-x2-{inspan-passkey,passkey}.json, "
     "results/ruler/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
     f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-{{inspan-passkey,passkey}}.json, "
-    f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-lm-eval-{{4096,16384,65536,131072}}{{.json,-samples.jsonl}}",
+    f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-lm-eval-{{4096,16384,65536,131072}}{{.json,-samples.jsonl}}, "
+    f"results/runs/lm/ruler/drt-x2/config.yaml, results/runs/lm/ruler/near/{{{RULER_RECIPE_RUNS}}}/config.yaml",
 )
 def ruler_recipes() -> list[str]:
     lines = header(
         "NIAH wording",
-        "a fifth near",
+        "`near_question`",
         "seed",
         "steps",
         "in-span passkey 1K / 4K",
         *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_RECIPE_LM_EVAL),
         *(f"passkey {length_name(n)}" for n in RULER_RECIPE_PASSKEY),
     )
-    for wording, near_share, seed, steps, prefix in RULER_RECIPE_ROWS:
-        near = by_length(f"{prefix}-inspan-passkey.json")
+    for prefix, run in RULER_RECIPE_ROWS:
+        config = yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
+        data, train = config["data"], config["train"]
         passkey = by_length(f"{prefix}-passkey.json") if (ROOT / f"{prefix}-passkey.json").exists() else {}
         lines.append(
             row(
-                f"`{wording}`",
-                "yes" if near_share else "no",
-                str(seed),
-                str(steps),
-                " / ".join(rate_cell(near[n]) for n in (1024, 4096)),
+                code(data["task_options"]["niah_single_1"]["wording"]),
+                str(data.get("near_question", 0)),
+                str(train["seed"]),
+                str(train["steps"]),
+                inspan_passkey_cell(prefix),
                 *(
                     lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run"
                     for n in RULER_RECIPE_LM_EVAL
