@@ -63,6 +63,18 @@ def add_memory_argument(parser: argparse.ArgumentParser) -> None:
     kv_dtype.choices = _LazyChoices("KV_DTYPES")
 
 
+def add_retrieval_top_k_argument(parser: argparse.ArgumentParser) -> None:
+    """--retrieval-top-k: the past chunks a DRT reads per query chunk (`set_retrieval_top_k`)."""
+    parser.add_argument(
+        "--retrieval-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="a DRT reads the K best past chunks per chunk instead of the top_k it was trained with "
+        "(recorded in --out); fewer can read a single needle more exactly",
+    )
+
+
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """--dtype: the dtype the model is cast to for evaluation (farsight.models.MODEL_DTYPES)."""
     dtype = parser.add_argument(
@@ -212,6 +224,7 @@ EVALUATION_ONLY = {
     "--memory": "device",
     "--kv-dtype": None,
     "--dtype": "fp32",
+    "--retrieval-top-k": None,
     "--batch-size": 1,
 }
 
@@ -329,11 +342,12 @@ def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
     return data
 
 
-def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
-    """The model (in eval mode, cast to `dtype`) and the tokenizer of the model or run directory `path`."""
+def load_model_and_tokenizer(path: str, dtype: str = "fp32", retrieval_top_k: int | None = None) -> tuple[Any, Any]:
+    """The model (in eval mode, cast to `dtype`, reading `retrieval_top_k` chunks when given) and
+    the tokenizer of the model or run directory `path`."""
     import torch
 
-    from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir
+    from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir, set_retrieval_top_k
     from farsight.models.registry import load_model_tokenizer
     from farsight.train.precision import software_dtype_reason
 
@@ -344,17 +358,23 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32") -> tuple[Any, Any]:
         )
     directory = resolve_model_dir(path)
     model = load_model(directory)
+    if retrieval_top_k is not None:
+        set_retrieval_top_k(model, retrieval_top_k)
     tokenizer = load_model_tokenizer(directory, model.config.vocab_size)
     return model.to(MODEL_DTYPES[dtype]).eval(), tokenizer
 
 
-def measured_on(path: str) -> dict[str, str | None]:
-    """What a results file records of the model it measured: the path given, and the SHA-256 of the
+def measured_on(path: str, retrieval_top_k: int | None = None) -> dict[str, Any]:
+    """What a results file records of the model it measured: the path given, the SHA-256 of the
     trained weights behind it (`farsight.models.io.trained_weights`), by which a model card knows
-    a result measured on one export of a checkpoint holds for another."""
+    a result measured on one export of a checkpoint holds for another, and the chunks a DRT read
+    per query chunk when that was not its own top_k (`--retrieval-top-k`)."""
     from farsight.models.io import trained_weights
 
-    return {"model": str(path), "trained_weights": trained_weights(path)}
+    measured: dict[str, Any] = {"model": str(path), "trained_weights": trained_weights(path)}
+    if retrieval_top_k is not None:
+        measured["retrieval_top_k"] = retrieval_top_k
+    return measured
 
 
 def parse_task_options(items: list[str]) -> dict[str, object]:

@@ -14,6 +14,7 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
+    add_retrieval_top_k_argument,
     check_at_least,
     check_memory_for,
     check_memory_tier,
@@ -113,6 +114,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     add_memory_argument(generate)
     add_dtype_argument(generate)
+    add_retrieval_top_k_argument(generate)
     add_json_output_argument(generate)
     generate.add_argument(
         "--show", type=int, default=3, help="print the first N answers beside their references (default 3)"
@@ -209,6 +211,7 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
     add_dtype_argument(needle)
+    add_retrieval_top_k_argument(needle)
     needle.add_argument("--seed", type=int, default=0)
     needle.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
     add_json_output_argument(needle)
@@ -257,8 +260,10 @@ def _needle(args: argparse.Namespace) -> int:
     options = parse_task_options(args.task_option)
     if args.export_choice:
         return _export_choice(args, lengths, depths, trials, options)
-    measured = measured_on(args.model)  # the weights loaded now, whatever the run saves while this runs
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+    measured = measured_on(
+        args.model, args.retrieval_top_k
+    )  # the weights loaded now, whatever the run saves while this runs
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
     task = make_task(args.task, tokenizer, filler, align, **options)
@@ -436,8 +441,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise InputError(
             f"{args.data} holds no usable example; pass a JSONL file of prompt/completion or messages records"
         )
-    measured = measured_on(args.model)  # the weights loaded now
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+    measured = measured_on(args.model, args.retrieval_top_k)  # the weights loaded now
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     summary = evaluate_answers(
         model,
         tokenizer,

@@ -9,6 +9,7 @@ from farsight.cli.arguments import (
     add_json_output_argument,
     add_memory_argument,
     add_model_argument,
+    add_retrieval_top_k_argument,
     check_at_least,
     check_memory_tier,
     check_output_file,
@@ -56,6 +57,7 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
     )
     add_memory_argument(harness)
     add_dtype_argument(harness)
+    add_retrieval_top_k_argument(harness)
     harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
     add_json_output_argument(harness)
     harness.add_argument(
@@ -96,7 +98,9 @@ def _harness(args: argparse.Namespace) -> int:
     from farsight.hf.harness import evaluate, sample_records  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    measured = measured_on(args.model)  # the weights loaded now; --out and --samples record the same
+    measured = measured_on(
+        args.model, args.retrieval_top_k
+    )  # the weights loaded now; --out and --samples record the same
     results = evaluate(
         args.model,
         tasks,
@@ -110,6 +114,7 @@ def _harness(args: argparse.Namespace) -> int:
         align_context=args.align_context,
         metadata=metadata,
         log_samples=args.samples is not None,
+        retrieval_top_k=args.retrieval_top_k,
     )
     samples = results.pop("samples", None)
     print(make_table(results))

@@ -15,6 +15,7 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
+    add_retrieval_top_k_argument,
     check_at_least,
     check_memory_for,
     check_output_file,
@@ -67,6 +68,7 @@ def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
     ruler.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(ruler)
     add_dtype_argument(ruler)
+    add_retrieval_top_k_argument(ruler)
     ruler.add_argument("--seed", type=int, default=0)
     ruler.add_argument(
         "--task-option",
@@ -119,8 +121,10 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.ruler import average_table, evaluate_ruler, ruler_table
 
-    measured = measured_on(args.model)  # the weights loaded now, whatever the run saves while this runs
-    model, _ = load_model_and_tokenizer(args.model, args.dtype)
+    measured = measured_on(
+        args.model, args.retrieval_top_k
+    )  # the weights loaded now, whatever the run saves while this runs
+    model, _ = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     results = evaluate_ruler(
         model,
         tasks,

@@ -230,6 +230,13 @@ def answers_section(path: Path, names: ModelNames) -> list[str]:
     return [head, "", format_table(rows, ["task", "length", "target", "answer", "scores"], markdown=True), ""]
 
 
+def _retrieval_note(results: dict[str, Any]) -> str:
+    """How many chunks the model read per query chunk, where the results were measured with
+    another number than its config's (`--retrieval-top-k`); else nothing."""
+    top_k = results.get("retrieval_top_k")
+    return f", reading the {top_k} best past chunks per chunk (`--retrieval-top-k {top_k}`)" if top_k else ""
+
+
 def results_section(path: str | Path, names: ModelNames) -> list[str]:
     """Markdown for a results file: a needle summary (`farsight eval passkey ... --out`) or an
     lm-eval results file (`farsight eval harness ... --out`) measured on one of `names` (resolved
@@ -245,6 +252,7 @@ def results_section(path: str | Path, names: ModelNames) -> list[str]:
         head = (
             f"**lm-eval {results['lm_eval_version']}** (`{path.name}`): run through `farsight eval harness`"
             + (f" in {results['dtype']}" if results.get("dtype") else "")
+            + _retrieval_note(results)
             + "; RULER's metric is the item's length in tokens."
         )
         return [
@@ -270,7 +278,7 @@ def results_section(path: str | Path, names: ModelNames) -> list[str]:
         at = f", needle at depth {', '.join(f'{d:g}' for d in depths)}" if depths else ""
         head = (
             f"**{results.get('task', 'needle task')}** (`{path.name}`): haystacks of {haystack}{at}, {where}, "
-            f"run in {results.get('dtype')}."
+            f"run in {results.get('dtype')}{_retrieval_note(results)}."
         )
         return [head, "", results_table(results, markdown=True), ""]
     if isinstance(results.get("results"), dict) and all(_is_ppl_entry(e) for e in results["results"].values()):

@@ -35,7 +35,15 @@ from lm_eval.api.model import TemplateLM
 from farsight.data.corpora import unreachable_hub_errors
 from farsight.errors import InputError, MissingFileError
 from farsight.hf.configuration import resolve_dtype
-from farsight.models import KV_DTYPES, MEMORY_TIERS, ContinuationScore, load_model, resolve_model_dir, sample_next_token
+from farsight.models import (
+    KV_DTYPES,
+    MEMORY_TIERS,
+    ContinuationScore,
+    load_model,
+    resolve_model_dir,
+    sample_next_token,
+    set_retrieval_top_k,
+)
 from farsight.models.registry import load_model_tokenizer
 from farsight.ops.precision import widened_matmuls
 from farsight.progress import progress_bar
@@ -50,7 +58,8 @@ class FarsightLM(TemplateLM):
     stored K/V dtype; dtype: "fp32" (default), "bf16", "fp16"; batch_size: rows per session;
     device: where the model runs (default: cuda if available, else cpu); align_context: score a
     DRT's log-likelihoods with each context aligned to end on a chunk boundary (default false:
-    the stream from the context's first token, as `forward` computes it).
+    the stream from the context's first token, as `forward` computes it); retrieval_top_k: the
+    past chunks a DRT reads per chunk, instead of its own top_k (`set_retrieval_top_k`).
     """
 
     def __init__(
@@ -63,6 +72,7 @@ class FarsightLM(TemplateLM):
         device: str | None = None,
         max_batch_size: int | None = None,
         align_context: bool | str = False,
+        retrieval_top_k: int | str | None = None,
     ) -> None:
         super().__init__()
         if memory not in MEMORY_TIERS:
@@ -80,6 +90,8 @@ class FarsightLM(TemplateLM):
         torch_dtype = resolve_dtype(dtype)
         if torch_dtype is not None and torch_dtype != next(self.model.parameters()).dtype:
             self.model.to(torch_dtype)
+        if retrieval_top_k is not None:
+            set_retrieval_top_k(self.model, _whole_number(retrieval_top_k))
         self.tokenizer = load_model_tokenizer(directory, self.model.config.vocab_size)
         self.pretrained = str(directory)
         self.session_options = {"memory": memory, "kv_dtype": kv_dtype}
@@ -249,6 +261,12 @@ def _flag(value: bool | str, name: str) -> bool:
     if str(value).lower() in ("false", "0", "no"):
         return False
     raise InputError(f"{name}={value!r} must be true or false")
+
+
+def _whole_number(value: int | str) -> int | str:
+    """A whole-number model argument, as Python or as lm-eval's model_args string gives it ("2");
+    anything else is returned as it is, for the consumer's own error."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 def _totals(score: ContinuationScore) -> list[tuple[float, bool]]:
@@ -442,6 +460,7 @@ def evaluate(
     log_samples: bool = False,
     align_context: bool = False,
     metadata: dict[str, Any] | None = None,
+    retrieval_top_k: int | None = None,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of the farsight model directory `pretrained` on `tasks`; returns
     lm-eval's results dict (print it with lm_eval.utils.make_table).
@@ -472,6 +491,7 @@ def evaluate(
         batch_size=batch_size,
         device=device,
         align_context=align_context,
+        retrieval_top_k=retrieval_top_k,
     )
     try:
         return lm_eval.simple_evaluate(

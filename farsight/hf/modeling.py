@@ -22,7 +22,15 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPas
 from farsight.data.tokenizers import TOKENIZER_FILENAME, Tokenizer
 from farsight.errors import ConfigError, InputError, ModelFileError
 from farsight.hf.configuration import FarsightConfig, FarsightDRTConfig, FarsightTransformerConfig, resolve_dtype
-from farsight.models import PretrainedLM, build_model, causal_lm_loss, generate, load_model, resolve_model_dir
+from farsight.models import (
+    PretrainedLM,
+    build_model,
+    causal_lm_loss,
+    generate,
+    load_model,
+    resolve_model_dir,
+    set_retrieval_top_k,
+)
 from farsight.models.io import stored_dtype
 from farsight.models.lm import checked_labels
 from farsight.models.registry import load_model_tokenizer
@@ -233,13 +241,15 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
     ) -> FarsightForCausalLM:
         """Load a farsight model directory (or a training run's newest checkpoint) with farsight's
-        loader. Options: `memory`, `kv_dtype` (DRT sessions), `dtype`/`torch_dtype` ("fp32",
+        loader. Options: `memory`, `kv_dtype` (DRT sessions), `retrieval_top_k` (the past chunks a
+        DRT reads per chunk instead of its own top_k), `dtype`/`torch_dtype` ("fp32",
         "bf16", torch.bfloat16, ...; "auto": the dtype config.json records, else the stored
         weights'; unset: fp32), `device_map` (one device, e.g. "cuda")."""
         if args:
             raise InputError("from_pretrained takes the model directory and keyword options only; pass options by name")
         for name in _HUB_KWARGS:
             kwargs.pop(name, None)
+        retrieval_top_k = kwargs.pop("retrieval_top_k", None)
         config = kwargs.pop("config", None)
         requested = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
@@ -267,6 +277,9 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         if requested == "auto":
             dtype = _auto_dtype(config, path)
         model = load_model(path)
+        if retrieval_top_k is not None:
+            set_retrieval_top_k(model, retrieval_top_k)
+            config.config = {**config.config, "top_k": model.config.top_k}
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model.to(dtype)
         config.dtype = next(model.parameters()).dtype

@@ -29,7 +29,9 @@ paper's model built from it.
 
 from __future__ import annotations
 
+import logging
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from farsight.config import ConfigError, require
+from farsight.errors import InputError
 from farsight.layers import BidirectionalAttention, GroupedCrossAttention, RMSNorm, TransformerBlock, padding_mask
 from farsight.models.chunk_memory import ChunkMemory
 from farsight.models.drt_session import DRTSession
@@ -47,6 +50,8 @@ from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input,
 from farsight.models.session import check_left_padding
 from farsight.ops.documents import document_positions, document_starts
 from farsight.ops.retrieval import retrieval_scores, retrieval_topk
+
+logger = logging.getLogger(__name__)
 
 RETRIEVERS = ("learned", "random", "none")
 
@@ -87,6 +92,29 @@ def check_retrieval_config(config: Any) -> None:
             0 <= config.pad_id < config.vocab_size,
             f"pad_id={config.pad_id} is outside the vocabulary [0, {config.vocab_size})",
         )
+
+
+def set_retrieval_top_k(model: Any, top_k: int) -> int:
+    """Have a retrieval model (a `CausalRetrievalLM`, e.g. a DRT) read `top_k` past chunks per
+    query chunk from now on, instead of the K it was trained with; returns the K it had.
+
+    The retriever ranks every past chunk the same way whatever K is; K only says how many of
+    the best GCA reads and blends (the weights are a softmax over the K scores, docs/design.md §2.3-2.4). An
+    evaluation may therefore read fewer chunks than training did, where a blend of K chunks
+    misreads the one chunk that holds the answer. The new K is part of the model's config: a
+    model saved afterwards keeps it. InputError for a model without retrieval or a K that is not
+    a whole number >= 1."""
+    if not isinstance(model, CausalRetrievalLM):
+        kind = getattr(model, "model_type", type(model).__name__)
+        raise InputError(
+            f"retrieval top-k applies to models with causal retrieval (DRT); this is a {kind!r} model; drop the option"
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
+        raise InputError(f"retrieval top-k must be a whole number >= 1, got {top_k!r}")
+    trained, model.config.top_k = model.config.top_k, int(top_k)
+    if top_k != trained:
+        logger.info(f"retrieving {top_k} chunks per query chunk (the model's config had {trained})")
+    return trained
 
 
 @dataclass
