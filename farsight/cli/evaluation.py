@@ -260,9 +260,8 @@ def _needle(args: argparse.Namespace) -> int:
     options = parse_task_options(args.task_option)
     if args.export_choice:
         return _export_choice(args, lengths, depths, trials, options)
-    measured = measured_on(
-        args.model, args.retrieval_top_k
-    )  # the weights loaded now, whatever the run saves while this runs
+    # the weights loaded now, whatever the run saves while this runs
+    measured = measured_on(args.model, args.retrieval_top_k)
     model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)

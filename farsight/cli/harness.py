@@ -98,9 +98,8 @@ def _harness(args: argparse.Namespace) -> int:
     from farsight.hf.harness import evaluate, sample_records  # MissingDependencyError without transformers
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    measured = measured_on(
-        args.model, args.retrieval_top_k
-    )  # the weights loaded now; --out and --samples record the same
+    # the weights loaded now; --out and --samples record the same
+    measured = measured_on(args.model, args.retrieval_top_k)
     results = evaluate(
         args.model,
         tasks,

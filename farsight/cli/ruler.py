@@ -121,9 +121,9 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.eval.efficiency import write_json
     from farsight.eval.ruler import average_table, evaluate_ruler, ruler_table
 
-    measured = measured_on(
-        args.model, args.retrieval_top_k
-    )  # the weights loaded now, whatever the run saves while this runs
+    # the weights loaded now, whatever the run saves while this runs
+
+    measured = measured_on(args.model, args.retrieval_top_k)
     model, _ = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     results = evaluate_ruler(
         model,
