@@ -25,9 +25,7 @@ SIZES = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
 def tiny_drt(top_k: int) -> DRTForCausalLM:
     torch.manual_seed(0)
-    config = DRTConfig(
-        **SIZES, chunk_size=8, window=16, top_k=top_k, encoder_layers=1, landmark_id=259, pad_id=256
-    )
+    config = DRTConfig(**SIZES, chunk_size=8, window=16, top_k=top_k, encoder_layers=1, landmark_id=259, pad_id=256)
     return DRTForCausalLM(config).eval()
 
 
