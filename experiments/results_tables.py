@@ -713,7 +713,7 @@ R7_GPU_LM_EVAL = (4096, 16384, 65536, 131072)
 )
 def r7_gpu_retrieval() -> list[str]:
     stages = (
-        ("passkey-drt-x2-no-stage1", "retrieval mix only (99.9M-token pre-training)"),
+        ("passkey-drt-x2-no-stage1", "retrieval mix only"),
         ("passkey-stage1-drt-x2", "passkey stage"),
         ("passkey-drt-x2", "passkey stage, then the retrieval mix"),
     )
@@ -734,7 +734,7 @@ def ruler_label(task: str) -> str:
 
 R7_GPU_FINETUNES = {  # record name -> the fine-tune it scores
     "drt-x2": "`drt-x2`, passkey stage, then the mix",
-    "drt-x2-no-stage1": "`drt-x2`, the mix alone (99.9M-token pre-training)",
+    "drt-x2-no-stage1": "`drt-x2`, the mix alone",
     "baselm-2l": "`baselm-2l`, the mix alone",
 }
 
@@ -792,7 +792,7 @@ def r7_gpu_ppl() -> list[str]:
 
 
 R7_GPU_2HOP = (  # record -> the fine-tune it scores (both on the retrieval mix alone, same recipe)
-    ("niah2hop-drt-x2-no-stage1", "`drt-x2` (G=2; 99.9M-token pre-training)"),
+    ("niah2hop-drt-x2-no-stage1", "`drt-x2` (G=2)"),
     ("niah2hop-drt-x1", "`drt-x1` (G=1)"),
 )
 
