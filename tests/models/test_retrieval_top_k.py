@@ -56,6 +56,17 @@ def test_a_drt_set_to_k_chunks_computes_what_one_built_with_k_does(top_k):
         assert not torch.equal(out.logits, tiny_drt(3)(ids).logits)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+def test_k_set_in_bf16_or_under_autocast_computes_what_a_model_built_with_k_does(precision):
+    model, built = tiny_drt(3), tiny_drt(1)
+    if precision == "bf16":
+        model, built = model.to(torch.bfloat16), built.to(torch.bfloat16)
+    set_retrieval_top_k(model, 1)
+    ids = torch.randint(0, 256, (2, 75))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        torch.testing.assert_close(model(ids).logits, built(ids).logits, rtol=0, atol=0)
+
+
 def test_a_session_reads_the_new_number_of_chunks():
     model = tiny_drt(3)
     ids = torch.randint(0, 256, (1, 60))
