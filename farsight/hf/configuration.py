@@ -41,9 +41,16 @@ class FarsightConfig(PreTrainedConfig):
     kv_dtype: str | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
-        # farsight's dtype names ("bf16") next to HF's (torch.bfloat16, "bfloat16")
+        # farsight's dtype names ("bf16") next to HF's (torch.bfloat16, "bfloat16"); a name of no
+        # dtype at all is refused here, where transformers would fail on torch's missing attribute
         if isinstance(self.dtype, str) and self.dtype in MODEL_DTYPES:
             self.dtype = MODEL_DTYPES[self.dtype]
+        elif (
+            isinstance(self.dtype, str)
+            and self.dtype != "auto"
+            and not isinstance(getattr(torch, self.dtype, None), torch.dtype)
+        ):
+            resolve_dtype(self.dtype)
         kwargs.pop("model_type", None)  # the class's own; config.json repeats it
         super().__post_init__(**kwargs)
         if self.config is None:

@@ -476,13 +476,7 @@ def evaluate(
     directory = resolve_model_dir(pretrained)
     task_kwargs = {"pretrained": str(directory), **(metadata or {})}
     check_ruler_items_fit(tasks, task_kwargs)  # before lm-eval's task index, which takes seconds to build
-    manager = task_manager(tasks, include_path, task_kwargs)
-    unknown = [task for task in tasks if task not in manager.all_tasks]
-    if unknown:
-        where = f"in {include_path} or " if include_path else ""
-        raise InputError(
-            f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML"
-        )
+    # the model's options (memory, dtype, retrieval top-k, ...) are refused before that index, too
     model = FarsightLM(
         pretrained,
         memory=memory,
@@ -493,6 +487,13 @@ def evaluate(
         align_context=align_context,
         retrieval_top_k=retrieval_top_k,
     )
+    manager = task_manager(tasks, include_path, task_kwargs)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        where = f"in {include_path} or " if include_path else ""
+        raise InputError(
+            f"lm-eval knows no task {unknown}; check the names {where}among lm-eval's tasks, or pass --include-path with their YAML"
+        )
     try:
         return lm_eval.simple_evaluate(
             model=model,

@@ -250,6 +250,13 @@ def test_dtype_and_session_options(tiny_drt_dir):
         AutoModelForCausalLM.from_pretrained(tiny_drt_dir, flash=True)
 
 
+@pytest.mark.parametrize("option", ["dtype", "torch_dtype"])
+@pytest.mark.parametrize("name", ["bogus", "float64"])
+def test_a_dtype_farsight_does_not_run_in_is_refused_in_one_line(tiny_drt_dir, option, name):
+    with pytest.raises(ConfigError, match=f"dtype='{name}' is not one farsight runs in"):
+        AutoModelForCausalLM.from_pretrained(tiny_drt_dir, **{option: name})
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_inference_widens_the_products_this_cpu_lacks(native, tiny_drt_dir, monkeypatch, widened_ops):
     monkeypatch.setattr(farsight.ops.precision, "cpu_has_native_bf16", lambda: native)
