@@ -9,7 +9,8 @@
 # in-span passkey check (the passkey about 45 tokens before the answer, inside every window) and
 # lm-eval's niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too.
 # The drt-x2 runs with a fifth near also answer niah_single_1 at 64K and 128K and the passkey from
-# 1K to 1M, as `make ruler`'s do. `make ruler` checks its own runs the same way. Finished runs and
+# 1K to 1M, as `make ruler`'s do; the composed run with seed 2 is then read with fewer chunks per
+# chunk than it was trained with. `make ruler` checks its own runs the same way. Finished runs and
 # result files are reused. Run from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
@@ -40,4 +41,18 @@ for model in drt-x2 drt-x2-seed1-near drt-x2-long drt-x2-long-seed1 drt-x2-compo
     [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" \
         --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
         --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
+done
+# The composed run with seed 2 read with its 1, 2 or 4 (its own top_k) best past chunks per chunk
+# (--retrieval-top-k): the passkey from 64K to 1M with 12 trials a length, and lm-eval's
+# niah_single_1 from 4K to 128K; fp32, the fast mode of a CPU without bf16 instructions.
+for k in 1 2 4; do
+    prefix="$OUT/drt-x2-composed-seed2-top$k"
+    [ -f "$prefix-passkey.json" ] || $F eval passkey --model runs/lm/ruler/near/drt-x2-composed-seed2 \
+        --retrieval-top-k $k --lengths 64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 4 \
+        --corpus data/lm-byte --dtype fp32 --out "$prefix-passkey.json"
+    for length in 4096 16384 65536 131072; do
+        [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model runs/lm/ruler/near/drt-x2-composed-seed2 \
+            --retrieval-top-k $k --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 \
+            --dtype fp32 --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
+    done
 done
