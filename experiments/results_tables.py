@@ -1082,52 +1082,58 @@ def ruler_recipes() -> list[str]:
 
 
 # The composed run with seed 2 retrained, then read with 1, 2 or its own 4 chunks per chunk
-# (`--retrieval-top-k`): PREFIX-top{K}-passkey.json and PREFIX-top{K}-lm-eval-LENGTH.json
+# (`--retrieval-top-k`: PREFIX-top{K}-...), and the same recipe trained reading 2
+# (PREFIX-train-top2-..., read as trained): (chunks read in training, chunks read, records' prefix,
+# the --retrieval-top-k its records name)
 RULER_TOP_K = f"{RULER_NEAR}/drt-x2-composed-seed2"
-RULER_TOP_K_VALUES = (1, 2, 4)
+RULER_TOP_K_ROWS = (
+    (4, 1, f"{RULER_TOP_K}-top1", 1),
+    (4, 2, f"{RULER_TOP_K}-top2", 2),
+    (4, 4, f"{RULER_TOP_K}-top4", 4),
+    (2, 2, f"{RULER_TOP_K}-train-top2", None),
+)
 RULER_TOP_K_LM_EVAL = (4096, 16384, 65536, 131072)
 
 
-def ruler_top_k_records() -> dict[int, list[str]]:
-    """Each K's records, checked to measure one set of trained weights at the K they name."""
-    records = {
-        k: [
-            f"{RULER_TOP_K}-top{k}-passkey.json",
-            *(f"{RULER_TOP_K}-top{k}-lm-eval-{n}.json" for n in RULER_TOP_K_LM_EVAL),
-        ]
-        for k in RULER_TOP_K_VALUES
-    }
-    weights = {record(path)["trained_weights"] for paths in records.values() for path in paths}
-    if len(weights) != 1:
-        raise ValueError(f"the top-k records of {RULER_TOP_K} measure {len(weights)} sets of weights, not one")
-    for k, paths in records.items():
-        if any(record(path).get("retrieval_top_k") != k for path in paths):
-            raise ValueError(f"a record of {RULER_TOP_K}-top{k} was not measured with --retrieval-top-k {k}")
-    return records
+def ruler_top_k_records(prefix: str, retrieval_top_k: int | None) -> list[str]:
+    """The passkey and lm-eval records of one row, checked to name the --retrieval-top-k it read with."""
+    paths = [f"{prefix}-passkey.json", *(f"{prefix}-lm-eval-{n}.json" for n in RULER_TOP_K_LM_EVAL)]
+    if any(record(path).get("retrieval_top_k") != retrieval_top_k for path in paths):
+        raise ValueError(f"a record of {prefix} was not measured with --retrieval-top-k {retrieval_top_k}")
+    return paths
 
 
 @table(
     "ruler-top-k",
-    "results/ruler-near/drt-x2-composed-seed2-top{1,2,4}-passkey.json, "
-    "results/ruler-near/drt-x2-composed-seed2-top{1,2,4}-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}",
+    "results/ruler-near/drt-x2-composed-seed2-{top1,top2,top4,train-top2}-passkey.json, "
+    "results/ruler-near/drt-x2-composed-seed2-{top1,top2,top4,train-top2}-lm-eval-{4096,16384,65536,131072}"
+    "{.json,-samples.jsonl}",
 )
 def ruler_top_k() -> list[str]:
-    records = ruler_top_k_records()
-    lengths = sorted(by_length(records[RULER_TOP_K_VALUES[0]][0]))
+    rows = [(trained, read, ruler_top_k_records(prefix, k)) for trained, read, prefix, k in RULER_TOP_K_ROWS]
+    # the rows of one training measure one set of weights, and the two trainings two
+    weights: dict[int, set[str]] = {}
+    for trained, _, paths in rows:
+        weights.setdefault(trained, set()).update(record(path)["trained_weights"] for path in paths)
+    if any(len(shas) != 1 for shas in weights.values()) or len(set().union(*weights.values())) != len(weights):
+        raise ValueError(f"the ruler-top-k records do not measure one set of weights per training: {weights}")
+    lengths = sorted(by_length(rows[0][2][0]))
     lines = header(
-        "chunks read per chunk",
+        "chunks read in training",
+        "chunks read",
         *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_TOP_K_LM_EVAL),
         *(f"passkey {length_name(n)}" for n in lengths),
         f"passkey {length_name(lengths[0])}-{length_name(lengths[-1])}",
         "needle's chunk among those read",
     )
-    for k, (passkey, *lm_eval) in records.items():
+    for trained, read, (passkey, *lm_eval) in rows:
         grid = by_length(passkey)
         found = sum(round(e["needle_retrieved"] * e["trials"]) for e in grid.values())
         trials = sum(e["trials"] for e in grid.values())
         lines.append(
             row(
-                f"{k} (as trained)" if k == 4 else str(k),
+                str(trained),
+                str(read),
                 *(lm_eval_cell(path, "niah_single_1", n) for path, n in zip(lm_eval, RULER_TOP_K_LM_EVAL)),
                 *(rate_cell(grid[n]) for n in lengths),
                 total_cell(grid),

@@ -56,3 +56,15 @@ for k in 1 2 4; do
             --dtype fp32 --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
     done
 done
+# The same recipe reading 2 chunks per chunk while it learns the mix (from the same passkey stage),
+# measured as trained on the same grid.
+$F train configs/lm/ruler/near/drt-x2-composed-seed2-train-top2.yaml --no-progress
+prefix="$OUT/drt-x2-composed-seed2-train-top2"
+[ -f "$prefix-passkey.json" ] || $F eval passkey --model runs/lm/ruler/near/drt-x2-composed-seed2-train-top2 \
+    --lengths 64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 4 --corpus data/lm-byte --dtype fp32 \
+    --out "$prefix-passkey.json"
+for length in 4096 16384 65536 131072; do
+    [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model runs/lm/ruler/near/drt-x2-composed-seed2-train-top2 \
+        --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype fp32 \
+        --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
+done
