@@ -402,3 +402,15 @@ def test_more_few_shot_examples_than_a_task_holds_and_unreachable_data_are_one_l
     monkeypatch.setattr(lm_eval, "simple_evaluate", unreachable)
     assert main([*base, "--tasks", "farsight_passkey_mc"]) == 2
     assert "needs its data from the Hugging Face Hub, which cannot be reached" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [{"retrieval_top_k": 2}, {"dtype": "fp12"}, {"memory": "tape"}])
+def test_harness_refuses_a_bad_model_option_before_building_lm_evals_task_index(castle_dir, option, monkeypatch):
+    from farsight.hf import harness
+
+    def index_built(*args):
+        raise AssertionError("lm-eval's task index was built before the model's options were checked")
+
+    monkeypatch.setattr(harness, "task_manager", index_built)
+    with pytest.raises(farsight.errors.FarsightError):
+        harness.evaluate(str(castle_dir), ["niah_single_1"], **option)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from farsight.errors import FarsightError, InputError
+from farsight.errors import InputError
 
 
 def test_from_pretrained_reads_k_chunks_and_its_config_says_so(tiny_drt_dir):
@@ -49,16 +49,3 @@ def test_lm_evals_own_hf_model_passes_k_from_its_model_args(tiny_drt_dir):
 
     lm = HFLM.create_from_arg_string(f"pretrained={tiny_drt_dir},retrieval_top_k=1,device=cpu,dtype=float32")
     assert lm.model.model.config.top_k == 1
-
-
-@pytest.mark.parametrize("option", [{"retrieval_top_k": 2}, {"dtype": "fp12"}, {"memory": "tape"}])
-def test_harness_refuses_a_bad_model_option_before_building_lm_evals_task_index(castle_dir, option, monkeypatch):
-    pytest.importorskip("lm_eval")
-    from farsight.hf import harness
-
-    def index_built(*args):
-        raise AssertionError("lm-eval's task index was built before the model's options were checked")
-
-    monkeypatch.setattr(harness, "task_manager", index_built)
-    with pytest.raises(FarsightError):
-        harness.evaluate(str(castle_dir), ["niah_single_1"], **option)
