@@ -43,28 +43,22 @@ for model in drt-x2 drt-x2-seed1-near drt-x2-long drt-x2-long-seed1 drt-x2-compo
         --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
 done
 # The composed run with seed 2 read with its 1, 2 or 4 (its own top_k) best past chunks per chunk
-# (--retrieval-top-k): the passkey from 64K to 1M with 12 trials a length, and lm-eval's
+# (--retrieval-top-k), and the same recipe reading 2 while it learns the mix (from the same passkey
+# stage), read as trained: the passkey from 64K to 1M with 12 trials a length, and lm-eval's
 # niah_single_1 from 4K to 128K; fp32, the fast mode of a CPU without bf16 instructions.
-for k in 1 2 4; do
-    prefix="$OUT/drt-x2-composed-seed2-top$k"
-    [ -f "$prefix-passkey.json" ] || $F eval passkey --model runs/lm/ruler/near/drt-x2-composed-seed2 \
-        --retrieval-top-k $k --lengths 64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 4 \
-        --corpus data/lm-byte --dtype fp32 --out "$prefix-passkey.json"
+measure_top_k() {  # RUN PREFIX [--retrieval-top-k K]
+    local run=$1 prefix=$2
+    shift 2
+    [ -f "$prefix-passkey.json" ] || $F eval passkey --model "$run" "$@" --lengths 64k,256k,1m \
+        --depths 0.1,0.5,0.9 --trials 4 --long-trials 4 --corpus data/lm-byte --dtype fp32 --out "$prefix-passkey.json"
     for length in 4096 16384 65536 131072; do
-        [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model runs/lm/ruler/near/drt-x2-composed-seed2 \
-            --retrieval-top-k $k --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 \
-            --dtype fp32 --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
+        [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model "$run" "$@" --tasks niah_single_1 \
+            --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype fp32 \
+            --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
     done
+}
+for k in 1 2 4; do
+    measure_top_k runs/lm/ruler/near/drt-x2-composed-seed2 "$OUT/drt-x2-composed-seed2-top$k" --retrieval-top-k $k
 done
-# The same recipe reading 2 chunks per chunk while it learns the mix (from the same passkey stage),
-# measured as trained on the same grid.
 $F train configs/lm/ruler/near/drt-x2-composed-seed2-train-top2.yaml --no-progress
-prefix="$OUT/drt-x2-composed-seed2-train-top2"
-[ -f "$prefix-passkey.json" ] || $F eval passkey --model runs/lm/ruler/near/drt-x2-composed-seed2-train-top2 \
-    --lengths 64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 4 --corpus data/lm-byte --dtype fp32 \
-    --out "$prefix-passkey.json"
-for length in 4096 16384 65536 131072; do
-    [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model runs/lm/ruler/near/drt-x2-composed-seed2-train-top2 \
-        --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype fp32 \
-        --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
-done
+measure_top_k runs/lm/ruler/near/drt-x2-composed-seed2-train-top2 "$OUT/drt-x2-composed-seed2-train-top2"

@@ -122,7 +122,6 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.eval.ruler import average_table, evaluate_ruler, ruler_table
 
     # the weights loaded now, whatever the run saves while this runs
-
     measured = measured_on(args.model, args.retrieval_top_k)
     model, _ = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
     results = evaluate_ruler(

@@ -45,12 +45,8 @@ class FarsightConfig(PreTrainedConfig):
         # dtype at all is refused here, where transformers would fail on torch's missing attribute
         if isinstance(self.dtype, str) and self.dtype in MODEL_DTYPES:
             self.dtype = MODEL_DTYPES[self.dtype]
-        elif (
-            isinstance(self.dtype, str)
-            and self.dtype != "auto"
-            and not isinstance(getattr(torch, self.dtype, None), torch.dtype)
-        ):
-            resolve_dtype(self.dtype)
+        elif isinstance(self.dtype, str) and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            resolve_dtype(self.dtype)  # "auto" passes
         kwargs.pop("model_type", None)  # the class's own; config.json repeats it
         super().__post_init__(**kwargs)
         if self.config is None:
