@@ -25,6 +25,8 @@ class BatchSource(Protocol):
     # a checkpoint records and a resume compares (a source without files need not have it)
     # optional: `varying_shapes = True` where batch widths change from step to step (train.compile=auto
     # then stays eager: each new shape would recompile)
+    # optional: `retrieval_weight` > 0 where batches hold `retrieval_targets` [B, L]: the trainer adds
+    # the model's supervised retrieval loss so weighted (docs/design.md §2.7)
 
 
 def batch_rng(seed: int, *stream: int) -> np.random.Generator:

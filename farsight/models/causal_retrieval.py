@@ -49,7 +49,7 @@ from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks,
 from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input, checked_labels
 from farsight.models.session import check_left_padding
 from farsight.ops.documents import document_positions, document_starts
-from farsight.ops.retrieval import retrieval_scores, retrieval_topk
+from farsight.ops.retrieval import retrieval_scores, retrieval_target_loss, retrieval_topk
 
 logger = logging.getLogger(__name__)
 
@@ -400,11 +400,13 @@ class CausalRetrievalLM(PretrainedLM):
         memory: ChunkMemory,
         pad: torch.Tensor | None,
         packed: PackedLayout | None = None,
+        kept: list[torch.Tensor] | None = None,
     ) -> Retrieval:
         """What each chunk of the span reads for `group`: grid chunk 0 reads the carried
         retrieval, chunk j > 0 the one made by the landmark of chunk j - 1. In a packed row a
         landmark scores only the earlier chunks of its own document, and a document's first
-        chunk reads nothing."""
+        chunk reads nothing. `kept`, if given, receives the landmarks' scores of every chunk
+        [B, m, n] (-inf = no candidate)."""
         offsets, first_chunk = span.landmark_positions()
         made_index = made_weight = None
         if len(offsets):
@@ -418,16 +420,18 @@ class CausalRetrievalLM(PretrainedLM):
                 else pad // self.slots_per_chunk
             )
             scale = 1 / math.sqrt(self.config.d_model)
-            if packed is not None:
-                scores = retrieval_scores(query, memory.landmark_keys(), start, stop, scale)
-                # [B, m, n]: chunks before the first chunk of the landmark's document are no candidates
-                earlier = torch.arange(scores.shape[-1], device=h.device) < packed.first_chunk[:, : len(offsets), None]
-                made_index, made_weight = self._select(scores.masked_fill(earlier, float("-inf")))
-            elif self.training or self.config.retriever == "random":
-                # Gumbel noise and random keys need every score
-                made_index, made_weight = self._select(
-                    retrieval_scores(query, memory.landmark_keys(), start, stop, scale)
-                )
+            # Gumbel noise, random keys and supervised retrieval need every score
+            if packed is not None or self.training or self.config.retriever == "random" or kept is not None:
+                scores = retrieval_scores(query, memory.landmark_keys(), start, stop, scale)  # [B, m, n]
+                if packed is not None:
+                    # chunks before the first chunk of the landmark's document are no candidates
+                    earlier = (
+                        torch.arange(scores.shape[-1], device=h.device) < packed.first_chunk[:, : len(offsets), None]
+                    )
+                    scores = scores.masked_fill(earlier, float("-inf"))
+                if kept is not None:
+                    kept.append(scores)
+                made_index, made_weight = self._select(scores)
             else:
                 top, chosen = retrieval_topk(
                     query, memory.landmark_keys(), self.config.top_k, start, stop, scale, **memory.screen_state()
@@ -510,7 +514,7 @@ class CausalRetrievalLM(PretrainedLM):
             carried = state.retrieval or [self._empty_retrieval(h) for _ in range(self.config.groups)]
             next_carried = []
             for g in range(self.config.groups):
-                retrieval = self._retrieve(g, h, span, carried[g], state.memory, state.pad, state.packed)
+                retrieval = self._retrieve(g, h, span, carried[g], state.memory, state.pad, state.packed, state.scores)
                 chunks = self._fetch(retrieval, carried[g], state.memory, state.pad)
                 h = self._upper_group(g, h, state, span, chunks)
                 next_carried.append(self._carry(retrieval, carried[g], chunks, span, state.slots + span.length))
@@ -532,6 +536,7 @@ class CausalRetrievalLM(PretrainedLM):
         return_logits: bool = True,
         return_hidden: bool = False,
         document_ids: torch.Tensor | None = None,
+        retrieval_targets: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids [B, L] plain token ids (any L) -> logits [B, L, V] for the real tokens.
 
@@ -545,7 +550,10 @@ class CausalRetrievalLM(PretrainedLM):
         [B, L, D] for the real tokens as `hidden` instead (no head, no loss). document_ids
         [B, L] (packed rows, farsight.ops.documents): each document is laid out on the chunk grid
         as if alone (`packed_slots`), attends and retrieves only inside itself, and its last
-        token predicts nothing.
+        token predicts nothing. retrieval_targets [B, L] (integers; 1: a token of the evidence,
+        2: a token whose chunk's retrieval should find the evidence, 0: neither; the needle
+        batches' `data.retrieval_weight`) adds supervised retrieval: `retrieval_loss` and
+        `retrieval_found` (`supervised_retrieval`).
         """
         input_ids = self.check_input_ids(input_ids)
         document_ids = check_packed_input(input_ids, document_ids, attention_mask=attention_mask)
@@ -561,16 +569,70 @@ class CausalRetrievalLM(PretrainedLM):
             pad = self.pad_slots((~check_left_padding(attention_mask, input_ids).to(input_ids.device)).sum(1))
         record = RetrievalInfo([], []) if return_retrieval else None
         state = DRTState(memory=ChunkMemory("graph", input_ids.device), caches=None, record=record, pad=pad)
+        if retrieval_targets is not None:
+            retrieval_targets = self._check_retrieval_targets(retrieval_targets, input_ids)
+            state.scores = []
         if document_ids is None:
             h = self.real_rows(self.run_span(self.to_slots(input_ids), state), length)
         else:
             slots, state.packed = self.packed_slots(input_ids, document_ids)
             h = self.run_span(slots, state)
             h = h.gather(1, state.packed.token_slots[..., None].expand(-1, -1, h.shape[-1]))
+        supervised = {}
+        if retrieval_targets is not None:
+            supervised = self.supervised_retrieval(retrieval_targets, state)
         if return_hidden:
-            return CausalLMOutput(loss=None, logits=None, retrieval=record, hidden=self.norm(h))
+            return CausalLMOutput(loss=None, logits=None, retrieval=record, hidden=self.norm(h), **supervised)
         logits, loss = self.logits_and_loss(h, labels, loss_weights, return_logits)
-        return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None)
+        return CausalLMOutput(loss=loss, logits=logits, retrieval=record if return_retrieval else None, **supervised)
+
+    def _check_retrieval_targets(self, targets: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(targets, torch.Tensor) or targets.shape != input_ids.shape:
+            shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+            raise InputError(
+                f"retrieval_targets must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got {shape}"
+            )
+        if (
+            targets.dtype.is_floating_point
+            or targets.dtype == torch.bool
+            or bool(((targets < 0) | (targets > 2)).any())
+        ):
+            raise InputError(
+                "retrieval_targets holds 0 (neither), 1 (evidence) or 2 (a token whose retrieval should find it) as integers"
+            )
+        if self.config.retriever != "learned":
+            raise InputError(
+                f"retrieval_targets supervise a learned retriever; this model's retriever is {self.config.retriever!r}"
+            )
+        return targets.to(input_ids.device)
+
+    def supervised_retrieval(self, targets: torch.Tensor, state: DRTState) -> dict[str, torch.Tensor]:
+        """targets [B, L] (forward's retrieval_targets) and the scores a training forward kept ->
+        {"retrieval_loss": the mean over groups of `retrieval_target_loss` per supervised
+        retrieval, "retrieval_found": the share of supervised retrievals whose top k held the
+        evidence's chunks (nan when none was supervised)}. A token of chunk c reads the retrieval
+        made by the landmark of chunk c - 1, so that retrieval is the one supervised."""
+        b, length = targets.shape
+        s, s1 = self.config.chunk_size, self.slots_per_chunk
+        if state.packed is None:
+            chunk = (torch.arange(length, device=targets.device) // s).expand(b, length)
+        else:
+            chunk = state.packed.token_slots // s1
+        if not state.scores:  # no landmark, hence no retrieval
+            zero = torch.zeros((), device=targets.device)
+            return {"retrieval_loss": zero, "retrieval_found": zero / zero}
+        n = state.scores[0].shape[-1]
+        counts = torch.zeros(2, b, n + 1, dtype=torch.long, device=targets.device)
+        counts[0].scatter_add_(1, chunk, (targets == 1).long())
+        counts[1].scatter_add_(1, chunk, (targets == 2).long())
+        evidence = counts[0, :, :n] > 0  # [B, n] chunks holding evidence
+        asking = counts[1, :, 1 : state.scores[0].shape[1] + 1] > 0  # [B, m]: landmark i serves chunk i + 1
+        losses, counted, found = [], 0, 0
+        for scores in state.scores:
+            loss, n_counted, n_found = retrieval_target_loss(scores, asking, evidence, self.config.top_k)
+            losses.append(loss / n_counted.clamp(min=1))
+            counted, found = counted + n_counted, found + n_found
+        return {"retrieval_loss": torch.stack(losses).mean(), "retrieval_found": found / counted}
 
     def new_session(
         self,

@@ -74,7 +74,9 @@ class DRTState:
     per group, the retrieval the current chunk reads (None before the first span); record: every
     retrieval made, if kept; pad: [B] long, the slots before pad[b] are left padding (masked out
     of every attention and of retrieval), or None without padding; packed: where a packed row's
-    documents sit (training forward only), or None for one stream.
+    documents sit (training forward only), or None for one stream; scores: per group, every
+    landmark's scores of every chunk [B, m, n] (training forward with retrieval targets only),
+    else None.
     """
 
     memory: ChunkMemory
@@ -85,6 +87,7 @@ class DRTState:
     record: RetrievalInfo | None = None
     pad: torch.Tensor | None = None
     packed: PackedLayout | None = None
+    scores: list[torch.Tensor] | None = None
 
     @property
     def streaming(self) -> bool:

@@ -45,6 +45,10 @@ class CausalLMOutput:
     retrieval: Any = None
     # with return_hidden: the final norm's output [B, T, D] (what the LM head reads), and no logits or loss
     hidden: torch.Tensor | None = None
+    # with retrieval targets (a causal-retrieval model): the supervised retrieval's loss and the
+    # share of supervised retrievals that found the evidence (CausalRetrievalLM.supervised_retrieval)
+    retrieval_loss: torch.Tensor | None = None
+    retrieval_found: torch.Tensor | None = None
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

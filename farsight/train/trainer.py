@@ -252,6 +252,12 @@ class Trainer:
         self.data = build_batch_source(config.data, run.seed, config.model)
         self.tokenizer = self.data.tokenizer
         self.model: PretrainedLM = build_model(config.model, self.tokenizer).to(self.device)
+        self.retrieval_weight = float(getattr(self.data, "retrieval_weight", 0.0))
+        if self.retrieval_weight and getattr(self.model.config, "retriever", None) != "learned":
+            raise ConfigError(
+                f"data.retrieval_weight={self.retrieval_weight:g} supervises a learned retriever, which this "
+                f"{self.model.model_type!r} model does not have; set data.retrieval_weight: 0 or train a drt"
+            )
         # A run with checkpoints resumes (or is finished): its own weights win, so init_from is read
         # only if fit starts it over (--restart), and a source deleted since is no obstacle.
         self._deferred_init = run.init_from if run.init_from and list_checkpoints(self.ckpt_root) else None
@@ -291,6 +297,8 @@ class Trainer:
         # None after resuming a checkpoint of an older farsight, which did not count them
         self.real_tokens_seen: int | None = 0
         self._step_real_tokens = 0  # of the last step (all ranks)
+        # of the last step with data.retrieval_weight: supervised retrieval's loss and share found
+        self._step_retrieval: dict[str, float] = {}
         self.skipped_steps = 0
         self._compile_checked = False
         self._data_digests: dict[str, str] | None = None
@@ -527,13 +535,16 @@ class Trainer:
         """Held-out loss; for batches with answer tokens (needle tasks: the up-weighted tokens;
         supervised examples: the completions, the batch's `answer_mask`) also the share of answer
         tokens predicted right (teacher-forced argmax) and of rows with every answer token right:
-        what tells whether retrieval is being learnt, which the loss over whole haystacks hides."""
+        what tells whether retrieval is being learnt, which the loss over whole haystacks hides.
+        With supervised retrieval (data.retrieval_weight) also its loss and the share of the
+        supervised retrievals whose top k held the evidence."""
         n = self.config.train.eval_batches
         if n == 0:
             return None
         self.model.eval()
-        # loss sum, batches, answer tokens right, answer tokens, rows all right, answer rows
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        # loss sum, batches, answer tokens right, answer tokens, rows all right, answer rows, then with
+        # supervised retrieval: its loss sum, share found summed over the batches with something to find, those
+        sums = torch.zeros(9, dtype=torch.float64, device=self.device)
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
             answer = batch.pop("answer_mask", None)
@@ -546,13 +557,22 @@ class Trainer:
             sums[0] += float(out.loss)
             sums[1] += 1
             if answer is not None:
-                sums[2:] += answer_counts(out.logits, batch["labels"], answer, documents).to(sums)
+                sums[2:6] += answer_counts(out.logits, batch["labels"], answer, documents).to(sums)
+            if out.retrieval_loss is not None:
+                found = out.retrieval_found
+                sums[6:] += torch.stack(
+                    [out.retrieval_loss, found.nan_to_num(0.0), torch.isfinite(found).to(found)]
+                ).to(sums)
         self.model.train()
         sums = dist_utils.all_reduce_sum(sums, self.ctx)
         result = {"val_loss": float(sums[0] / sums[1])}
         if sums[3] > 0:
             result["val_answer_token_acc"] = float(sums[2] / sums[3])
             result["val_answer_exact"] = float(sums[4] / sums[5])
+        if self.retrieval_weight:
+            result["val_retrieval_loss"] = float(sums[6] / sums[1])
+            if sums[8] > 0:
+                result["val_retrieval_found"] = float(sums[7] / sums[8])
         return result
 
     def _gradients(self) -> tuple[torch.Tensor, int]:
@@ -580,6 +600,8 @@ class Trainer:
         run = self.config.train
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
+        # supervised retrieval: loss, share found (summed over the micro-batches with something to find), those
+        retrieval = torch.zeros(3, dtype=torch.float64, device=self.device)
         tokens = 0
         self._step_real_tokens = 0
         for micro in range(run.grad_accum):
@@ -593,9 +615,24 @@ class Trainer:
             sync = contextlib.nullcontext() if last or not hasattr(self.wrapped, "no_sync") else self.wrapped.no_sync()
             with sync, self.precision.matmuls(self.device):
                 with self.precision.autocast(self.device):
-                    loss = self.wrapped(**batch, return_logits=False).loss / run.grad_accum
-                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+                    out = self.wrapped(**batch, return_logits=False)
+                loss = out.loss / run.grad_accum
+                # the logged loss stays the language model's; the supervised retrieval is logged beside it
+                optimised = loss
+                if out.retrieval_loss is not None:
+                    optimised = loss + self.retrieval_weight * out.retrieval_loss / run.grad_accum
+                    found = out.retrieval_found.detach()  # nan: nothing to find in this micro-batch
+                    has = torch.isfinite(found)
+                    retrieval += torch.stack(
+                        [out.retrieval_loss.detach() / run.grad_accum, found.nan_to_num(0.0), has.to(found)]
+                    ).to(retrieval)
+                (optimised if self.scaler is None else self.scaler.scale(optimised)).backward()
             total += loss.detach()
+        if self.retrieval_weight:
+            loss_sum, found, counted = dist_utils.all_reduce_sum(retrieval, self.ctx).tolist()
+            self._step_retrieval = {"retrieval_loss": loss_sum / self.ctx.world_size}
+            if counted:
+                self._step_retrieval["retrieval_found"] = found / counted
         return total, tokens
 
     def _train_step(self) -> tuple[float, float, int]:
@@ -796,6 +833,7 @@ class Trainer:
                         }
                         if self.real_tokens_seen is not None:
                             record["real_tokens"] = self.real_tokens_seen
+                        record |= self._step_retrieval
                         if self.scaler is not None:
                             record |= {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.skipped_steps}
                         if self.compile_clock.seconds > compile_logged:  # compiling, within this interval

@@ -551,6 +551,33 @@ def test_needle_training_logs_answer_accuracy_and_lm_training_does_not(token_dir
     assert 0 <= val["val_answer_exact"] <= val["val_answer_token_acc"] <= 1
 
 
+def test_supervised_retrieval_is_trained_and_logged_beside_the_language_models_loss(token_dir, tmp_path):
+    raw = tiny_config(token_dir, tmp_path / "run", steps=2, eval_interval=2, log_interval=1).to_dict()
+    raw["model"] = {"type": "drt", "d_model": 32, "n_layers": 2, "n_heads": 2, "chunk_size": 8, "window": 16}
+    raw["data"] = {"kind": "needle", "filler": "repeat", "seq_len": 256, "batch_tokens": 512, "retrieval_weight": 1.0}
+    train(TrainConfig.from_dict(raw))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 2 and all(r["retrieval_loss"] > 0 and 0 <= r["retrieval_found"] <= 1 for r in steps)
+    val = [r for r in records if "val_loss" in r][-1]
+    assert val["val_retrieval_loss"] > 0 and 0 <= val["val_retrieval_found"] <= 1
+    # the logged loss is the language model's alone: the same as a run without supervision at its first step
+    raw["data"]["retrieval_weight"] = 0.0
+    raw["train"]["out_dir"] = str(tmp_path / "plain")
+    train(TrainConfig.from_dict(raw))
+    plain = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert plain[0]["loss"] == pytest.approx(steps[0]["loss"], rel=1e-6) and "retrieval_loss" not in plain[0]
+
+
+def test_supervised_retrieval_for_a_model_without_a_learned_retriever_is_refused(token_dir, tmp_path):
+    raw = tiny_config(token_dir, tmp_path / "run", steps=1).to_dict()
+    raw["data"] = {"kind": "needle", "filler": "repeat", "seq_len": 128, "batch_tokens": 256, "retrieval_weight": 1.0}
+    with pytest.raises(
+        ConfigError, match="data.retrieval_weight=1 supervises a learned retriever, which this 'transformer' model"
+    ):
+        train(TrainConfig.from_dict(raw))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("model", ["sliding", "drt"])
 def test_supervised_examples_train_and_log_completion_accuracy(sft_dir, tmp_path, farsight_log, precision, model):

@@ -72,6 +72,20 @@ class NeedleSample:
     def answer(self) -> np.ndarray:
         return self.input_ids[self.answer_start : self.answer_start + self.answer_length]
 
+    def retrieval_targets(self, chunk_size: int = 1) -> np.ndarray:
+        """int8 [length]: 1 for the evidence's tokens, 2 for the answer tokens whose retrieval
+        should find it, 0 elsewhere: a causal-retrieval model's `retrieval_targets`. A token of
+        chunk c reads the retrieval made at the end of chunk c - 1 (`chunk_size` tokens a chunk),
+        so only the answer tokens of chunks that start after the question's head are marked: an
+        earlier retrieval has not read which key is asked, and no target could teach it that."""
+        targets = np.zeros(len(self.input_ids), dtype=np.int8)
+        for start, n in self.evidence:
+            targets[start : start + n] = 1
+        asked_from = self.answer_start if self.question_end is None else self.question_end
+        answer = np.arange(self.answer_start, self.answer_start + self.answer_length)
+        targets[answer[answer // chunk_size * chunk_size >= asked_from]] = 2
+        return targets
+
     def evidence_chunks(self, chunk_size: int, offset: int = 0) -> set[int]:
         """Chunks (of `chunk_size` tokens) holding part of the evidence: what a retriever must
         fetch; `offset` tokens precede the prompt in the stream (a session's alignment padding)."""

@@ -11,7 +11,10 @@ RULER gives it (noise sentences, real text from `corpus`, or distractor needles)
 The needle asked about sits at a uniform depth, or, in a `near_question` share of the task
 rows, right before the question (depth 1): in reach of a sliding window, so that a windowed
 baseline trained on a mix whose answers mostly lie beyond its span still learns to copy the
-ones it can see.
+ones it can see. With `retrieval_weight` > 0 each batch also holds `retrieval_targets` (the
+evidence's tokens and the answer's, `NeedleSample.retrieval_targets`): a causal-retrieval model
+then adds its supervised retrieval loss, weighted so, to the language-modelling loss
+(docs/design.md §2.7).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class NeedleBatchConfig(ConfigBase):
     needle_weight: float = 1.0
     lm_fraction: float = 0.0
     near_question: float = 0.0
+    retrieval_weight: float = 0.0
     align: int | None = None
     task_options: dict[str, Any] = field(default_factory=dict)
 
@@ -66,7 +70,7 @@ class NeedleBatchConfig(ConfigBase):
             require(name in known_tasks(), f"data.task {name!r} is unknown; choose from {', '.join(known_tasks())}")
         if self.mix is not None:
             require(
-                all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in self.mix.values()),
+                all(_is_number(w) and w > 0 for w in self.mix.values()),
                 f"data.mix weights must be numbers > 0, got {self.mix!r}",
             )
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
@@ -85,6 +89,7 @@ class NeedleBatchConfig(ConfigBase):
         require(self.needle_weight >= 0, f"data.needle_weight must be >= 0, got {self.needle_weight}")
         require(0 <= self.lm_fraction < 1, f"data.lm_fraction must be in [0, 1), got {self.lm_fraction}")
         require(0 <= self.near_question <= 1, f"data.near_question must be in [0, 1], got {self.near_question}")
+        require(self.retrieval_weight >= 0, f"data.retrieval_weight must be >= 0, got {self.retrieval_weight}")
         if self.curriculum is not None:
             shape = "data.curriculum must be a list of [step, length] pairs of integers starting at step 0, e.g. [[0, 256], [500, 1024]]"
             pairs = self.curriculum if isinstance(self.curriculum, list) else None
@@ -129,6 +134,7 @@ class NeedleBatchConfig(ConfigBase):
         text += f", needles and questions weighted {self.needle_weight:g}x" if self.needle_weight != 1 else ""
         text += f", {self.lm_fraction:.0%} plain-text rows" if self.lm_fraction else ""
         text += f", {self.near_question:.0%} of the needles right before the question" if self.near_question else ""
+        text += f", supervised retrieval weighted {self.retrieval_weight:g}" if self.retrieval_weight else ""
         where = {None: "at chunk boundaries", 1: "at any offset"}.get(
             self.align, f"at multiples of {self.align} tokens"
         )
@@ -144,6 +150,10 @@ class NeedleBatchConfig(ConfigBase):
         return current
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -154,6 +164,7 @@ class NeedleBatches:
 
         self.config = config
         self.seed = seed
+        self.retrieval_weight = config.retrieval_weight
         if config.corpus:
             from farsight.data.token_files import load_token_dataset
 
@@ -163,6 +174,7 @@ class NeedleBatches:
         chunk = (model or {}).get("chunk_size", 1)
         # checked here, not only by the model's config: the model is built after its data (it needs the tokenizer)
         require(_is_int(chunk) and chunk >= 1, f"model.chunk_size must be an integer >= 1, got {chunk!r}")
+        self.chunk_size = chunk
         align = config.align or chunk
         # questions at multiples of `align` inside a chunk: each sample draws its offset, else every
         # sample of one length would end its question at the same offset and the model would learn
@@ -198,6 +210,8 @@ class NeedleBatches:
         n = max(1, self.config.batch_tokens // length)
         ids = np.empty((n, length), dtype=np.int64)
         weights = np.ones((n, length), dtype=np.float32)
+        # 0 for the plain-text rows: nothing to find
+        targets = np.zeros((n, length), dtype=np.int8) if self.config.retrieval_weight else None
         tasks = self.tasks[split]
         for i in range(n):
             if rng.random() < self.config.lm_fraction:
@@ -208,8 +222,13 @@ class NeedleBatches:
             sample = task.sample(length, self._depth(rng), rng, shift)
             ids[i] = sample.input_ids
             weights[i] = sample.loss_weights(self.config.answer_weight, self.config.needle_weight)
+            if targets is not None:
+                targets[i] = sample.retrieval_targets(self.chunk_size)
         ids_t = torch.from_numpy(ids)
-        return {"input_ids": ids_t, "labels": ids_t, "loss_weights": torch.from_numpy(weights)}
+        batch = {"input_ids": ids_t, "labels": ids_t, "loss_weights": torch.from_numpy(weights)}
+        if targets is not None:
+            batch["retrieval_targets"] = torch.from_numpy(targets)
+        return batch
 
     def _depth(self, rng: np.random.Generator) -> float:
         """Where a row's needle goes: uniform in [0, 1], or 1 (right before the question) in a

@@ -7,7 +7,8 @@ inference over long memories, each from cheap scores plus an exact rescoring of 
 cannot rule out: `retrieval_topk_screened` scans the keys in bf16 (where bf16 GEMMs run in
 hardware), `retrieval_topk_lowrank` in a low-rank basis of the keys in fp32 (`LowRankKeys`).
 `retrieval_topk` checks the inputs and picks one; `screen_pays_off` says whether "auto" may take
-the bf16 screen on a device.
+the bf16 screen on a device. `retrieval_target_loss` scores a retriever against the chunks a task
+says hold the evidence (supervised retrieval, farsight's extension, docs/design.md §2.7).
 
 Candidates: query i of batch row b may retrieve key j when start[b] <= j < stop[i] (keys before
 start[b] are left padding, keys from stop[i] on are its own chunk or later).
@@ -23,6 +24,7 @@ from farsight.ops.precision import native_bf16_matmul
 from farsight.ops.retrieval.lowrank import LowRankKeys, retrieval_topk_lowrank
 from farsight.ops.retrieval.reference import retrieval_scores, retrieval_topk_reference, score_dtype
 from farsight.ops.retrieval.screened import retrieval_topk_screened
+from farsight.ops.retrieval.targets import retrieval_target_loss
 
 __all__ = [
     "BACKENDS",
@@ -30,6 +32,7 @@ __all__ = [
     "LOW_RANK_OVER_BF16_KEYS",
     "LowRankKeys",
     "retrieval_scores",
+    "retrieval_target_loss",
     "retrieval_topk",
     "retrieval_topk_lowrank",
     "retrieval_topk_reference",

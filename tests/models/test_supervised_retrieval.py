@@ -1,0 +1,142 @@
+"""Supervised retrieval in a causal-retrieval model's forward (`retrieval_targets`): which
+retrievals it supervises toward which chunks, that it leaves the language model's output alone,
+and the one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import farsight.models.causal_retrieval as causal_retrieval
+from farsight.errors import InputError
+from farsight.models.drt import DRTConfig, DRTForCausalLM
+
+S = 4  # chunk size
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    config = dict(
+        vocab_size=260, d_model=32, n_layers=4, n_heads=2, chunk_size=S, window=8, top_k=2, groups=2, encoder_layers=1
+    )
+    return DRTForCausalLM(DRTConfig(**(config | overrides)))
+
+
+def _targets(b, length, evidence, answers):
+    targets = torch.zeros(b, length, dtype=torch.long)
+    for row, (start, stop) in evidence.items():
+        targets[row, start:stop] = 1
+    for row, (start, stop) in answers.items():
+        targets[row, start:stop] = 2
+    return targets
+
+
+def _capture(monkeypatch):
+    """Record what the model hands the loss: (asking [B, m], targets [B, n]) per group."""
+    seen = []
+    real = causal_retrieval.retrieval_target_loss
+
+    def spy(scores, asking, targets, k):
+        seen.append((asking.clone(), targets.clone()))
+        return real(scores, asking, targets, k)
+
+    monkeypatch.setattr(causal_retrieval, "retrieval_target_loss", spy)
+    return seen
+
+
+def test_the_retrieval_made_before_the_answers_chunk_is_supervised_toward_the_evidences_chunks(monkeypatch):
+    model = _model().eval()
+    ids = torch.randint(0, 256, (2, 31))
+    # row 0: evidence tokens 5-9 (chunks 1 and 2), answer tokens 22-25 (chunks 5 and 6): the
+    # landmarks of chunks 4 and 5 made the retrievals those tokens read
+    # row 1: evidence token 2 (chunk 0), answer token 30 (chunk 7): landmark 6
+    targets = _targets(2, 31, {0: (5, 10), 1: (2, 3)}, {0: (22, 26), 1: (30, 31)})
+    seen = _capture(monkeypatch)
+    out = model(ids, retrieval_targets=targets)
+    assert len(seen) == 2  # one per group
+    asking, evidence = seen[0]
+    assert asking.shape == (2, 8) and evidence.shape == (2, 8)
+    assert asking[0].nonzero().flatten().tolist() == [4, 5] and asking[1].nonzero().flatten().tolist() == [6]
+    assert evidence[0].nonzero().flatten().tolist() == [1, 2] and evidence[1].nonzero().flatten().tolist() == [0]
+    assert torch.isfinite(out.retrieval_loss) and float(out.retrieval_loss.detach()) > 0
+
+
+def test_found_is_the_share_of_supervised_retrievals_that_read_the_evidences_chunks():
+    model = _model().eval()
+    ids = torch.randint(0, 256, (3, 40))
+    targets = _targets(3, 40, {0: (1, 3), 1: (9, 10), 2: (13, 18)}, {0: (36, 40), 1: (30, 31), 2: (25, 28)})
+    out = model(ids, retrieval_targets=targets, return_retrieval=True)
+    hits = total = 0
+    for indices in out.retrieval.indices:  # [B, n, K] per group: row t made by landmark t
+        for row, landmarks, wanted in [(0, [8], {0}), (1, [6], {2}), (2, [5], {3, 4})]:
+            for t in landmarks:
+                total += 1
+                hits += len(wanted & set(indices[row, t].tolist())) >= min(len(wanted), 2)  # top_k 2
+    assert float(out.retrieval_found) == pytest.approx(hits / total)
+
+
+def test_targets_change_neither_the_logits_nor_the_language_models_loss():
+    for train in (False, True):
+        model = _model().train(train)
+        ids = torch.randint(0, 256, (2, 27))
+        targets = _targets(2, 27, {0: (1, 4), 1: (2, 3)}, {0: (20, 24), 1: (25, 27)})
+        torch.manual_seed(1)  # the Gumbel noise of training
+        plain = model(ids, labels=ids)
+        torch.manual_seed(1)
+        supervised = model(ids, labels=ids, retrieval_targets=targets)
+        torch.testing.assert_close(supervised.logits, plain.logits, rtol=0, atol=0)
+        torch.testing.assert_close(supervised.loss, plain.loss, rtol=0, atol=0)
+        assert plain.retrieval_loss is None and supervised.retrieval_loss is not None
+
+
+def test_the_loss_trains_the_retriever_and_what_feeds_it():
+    model = _model().train()
+    ids = torch.randint(0, 256, (2, 33))
+    targets = _targets(2, 33, {0: (1, 4), 1: (5, 7)}, {0: (28, 32), 1: (24, 26)})
+    model(ids, retrieval_targets=targets).retrieval_loss.backward()
+    for name in ("query_proj.0.weight", "query_proj.1.weight", "landmark_key.weight", "lower.0.mlp.down.weight"):
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and float(grad.abs().sum()) > 0, name
+
+
+def test_with_nothing_to_find_the_loss_is_zero_and_found_is_nan():
+    model = _model().eval()
+    ids = torch.randint(0, 256, (1, 20))
+    # the evidence sits in the answer's own chunk: inside the window, no candidate
+    out = model(ids, retrieval_targets=_targets(1, 20, {0: (16, 17)}, {0: (18, 20)}))
+    assert float(out.retrieval_loss) == 0.0 and torch.isnan(out.retrieval_found)
+    short = model(torch.randint(0, 256, (1, 3)), retrieval_targets=torch.zeros(1, 3, dtype=torch.long))
+    assert float(short.retrieval_loss) == 0.0
+
+
+def test_packed_rows_map_each_token_to_its_documents_chunk(monkeypatch):
+    model = _model().eval()
+    ids = torch.randint(0, 256, (1, 18))
+    # documents of 6 and 12 tokens: chunks 0-1 and 2-4 on the packed grid
+    documents = torch.tensor([[0] * 6 + [1] * 12])
+    targets = _targets(1, 18, {0: (6, 7)}, {0: (17, 18)})  # evidence: document 1's token 0; answer: its token 11
+    seen = _capture(monkeypatch)
+    out = model(ids, document_ids=documents, retrieval_targets=targets, return_retrieval=True)
+    asking, evidence = seen[0]
+    assert evidence[0].nonzero().flatten().tolist() == [2] and asking[0].nonzero().flatten().tolist() == [3]
+    # landmark 3's only candidate in its document is chunk 2: found
+    assert float(out.retrieval_found) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (torch.zeros(2, 5, dtype=torch.long), r"retrieval_targets must be a tensor shaped like input_ids \(2, 9\)"),
+        (torch.full((2, 9), 3), "retrieval_targets holds 0 \\(neither\\), 1 \\(evidence\\) or 2"),
+        (torch.zeros(2, 9), "retrieval_targets holds 0"),
+        ([0] * 9, r"shaped like input_ids \(2, 9\), got list"),
+    ],
+)
+def test_bad_targets_are_refused_in_one_line(targets, message):
+    with pytest.raises(InputError, match=message):
+        _model()(torch.randint(0, 256, (2, 9)), retrieval_targets=targets)
+
+
+def test_a_model_without_a_learned_retriever_is_refused():
+    with pytest.raises(InputError, match="retrieval_targets supervise a learned retriever; .* is 'random'"):
+        _model(retriever="random")(torch.randint(0, 256, (1, 9)), retrieval_targets=torch.zeros(1, 9, dtype=torch.long))
