@@ -861,6 +861,57 @@ def ruler_multikey() -> list[str]:
     return lines
 
 
+# Multi-key recall from the composed RULER mix, four ways (configs/lm/ruler/multikey/5-mix*.yaml,
+# experiments/ruler-multikey.sh): the start, then each run (records named after their runs)
+MULTIKEY_START = ("drt-x2-composed-seed2", "lm/ruler/near/drt-x2-composed-seed2")
+MULTIKEY_MIX_RUNS = ("5-mix", "5-mix-supervised", "5-mix-aligned", "5-mix-aligned-supervised")
+
+
+def questions_end_cell(data: dict, chunk_size: int) -> str:
+    align = data.get("align") or chunk_size
+    if align == 1:
+        return "at any offset"
+    return "on chunk boundaries" if align == chunk_size else f"at multiples of {align} tokens"
+
+
+@table(
+    "ruler-multikey-targets",
+    f"results/ruler-multikey/{{{MULTIKEY_START[0]},{','.join(MULTIKEY_MIX_RUNS)}}}.json, "
+    f"results/runs/{MULTIKEY_START[1]}/config.yaml, "
+    f"results/runs/lm/ruler/multikey/{{{','.join(MULTIKEY_MIX_RUNS)}}}/config.yaml",
+)
+def ruler_multikey_targets() -> list[str]:
+    rows = [(MULTIKEY_START[0], "the composed RULER mix (`near/drt-x2-composed-seed2`)", MULTIKEY_START[1])]
+    rows += [(name, f"then `multikey/{name}`", f"lm/ruler/multikey/{name}") for name in MULTIKEY_MIX_RUNS]
+    lengths = sorted(int(n) for n in record(f"{MULTIKEY}/{rows[0][0]}.json")["tasks"]["niah_multikey_2"]["by_length"])
+    lines = header(
+        "`drt-x2` fine-tuned on",
+        "steps",
+        "questions end",
+        "supervised retrieval (`retrieval_weight`)",
+        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        *(f"`single_1` {length_name(n)}" for n in lengths[-1:]),
+    )
+    for name, label, run in rows:
+        config = yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
+        data = config["data"]
+        tasks = record(f"{MULTIKEY}/{name}.json")["tasks"]
+        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
+        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+        weight = data.get("retrieval_weight", 0)
+        lines.append(
+            row(
+                label,
+                str(config["train"]["steps"]),
+                questions_end_cell(data, config["model"]["chunk_size"]),
+                f"{weight:g}" if weight else "none",
+                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
+                *(rate_cell(single[n]) for n in lengths[-1:]),
+            )
+        )
+    return lines
+
+
 RULER = "results/ruler"
 RULER_LENGTHS = (4096, 16384, 65536, 131072)
 RULER_MODELS = ("drt-x2", "drt-x1", "baselm-2l")
