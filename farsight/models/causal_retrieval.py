@@ -593,7 +593,8 @@ class CausalRetrievalLM(PretrainedLM):
                 f"retrieval_targets must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got {shape}"
             )
         if (
-            targets.dtype.is_floating_point
+            targets.is_floating_point()
+            or targets.is_complex()
             or targets.dtype == torch.bool
             or bool(((targets < 0) | (targets > 2)).any())
         ):

@@ -224,6 +224,14 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _retrieval_sums(out: Any) -> torch.Tensor:
+    """A forward's supervised retrieval as float64 [3]: its loss, its share found (0 where nothing
+    was to be found: the share is nan), and 1 where that share counts; summed over batches, the
+    mean share is the second over the third."""
+    found = out.retrieval_found.detach().double()
+    return torch.stack([out.retrieval_loss.detach().double(), found.nan_to_num(0.0), torch.isfinite(found).double()])
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         if not isinstance(config, TrainConfig):
@@ -543,7 +551,7 @@ class Trainer:
             return None
         self.model.eval()
         # loss sum, batches, answer tokens right, answer tokens, rows all right, answer rows, then with
-        # supervised retrieval: its loss sum, share found summed over the batches with something to find, those
+        # supervised retrieval its _retrieval_sums
         sums = torch.zeros(9, dtype=torch.float64, device=self.device)
         for i in range(n):
             batch = {k: v.to(self.device) for k, v in self.data.eval_batch(i).items()}
@@ -559,10 +567,7 @@ class Trainer:
             if answer is not None:
                 sums[2:6] += answer_counts(out.logits, batch["labels"], answer, documents).to(sums)
             if out.retrieval_loss is not None:
-                found = out.retrieval_found
-                sums[6:] += torch.stack(
-                    [out.retrieval_loss, found.nan_to_num(0.0), torch.isfinite(found).to(found)]
-                ).to(sums)
+                sums[6:] += _retrieval_sums(out)
         self.model.train()
         sums = dist_utils.all_reduce_sum(sums, self.ctx)
         result = {"val_loss": float(sums[0] / sums[1])}
@@ -600,8 +605,7 @@ class Trainer:
         run = self.config.train
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        # supervised retrieval: loss, share found (summed over the micro-batches with something to find), those
-        retrieval = torch.zeros(3, dtype=torch.float64, device=self.device)
+        retrieval = torch.zeros(3, dtype=torch.float64, device=self.device)  # _retrieval_sums over the micro-batches
         tokens = 0
         self._step_real_tokens = 0
         for micro in range(run.grad_accum):
@@ -621,16 +625,12 @@ class Trainer:
                 optimised = loss
                 if out.retrieval_loss is not None:
                     optimised = loss + self.retrieval_weight * out.retrieval_loss / run.grad_accum
-                    found = out.retrieval_found.detach()  # nan: nothing to find in this micro-batch
-                    has = torch.isfinite(found)
-                    retrieval += torch.stack(
-                        [out.retrieval_loss.detach() / run.grad_accum, found.nan_to_num(0.0), has.to(found)]
-                    ).to(retrieval)
+                    retrieval += _retrieval_sums(out)
                 (optimised if self.scaler is None else self.scaler.scale(optimised)).backward()
             total += loss.detach()
         if self.retrieval_weight:
             loss_sum, found, counted = dist_utils.all_reduce_sum(retrieval, self.ctx).tolist()
-            self._step_retrieval = {"retrieval_loss": loss_sum / self.ctx.world_size}
+            self._step_retrieval = {"retrieval_loss": loss_sum / (self.ctx.world_size * run.grad_accum)}
             if counted:
                 self._step_retrieval["retrieval_found"] = found / counted
         return total, tokens

@@ -104,9 +104,9 @@ def test_with_nothing_to_find_the_loss_is_zero_and_found_is_nan():
     ids = torch.randint(0, 256, (1, 20))
     # the evidence sits in the answer's own chunk: inside the window, no candidate
     out = model(ids, retrieval_targets=_targets(1, 20, {0: (16, 17)}, {0: (18, 20)}))
-    assert float(out.retrieval_loss) == 0.0 and torch.isnan(out.retrieval_found)
+    assert float(out.retrieval_loss.detach()) == 0.0 and torch.isnan(out.retrieval_found)
     short = model(torch.randint(0, 256, (1, 3)), retrieval_targets=torch.zeros(1, 3, dtype=torch.long))
-    assert float(short.retrieval_loss) == 0.0
+    assert float(short.retrieval_loss.detach()) == 0.0
 
 
 def test_packed_rows_map_each_token_to_its_documents_chunk(monkeypatch):
@@ -140,3 +140,24 @@ def test_bad_targets_are_refused_in_one_line(targets, message):
 def test_a_model_without_a_learned_retriever_is_refused():
     with pytest.raises(InputError, match="retrieval_targets supervise a learned retriever; .* is 'random'"):
         _model(retriever="random")(torch.randint(0, 256, (1, 9)), retrieval_targets=torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize("precision", ["fp64", "bf16", "autocast-bf16"])
+def test_the_loss_in_other_precisions_is_close_to_fp32s_and_trains(precision):
+    model = _model(init_std=0.2).eval()
+    ids = torch.randint(0, 256, (2, 45))
+    targets = _targets(2, 45, {0: (3, 9), 1: (12, 14)}, {0: (40, 45), 1: (33, 36)})
+    reference = model(ids, retrieval_targets=targets).retrieval_loss.detach()
+    if precision == "autocast-bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, retrieval_targets=targets).retrieval_loss
+    else:
+        model = model.to(torch.float64 if precision == "fp64" else torch.bfloat16)
+        loss = model(ids, retrieval_targets=targets).retrieval_loss
+    # the scores, and so the loss, are fp32 whatever the compute dtype (fp64 for fp64)
+    assert loss.dtype == (torch.float64 if precision == "fp64" else torch.float32)
+    tolerance = 1e-5 if precision == "fp64" else 0.05
+    torch.testing.assert_close(loss.float(), reference, rtol=tolerance, atol=tolerance)
+    loss.backward()
+    grad = model.query_proj[0].weight.grad
+    assert grad is not None and bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0

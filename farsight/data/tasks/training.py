@@ -70,7 +70,7 @@ class NeedleBatchConfig(ConfigBase):
             require(name in known_tasks(), f"data.task {name!r} is unknown; choose from {', '.join(known_tasks())}")
         if self.mix is not None:
             require(
-                all(_is_number(w) and w > 0 for w in self.mix.values()),
+                all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in self.mix.values()),
                 f"data.mix weights must be numbers > 0, got {self.mix!r}",
             )
         require(self.filler in ("corpus", "repeat"), f"data.filler must be 'corpus' or 'repeat', got {self.filler!r}")
@@ -148,10 +148,6 @@ class NeedleBatchConfig(ConfigBase):
             if step >= start:
                 current = int(length)
         return current
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_int(value: Any) -> bool:
