@@ -68,8 +68,8 @@ summarize: $(STAMP)
 
 # lm-eval's own RULER tasks at 4K-128K tokens on byte-level models fine-tuned on this CPU
 # (experiments/ruler.sh): drt-x2, drt-x1 and baselm-2l from the shipped base models, a passkey stage
-# then the RULER mix (configs/lm/ruler/), models/ruler-drt-x2 exported; finished runs and result
-# files are reused.
+# then the RULER mix (configs/lm/ruler/stage1-<model>.yaml, configs/lm/ruler/composed/), exported to
+# models/ruler-*, which every measurement reads; finished runs, exports and result files are reused.
 ruler: $(STAMP)
 	bash experiments/ruler.sh
 

@@ -915,9 +915,20 @@ def ruler_multikey_targets() -> list[str]:
 RULER = "results/ruler"
 RULER_LENGTHS = (4096, 16384, 65536, 131072)
 RULER_MODELS = ("drt-x2", "drt-x1", "baselm-2l")
-# lm-eval's offline RULER tasks as experiments/ruler.sh runs them; ruler_fwe's family is held out of training
-RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_cwe", "ruler_fwe")
+# lm-eval's offline RULER tasks as experiments/ruler.sh runs them, in two calls a length: the needle
+# tasks the shipped model is held to (MODEL-lm-eval-LENGTH.json), then the others
+# (MODEL-lm-eval-others-LENGTH.json); ruler_fwe's family is held out of training
+RULER_GATED = ("niah_single_1", "niah_multikey_2")
+RULER_TASKS = (*RULER_GATED, "niah_multikey_3", "ruler_cwe", "ruler_fwe")
 RULER_HELD_OUT = ("ruler_fwe",)
+# the records of the RULER mix in farsight's varied wording alone, the recipe make ruler had before
+RULER_VARIED = "results/ruler-varied"
+
+
+def ruler_file(model: str, task: str, length: int) -> str:
+    """The lm-eval results file of experiments/ruler.sh that holds `task` for `model` at `length`."""
+    name = "lm-eval" if task in RULER_GATED else "lm-eval-others"
+    return f"{RULER}/{model}-{name}-{length}.json"
 
 
 def mean_interval(scores: list[float], z: float = 1.96) -> tuple[float, float, float]:
@@ -959,37 +970,58 @@ def lm_eval_cell(path: str, task: str, length: int) -> str:
     return f"{100 * hits / items:.0f} ({interval(*wilson(hits, items))})"
 
 
+def chunks_read(paths: list[str]) -> str:
+    """How many past chunks a DRT read per chunk in these records (`--retrieval-top-k`, else its
+    config's top_k), `-` for a model without retrieval; the records must agree."""
+    counts = set()
+    for path in paths:
+        measured = record(path)
+        top_k = measured.get("retrieval_top_k")
+        if top_k is None and "model" in measured:
+            top_k = json.loads((ROOT / measured["model"] / "config.json").read_text())["config"].get("top_k")
+        counts.add(top_k)
+    if len(counts) != 1:
+        raise ValueError(f"{', '.join(paths)} read different numbers of chunks: {sorted(map(str, counts))}")
+    count = counts.pop()
+    return "-" if count is None else str(count)
+
+
 @table(
     "ruler-lm-eval",
-    "results/ruler/{drt-x2,drt-x1,baselm-2l}-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
-    "results/ruler/drt-x2-hf-{4096,16384,65536,131072}.json",
+    "results/ruler/{drt-x2,drt-x1,baselm-2l}-lm-eval-{,others-}{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/ruler/drt-x2-hf-{niah_single_1,niah_multikey_2}-{4096,16384,65536,131072}.json",
 )
 def ruler_lm_eval() -> list[str]:
-    lines = header("model", "lm-eval model", "task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
+    lines = header(
+        "model", "lm-eval model", "chunks read", "task", *(length_name(n) for n in RULER_LENGTHS), "items a cell"
+    )
     for model in RULER_MODELS:
-        files = {n: f"{RULER}/{model}-lm-eval-{n}.json" for n in RULER_LENGTHS}
-        present = [path for path in files.values() if (ROOT / path).exists()]
+        files = {(task, n): ruler_file(model, task, n) for task in RULER_TASKS for n in RULER_LENGTHS}
+        present = sorted({path for path in files.values() if (ROOT / path).exists()})
         if not present:
             continue
+        read = chunks_read(present)
         for task in RULER_TASKS:
-            if not any(task in record(path)["results"] for path in present):
-                continue
             label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
+            done = [files[task, n] for n in RULER_LENGTHS if (ROOT / files[task, n]).exists()]
             items = sorted(
-                {record(path)["results"][task]["sample_len"] for path in present if task in record(path)["results"]}
+                {record(path)["results"][task]["sample_len"] for path in done if task in record(path)["results"]}
             )
-            cells = (lm_eval_cell(files[n], task, n) for n in RULER_LENGTHS)
-            lines.append(row(code(model), "`farsight`", label, *cells, "/".join(map(str, items))))
+            cells = (lm_eval_cell(files[task, n], task, n) or "not run" for n in RULER_LENGTHS)
+            lines.append(row(code(model), "`farsight`", read, label, *cells, "/".join(map(str, items)) or "-"))
         if model == "drt-x2":
-            hf = {n: f"{RULER}/drt-x2-hf-{n}.json" for n in RULER_LENGTHS}
-            for task in RULER_TASKS:
-                done = [path for path in hf.values() if (ROOT / path).exists() and task in record(path)["results"]]
-                if done:
-                    items = sorted({record(path)["results"][task]["sample_len"] for path in done})
-                    cells = (lm_eval_cell(hf[n], task, n) for n in RULER_LENGTHS)
-                    lines.append(
-                        row(code("models/ruler-drt-x2"), "`hf`", f"`{task}`", *cells, "/".join(map(str, items)))
+            hf = {(task, n): f"{RULER}/drt-x2-hf-{task}-{n}.json" for task in RULER_GATED for n in RULER_LENGTHS}
+            done = [path for path in hf.values() if (ROOT / path).exists()]
+            read = chunks_read(done) if done else read
+            for task in RULER_GATED:
+                measured = [hf[task, n] for n in RULER_LENGTHS if (ROOT / hf[task, n]).exists()]
+                items = sorted({record(path)["results"][task]["sample_len"] for path in measured})
+                cells = (lm_eval_cell(hf[task, n], task, n) or "not run" for n in RULER_LENGTHS)
+                lines.append(
+                    row(
+                        code("models/ruler-drt-x2"), "`hf`", read, f"`{task}`", *cells, "/".join(map(str, items)) or "-"
                     )
+                )
     return lines
 
 
@@ -1030,10 +1062,10 @@ RULER_NEAR = "results/ruler-near"
 # lm-eval ran, PREFIX-lm-eval-LENGTH.json)
 RULER_NEAR_ROWS = (
     ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l", False),
-    ("baselm-2l", "then the RULER mix", f"{RULER}/baselm-2l", True),
+    ("baselm-2l", "then the RULER mix", f"{RULER_VARIED}/baselm-2l", True),
     ("baselm-2l", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/baselm-2l-share05", True),
     ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l", True),
-    ("drt-x2", "then the RULER mix", f"{RULER}/drt-x2", True),
+    ("drt-x2", "then the RULER mix", f"{RULER_VARIED}/drt-x2", True),
     ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", True),
     ("drt-x2", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/drt-x2-share05", True),
     ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", True),
@@ -1048,8 +1080,8 @@ RULER_NEAR_ROWS = (
     "results/ruler-near/{baselm-2l,drt-x2,baselm-2l-share05,drt-x2-share05,drt-x2-seed1,drt-x2-seed1-near}"
     "-lm-eval-{4096,16384}"
     "{.json,-samples.jsonl}, "
-    "results/ruler/{baselm-2l,drt-x2}-inspan-passkey.json, "
-    "results/ruler/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}",
+    "results/ruler-varied/{baselm-2l,drt-x2}-inspan-passkey.json, "
+    "results/ruler-varied/{baselm-2l,drt-x2}-lm-eval-{4096,16384}{.json,-samples.jsonl}",
 )
 def ruler_near() -> list[str]:
     lengths = (4096, 16384)
@@ -1072,7 +1104,7 @@ def ruler_near() -> list[str]:
 # (the prefix of a run's records, the run's copied config and metrics under results/runs/): the
 # wording, near-question share, seed and steps of each row are read from that config
 RULER_RECIPE_ROWS = (
-    (f"{RULER}/drt-x2", "lm/ruler/drt-x2"),
+    (f"{RULER_VARIED}/drt-x2", "lm/ruler/drt-x2"),
     *(
         (f"{RULER_NEAR}/{run}", f"lm/ruler/near/{run}")
         for run in (
@@ -1095,8 +1127,8 @@ RULER_RECIPE_RUNS = (
 
 @table(
     "ruler-recipes",
-    "results/ruler/drt-x2-{inspan-passkey,passkey}.json, "
-    "results/ruler/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/ruler-varied/drt-x2-{inspan-passkey,passkey}.json, "
+    "results/ruler-varied/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
     f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-{{inspan-passkey,passkey}}.json, "
     f"results/ruler-near/{{{RULER_RECIPE_RUNS}}}-lm-eval-{{4096,16384,65536,131072}}{{.json,-samples.jsonl}}, "
     f"results/runs/lm/ruler/drt-x2/config.yaml, results/runs/lm/ruler/near/{{{RULER_RECIPE_RUNS}}}/config.yaml",

@@ -1,23 +1,44 @@
 #!/usr/bin/env bash
 # Copying inside the window after the RULER mix (docs/results.md, "Copying inside the window after
-# the RULER mix"): from the passkey stages of `make ruler`, the RULER mix with a fifth or a
-# twentieth of the needles right before their question (configs/lm/ruler/near/: drt-x2, baselm-2l
-# and their -share05 twins), and for drt-x2 both with another seed (drt-x2-seed1: the mix alone,
-# drt-x2-seed1-near: a fifth near), a fifth near trained three times as long with both seeds
-# (drt-x2-long, drt-x2-long-seed1), and a fifth near in the composed NIAH wording with three
-# seeds (drt-x2-composed, drt-x2-composed-seed1, drt-x2-composed-seed2); each run then takes R1's
-# in-span passkey check (the passkey about 45 tokens before the answer, inside every window) and
-# lm-eval's niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too.
-# The drt-x2 runs with a fifth near also answer niah_single_1 at 64K and 128K and the passkey from
-# 1K to 1M, as `make ruler`'s do; the composed run with seed 2 is then read with fewer chunks per
-# chunk than it was trained with. `make ruler` checks its own runs the same way. Finished runs and
-# result files are reused. Run from the repository root.
+# the RULER mix"): from the passkey stages of `make ruler`, the RULER mix alone
+# (configs/lm/ruler/<model>.yaml, into results/ruler-varied/) and with a fifth or a twentieth of the
+# needles right before their question (configs/lm/ruler/near/: drt-x2, baselm-2l and their -share05
+# twins), and for drt-x2 both with another seed (drt-x2-seed1: the mix alone, drt-x2-seed1-near: a
+# fifth near), a fifth near trained three times as long with both seeds (drt-x2-long,
+# drt-x2-long-seed1), and a fifth near in the composed NIAH wording with three seeds
+# (drt-x2-composed, drt-x2-composed-seed1, drt-x2-composed-seed2); each run then takes R1's in-span
+# passkey check (the passkey about 45 tokens before the answer, inside every window) and lm-eval's
+# niah_single_1 at 4K and 16K; baselm-2l's passkey stage takes the in-span check too. The drt-x2
+# runs of the mix alone and with a fifth near also answer niah_single_1 at 64K and 128K and the
+# passkey from 1K to 1M; the composed run with seed 2 is then read with fewer chunks per chunk than
+# it was trained with. Finished runs and result files are reused. Run from the repository root.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-near
 mkdir -p "$OUT"
 bash experiments/lm-data.sh
 INSPAN=(--lengths 1k,4k --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2)
+# the passkey stages every run here starts from (make ruler's first stage), and the RULER mix alone
+# from them (configs/lm/ruler/<model>.yaml, farsight's varied wording, no needle near its question):
+# the rows the others are read against, in results/ruler-varied/
+VARIED=results/ruler-varied
+mkdir -p "$VARIED"
+for model in drt-x2 baselm-2l; do
+    $F train "configs/lm/ruler/stage1-$model.yaml" --no-progress
+    $F train "configs/lm/ruler/$model.yaml" --no-progress
+    [ -f "$VARIED/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" "${INSPAN[@]}" \
+        --out "$VARIED/$model-inspan-passkey.json"
+    lengths=(4096 16384)
+    [ "$model" = baselm-2l ] || lengths+=(65536 131072)
+    for length in "${lengths[@]}"; do
+        [ -f "$VARIED/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/$model" \
+            --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
+            --out "$VARIED/$model-lm-eval-$length.json" --samples "$VARIED/$model-lm-eval-$length-samples.jsonl"
+    done
+done
+[ -f "$VARIED/drt-x2-passkey.json" ] || $F eval passkey --model runs/lm/ruler/drt-x2 \
+    --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
+    --corpus data/lm-byte --dtype bf16 --out "$VARIED/drt-x2-passkey.json"
 for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1 drt-x2-seed1-near drt-x2-long \
     drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1 drt-x2-composed-seed2; do
     $F train "configs/lm/ruler/near/$model.yaml" --no-progress
