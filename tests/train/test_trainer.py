@@ -435,7 +435,9 @@ def test_sigterm_from_outside_saves_and_exits(token_dir, tmp_path):
     cfg.write_text(
         "model: {type: transformer, d_model: 32, n_layers: 2, n_heads: 2}\n"
         f"data: {{path: {token_dir}, seq_len: 32, batch_size: 4}}\n"
-        f"train: {{steps: 100000, out_dir: {tmp_path / 'run'}, checkpoint_interval: 100000, log_interval: 1}}\n"
+        # compile: false, or a run this long compiles its model (seconds) before its first step
+        f"train: {{steps: 100000, out_dir: {tmp_path / 'run'}, checkpoint_interval: 100000, log_interval: 1,"
+        " compile: false}\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "farsight.cli", "train", str(cfg), "--no-progress"],
