@@ -42,11 +42,14 @@ def _loss_and_grads(model, ids, dtype=None):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-# DRT's lower layers are sliding-window layers: the sliding model alone is a slow case
+# Each compiled model kind costs seconds of compilation on a fresh machine, so the default run
+# compiles two: CASTLE (the transformer's blocks) and DRT, whose lower layers are sliding-window
+# layers (and test_packing.py trains a compiled sliding transformer). The causal and sliding
+# transformers alone are slow cases.
 SLIDING = pytest.param("sliding", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("kind", [SLIDING, "causal", "castle", "drt"])
+@pytest.mark.parametrize("kind", [SLIDING, pytest.param("causal", marks=pytest.mark.slow), "castle", "drt"])
 def test_compiled_fp32_loss_and_gradients_equal_eager(kind):
     model = _model(kind)
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -126,6 +129,7 @@ def test_auto_leaves_supervised_batches_of_varying_width_eager(sft_dir, tmp_path
     assert "not compiling (train.compile=auto): batch shapes vary" in farsight_log.text
 
 
+@pytest.mark.slow  # resuming is checked eagerly (tests/train/test_trainer.py), compiled training in test_packing.py
 def test_resume_with_compile_is_bit_identical(token_dir, tmp_path):
     straight = train(tiny_config(token_dir, tmp_path / "a", compile=True))
 
