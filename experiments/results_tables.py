@@ -986,6 +986,16 @@ def chunks_read(paths: list[str]) -> str:
     return "-" if count is None else str(count)
 
 
+def ruler_row(model: str, harness: str, read: str, task: str, files: dict[int, str]) -> str:
+    """A row of ruler-lm-eval: `task` at each length from its results file in `files` (length ->
+    path), `not run` where that file is missing."""
+    measured = [path for path in files.values() if (ROOT / path).exists() and task in record(path)["results"]]
+    items = sorted({record(path)["results"][task]["sample_len"] for path in measured})
+    label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
+    cells = (lm_eval_cell(files[n], task, n) or "not run" for n in RULER_LENGTHS)
+    return row(code(model), f"`{harness}`", read, label, *cells, "/".join(map(str, items)) or "-")
+
+
 @table(
     "ruler-lm-eval",
     "results/ruler/{drt-x2,drt-x1,baselm-2l}-lm-eval-{,others-}{4096,16384,65536,131072}{.json,-samples.jsonl}, "
@@ -996,32 +1006,19 @@ def ruler_lm_eval() -> list[str]:
         "model", "lm-eval model", "chunks read", "task", *(length_name(n) for n in RULER_LENGTHS), "items a cell"
     )
     for model in RULER_MODELS:
-        files = {(task, n): ruler_file(model, task, n) for task in RULER_TASKS for n in RULER_LENGTHS}
-        present = sorted({path for path in files.values() if (ROOT / path).exists()})
+        files = {task: {n: ruler_file(model, task, n) for n in RULER_LENGTHS} for task in RULER_TASKS}
+        present = sorted(
+            {path for by_length in files.values() for path in by_length.values() if (ROOT / path).exists()}
+        )
         if not present:
             continue
         read = chunks_read(present)
-        for task in RULER_TASKS:
-            label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
-            done = [files[task, n] for n in RULER_LENGTHS if (ROOT / files[task, n]).exists()]
-            items = sorted(
-                {record(path)["results"][task]["sample_len"] for path in done if task in record(path)["results"]}
-            )
-            cells = (lm_eval_cell(files[task, n], task, n) or "not run" for n in RULER_LENGTHS)
-            lines.append(row(code(model), "`farsight`", read, label, *cells, "/".join(map(str, items)) or "-"))
+        lines += [ruler_row(model, "farsight", read, task, files[task]) for task in RULER_TASKS]
         if model == "drt-x2":
-            hf = {(task, n): f"{RULER}/drt-x2-hf-{task}-{n}.json" for task in RULER_GATED for n in RULER_LENGTHS}
-            done = [path for path in hf.values() if (ROOT / path).exists()]
+            hf = {task: {n: f"{RULER}/drt-x2-hf-{task}-{n}.json" for n in RULER_LENGTHS} for task in RULER_GATED}
+            done = [path for by_length in hf.values() for path in by_length.values() if (ROOT / path).exists()]
             read = chunks_read(done) if done else read
-            for task in RULER_GATED:
-                measured = [hf[task, n] for n in RULER_LENGTHS if (ROOT / hf[task, n]).exists()]
-                items = sorted({record(path)["results"][task]["sample_len"] for path in measured})
-                cells = (lm_eval_cell(hf[task, n], task, n) or "not run" for n in RULER_LENGTHS)
-                lines.append(
-                    row(
-                        code("models/ruler-drt-x2"), "`hf`", read, f"`{task}`", *cells, "/".join(map(str, items)) or "-"
-                    )
-                )
+            lines += [ruler_row("models/ruler-drt-x2", "hf", read, task, hf[task]) for task in RULER_GATED]
     return lines
 
 

@@ -18,6 +18,24 @@ OUT=results/ruler-near
 mkdir -p "$OUT"
 bash experiments/lm-data.sh
 INSPAN=(--lengths 1k,4k --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2)
+
+inspan() {  # RUN PREFIX: R1's in-span passkey check into PREFIX-inspan-passkey.json
+    [ -f "$2-inspan-passkey.json" ] || $F eval passkey --model "$1" "${INSPAN[@]}" --out "$2-inspan-passkey.json"
+}
+single_needle() {  # RUN PREFIX LENGTH...: lm-eval's niah_single_1, 50 items a length, into PREFIX-lm-eval-LENGTH.json
+    local run=$1 prefix=$2 length
+    shift 2
+    for length in "$@"; do
+        [ -f "$prefix-lm-eval-$length.json" ] || $F eval harness --model "$run" --tasks niah_single_1 \
+            --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
+            --out "$prefix-lm-eval-$length.json" --samples "$prefix-lm-eval-$length-samples.jsonl"
+    done
+}
+long_passkey() {  # RUN PREFIX: the passkey from 1K to 1M tokens into PREFIX-passkey.json
+    [ -f "$2-passkey.json" ] || $F eval passkey --model "$1" --lengths 1k,4k,16k,64k,256k,1m \
+        --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 --corpus data/lm-byte --dtype bf16 --out "$2-passkey.json"
+}
+
 # the passkey stages every run here starts from (make ruler's first stage), and the RULER mix alone
 # from them (configs/lm/ruler/<model>.yaml, farsight's varied wording, no needle near its question):
 # the rows the others are read against, in results/ruler-varied/
@@ -26,42 +44,22 @@ mkdir -p "$VARIED"
 for model in drt-x2 baselm-2l; do
     $F train "configs/lm/ruler/stage1-$model.yaml" --no-progress
     $F train "configs/lm/ruler/$model.yaml" --no-progress
-    [ -f "$VARIED/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/$model" "${INSPAN[@]}" \
-        --out "$VARIED/$model-inspan-passkey.json"
-    lengths=(4096 16384)
-    [ "$model" = baselm-2l ] || lengths+=(65536 131072)
-    for length in "${lengths[@]}"; do
-        [ -f "$VARIED/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/$model" \
-            --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
-            --out "$VARIED/$model-lm-eval-$length.json" --samples "$VARIED/$model-lm-eval-$length-samples.jsonl"
-    done
+    inspan "runs/lm/ruler/$model" "$VARIED/$model"
 done
-[ -f "$VARIED/drt-x2-passkey.json" ] || $F eval passkey --model runs/lm/ruler/drt-x2 \
-    --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
-    --corpus data/lm-byte --dtype bf16 --out "$VARIED/drt-x2-passkey.json"
+single_needle runs/lm/ruler/drt-x2 "$VARIED/drt-x2" 4096 16384 65536 131072
+single_needle runs/lm/ruler/baselm-2l "$VARIED/baselm-2l" 4096 16384
+long_passkey runs/lm/ruler/drt-x2 "$VARIED/drt-x2"
 for model in drt-x2 baselm-2l drt-x2-share05 baselm-2l-share05 drt-x2-seed1 drt-x2-seed1-near drt-x2-long \
     drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1 drt-x2-composed-seed2; do
     $F train "configs/lm/ruler/near/$model.yaml" --no-progress
-    [ -f "$OUT/$model-inspan-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" "${INSPAN[@]}" \
-        --out "$OUT/$model-inspan-passkey.json"
-    for length in 4096 16384; do
-        [ -f "$OUT/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/near/$model" \
-            --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
-            --out "$OUT/$model-lm-eval-$length.json" --samples "$OUT/$model-lm-eval-$length-samples.jsonl"
-    done
+    inspan "runs/lm/ruler/near/$model" "$OUT/$model"
+    single_needle "runs/lm/ruler/near/$model" "$OUT/$model" 4096 16384
 done
-[ -f "$OUT/stage1-baselm-2l-inspan-passkey.json" ] || $F eval passkey --model runs/lm/ruler/stage1-baselm-2l \
-    "${INSPAN[@]}" --out "$OUT/stage1-baselm-2l-inspan-passkey.json"
+inspan runs/lm/ruler/stage1-baselm-2l "$OUT/stage1-baselm-2l"
 for model in drt-x2 drt-x2-seed1-near drt-x2-long drt-x2-long-seed1 drt-x2-composed drt-x2-composed-seed1 \
     drt-x2-composed-seed2; do
-    for length in 65536 131072; do
-        [ -f "$OUT/$model-lm-eval-$length.json" ] || $F eval harness --model "runs/lm/ruler/near/$model" \
-            --tasks niah_single_1 --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
-            --out "$OUT/$model-lm-eval-$length.json" --samples "$OUT/$model-lm-eval-$length-samples.jsonl"
-    done
-    [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "runs/lm/ruler/near/$model" \
-        --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
-        --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
+    single_needle "runs/lm/ruler/near/$model" "$OUT/$model" 65536 131072
+    long_passkey "runs/lm/ruler/near/$model" "$OUT/$model"
 done
 # The composed run with seed 2 read with its 1, 2 or 4 (its own top_k) best past chunks per chunk
 # (--retrieval-top-k), and the same recipe reading 2 while it learns the mix (from the same passkey
