@@ -67,9 +67,10 @@ summarize: $(STAMP)
 	bash experiments/summarize.sh
 
 # lm-eval's own RULER tasks at 4K-128K tokens on byte-level models fine-tuned on this CPU
-# (experiments/ruler.sh): drt-x2, drt-x1 and baselm-2l from the shipped base models, a passkey stage
-# then the RULER mix (configs/lm/ruler/stage1-<model>.yaml, configs/lm/ruler/composed/), exported to
-# models/ruler-*, which every measurement reads; finished runs, exports and result files are reused.
+# (experiments/ruler.sh): drt-x2, drt-x1 and baselm-2l from the shipped base models, a passkey stage,
+# the RULER mix, then the mix with single needles weighted up (configs/lm/ruler/stage1-<model>.yaml,
+# configs/lm/ruler/composed/, configs/lm/ruler/refresh/), exported to models/ruler-*, which every
+# measurement reads; finished runs, exports and result files are reused.
 ruler: $(STAMP)
 	bash experiments/ruler.sh
 

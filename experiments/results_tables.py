@@ -1041,16 +1041,71 @@ def ruler_passkey() -> list[str]:
         *(f"passkey {length_name(n)}" for n in lengths),
     )
     for model in done:
-        inspan = ROOT / f"{RULER}/{model}-inspan.json"
-        check = (
-            rate_cell(record(f"{RULER}/{model}-inspan.json")["tasks"]["niah_single_1"]["by_length"]["4096"])
-            if inspan.exists()
-            else "not run"
-        )
         grid = by_length(f"{RULER}/{model}-passkey.json")
         lines.append(
-            row(code(model), inspan_passkey_cell(f"{RULER}/{model}"), check, *(rate_cell(grid.get(n)) for n in lengths))
+            row(
+                code(model),
+                inspan_passkey_cell(f"{RULER}/{model}"),
+                inspan_niah_cell(f"{RULER}/{model}"),
+                *(rate_cell(grid.get(n)) for n in lengths),
+            )
         )
+    return lines
+
+
+RULER_TWO_STAGE = "results/ruler-two-stage"
+RULER_STAGES_PASSKEY = (4096, 16384, 65536, 262144, 1048576)
+
+
+def inspan_niah_cell(prefix: str) -> str:
+    """farsight's niah_single_1 at 4K with the needle right before the question, PREFIX-inspan.json."""
+    if not (ROOT / f"{prefix}-inspan.json").exists():
+        return "not run"
+    return rate_cell(record(f"{prefix}-inspan.json")["tasks"]["niah_single_1"]["by_length"]["4096"])
+
+
+@table(
+    "ruler-stages",
+    "results/ruler-two-stage/{drt-x2,drt-x1,baselm-2l}-{inspan-passkey,inspan,passkey}.json, "
+    "results/ruler-two-stage/{drt-x2,drt-x1,baselm-2l}-lm-eval-{4096,16384,65536,131072}.json, "
+    "results/ruler/{drt-x2,drt-x1,baselm-2l}-{inspan-passkey,inspan,passkey}.json, "
+    "results/ruler/{drt-x2,drt-x1,baselm-2l}-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}",
+)
+def ruler_stages() -> list[str]:
+    lines = header(
+        "model",
+        "fine-tuned on",
+        "in-span passkey 1K / 4K",
+        "in-span `niah_single_1`",
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_LENGTHS),
+        *(f"passkey {length_name(n)}" for n in RULER_STAGES_PASSKEY),
+    )
+    stages = (
+        ("passkeys, then the composed mix", RULER_TWO_STAGE),
+        ("then single needles weighted up", RULER),
+    )
+    for model in RULER_MODELS:
+        weights = []  # the weights each stage's records measured
+        for stage, folder in stages:
+            prefix = f"{folder}/{model}"
+            passkey = by_length(f"{prefix}-passkey.json") if (ROOT / f"{prefix}-passkey.json").exists() else {}
+            present = [p for p in (f"{prefix}-passkey.json", f"{prefix}-lm-eval-4096.json") if (ROOT / p).exists()]
+            weights.append({record(path)["trained_weights"] for path in present})
+            lines.append(
+                row(
+                    code(model),
+                    stage,
+                    inspan_passkey_cell(prefix),
+                    inspan_niah_cell(prefix),
+                    *(
+                        lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run"
+                        for n in RULER_LENGTHS
+                    ),
+                    *(rate_cell(passkey.get(n)) for n in RULER_STAGES_PASSKEY),
+                )
+            )
+        if weights[0] & weights[1]:
+            raise ValueError(f"the two- and three-stage records of {model} measure the same weights")
     return lines
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # RULER on byte-level models trained on a CPU (make ruler). drt-x2, drt-x1 and baselm-2l start from
 # the shipped base models (models/base-*, the language-model pre-trainings of configs/lm/pretrain/)
-# and take one two-stage recipe: passkeys from 128 tokens (configs/lm/ruler/stage1-<model>.yaml),
+# and take one three-stage recipe: passkeys from 128 tokens (configs/lm/ruler/stage1-<model>.yaml),
 # then the RULER mix to 4K with a fifth of the needles right before their question and the NIAH
-# families in the composed wording (configs/lm/ruler/composed/<model>.yaml). Each fine-tune is
+# families in the composed wording (configs/lm/ruler/composed/<model>.yaml), then the same mix with
+# passkeys and single needles weighted up (configs/lm/ruler/refresh/<model>.yaml). Each fine-tune is
 # exported to models/ruler-<model> (bf16, checksums), and everything below reads those
 # directories, so a fresh clone measures the shipped weights without training. The DRTs read
 # READ_TOP_K of their 4 retrieved chunks per chunk (--retrieval-top-k; docs/results.md, "Reading
@@ -48,7 +49,8 @@ for model in "${MODELS[@]}"; do
     [ -f "models/base-$model/config.json" ] || { echo "models/base-$model is missing" >&2; exit 1; }
     $F train "configs/lm/ruler/stage1-$model.yaml" --no-progress
     $F train "configs/lm/ruler/composed/$model.yaml" --no-progress
-    $F export "runs/lm/ruler/composed/$model" "$dir" --dtype bf16 --card
+    $F train "configs/lm/ruler/refresh/$model.yaml" --no-progress
+    $F export "runs/lm/ruler/refresh/$model" "$dir" --dtype bf16 --card
 done
 
 lm_eval() {  # MODEL TASKS NAME: lm-eval's TASKS at each length into $OUT/MODEL-NAME-LENGTH.json
@@ -79,7 +81,7 @@ for model in "${MODELS[@]}"; do
         --out "$OUT/$model-inspan-passkey.json"
     # the passkey from 1K to 1M tokens, in the corpus's held-out text
     [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "$dir" $(reading "$model") \
-        --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.5,0.9 --trials 4 --long-trials 1 \
+        --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 2 \
         --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
 done
 
@@ -121,7 +123,7 @@ for model in "${MODELS[@]}"; do
 done
 
 # the card: the passkey, lm-eval's scores at each length, and the answers at the longest
-if [[ " ${MODELS[*]} " == *" drt-x2 "* ]] && [ -d runs/lm/ruler/composed/drt-x2 ]; then
+if [[ " ${MODELS[*]} " == *" drt-x2 "* ]] && [ -d runs/lm/ruler/refresh/drt-x2 ]; then
     files=("$OUT/drt-x2-passkey.json")
     for length in ${LENGTHS//,/ }; do files+=("$OUT/drt-x2-lm-eval-$length.json" "$OUT/drt-x2-lm-eval-others-$length.json"); done
     files+=("$OUT/drt-x2-lm-eval-${LENGTHS##*,}-samples.jsonl")
@@ -129,6 +131,6 @@ if [[ " ${MODELS[*]} " == *" drt-x2 "* ]] && [ -d runs/lm/ruler/composed/drt-x2 
     for file in "${files[@]}"; do
         if [ -f "$file" ]; then scores+=("$file"); fi
     done
-    $F export runs/lm/ruler/composed/drt-x2 "$MODELS_DIR/ruler-drt-x2" --dtype bf16 --card \
+    $F export runs/lm/ruler/refresh/drt-x2 "$MODELS_DIR/ruler-drt-x2" --dtype bf16 --card \
         --results "${scores[@]}" --sample "The grass is green."
 fi
