@@ -1057,6 +1057,12 @@ RULER_TWO_STAGE = "results/ruler-two-stage"
 RULER_STAGES_PASSKEY = (4096, 16384, 65536, 262144, 1048576)
 
 
+def passkey_grid(prefix: str) -> dict[int, dict]:
+    """The passkey grid of PREFIX-passkey.json by length, empty where it was not run."""
+    path = f"{prefix}-passkey.json"
+    return by_length(path) if (ROOT / path).exists() else {}
+
+
 def inspan_niah_cell(prefix: str) -> str:
     """farsight's niah_single_1 at 4K with the needle right before the question, PREFIX-inspan.json."""
     if not (ROOT / f"{prefix}-inspan.json").exists():
@@ -1088,7 +1094,7 @@ def ruler_stages() -> list[str]:
         weights = []  # the weights each stage's records measured
         for stage, folder in stages:
             prefix = f"{folder}/{model}"
-            passkey = by_length(f"{prefix}-passkey.json") if (ROOT / f"{prefix}-passkey.json").exists() else {}
+            passkey = passkey_grid(prefix)
             present = [p for p in (f"{prefix}-passkey.json", f"{prefix}-lm-eval-4096.json") if (ROOT / p).exists()]
             weights.append({record(path)["trained_weights"] for path in present})
             lines.append(
@@ -1198,7 +1204,7 @@ def ruler_recipes() -> list[str]:
     for prefix, run in RULER_RECIPE_ROWS:
         config = yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
         data, train = config["data"], config["train"]
-        passkey = by_length(f"{prefix}-passkey.json") if (ROOT / f"{prefix}-passkey.json").exists() else {}
+        passkey = passkey_grid(prefix)
         lines.append(
             row(
                 code(data["task_options"]["niah_single_1"]["wording"]),
