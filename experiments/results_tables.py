@@ -84,6 +84,11 @@ def jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in (ROOT / path).read_text().splitlines() if line.strip()]
 
 
+def run_config(run: str) -> dict:
+    """The config of a training run as kept beside its metrics, results/runs/RUN/config.yaml."""
+    return yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
+
+
 def length_name(n: int) -> str:
     """1024 -> 1K, 1048576 -> 1M (as farsight.eval.needle.format_length)."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
@@ -893,7 +898,7 @@ def ruler_multikey_targets() -> list[str]:
         *(f"`single_1` {length_name(n)}" for n in lengths[-1:]),
     )
     for name, label, run in rows:
-        config = yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
+        config = run_config(run)
         data = config["data"]
         tasks = record(f"{MULTIKEY}/{name}.json")["tasks"]
         multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
@@ -1053,6 +1058,38 @@ def ruler_passkey() -> list[str]:
     return lines
 
 
+def split_needle_cell(path: str) -> str:
+    """The passkey trials of a record whose needle spans a chunk boundary, all lengths together:
+    `3 of 8 exact`, or `not recorded` for a record written before farsight counted them."""
+    entries = record(path)["by_length"].values()
+    if not all("split_evidence" in entry for entry in entries):
+        return "not recorded"
+    split = [entry["split_evidence"] for entry in entries]
+    trials = sum(s["trials"] for s in split)
+    return f"{sum(s['exact'] for s in split)} of {trials} exact" if trials else "none"
+
+
+@table(
+    "ruler-passkey-jitter",
+    "results/ruler/{drt-x2,drt-x1}-passkey.json, results/ruler/{drt-x2,drt-x1}-passkey-jitter.json",
+)
+def ruler_passkey_jitter() -> list[str]:
+    grids = {model: passkey_grid(f"{RULER}/{model}") for model in ("drt-x2", "drt-x1")}
+    lengths = sorted({n for grid in grids.values() for n in grid})
+    lines = header(
+        "model", "needles placed", *(f"passkey {length_name(n)}" for n in lengths), "needle split over two chunks"
+    )
+    for model in grids:
+        for placed, suffix in (("by depth alone", "passkey"), ("at any offset within a chunk", "passkey-jitter")):
+            path = f"{RULER}/{model}-{suffix}.json"
+            if not (ROOT / path).exists():
+                lines.append(row(code(model), placed, *("not run" for _ in lengths), "not run"))
+                continue
+            grid = by_length(path)
+            lines.append(row(code(model), placed, *(rate_cell(grid.get(n)) for n in lengths), split_needle_cell(path)))
+    return lines
+
+
 RULER_TWO_STAGE = "results/ruler-two-stage"
 RULER_STAGES_PASSKEY = (4096, 16384, 65536, 262144, 1048576)
 
@@ -1061,6 +1098,11 @@ def passkey_grid(prefix: str) -> dict[int, dict]:
     """The passkey grid of PREFIX-passkey.json by length, empty where it was not run."""
     path = f"{prefix}-passkey.json"
     return by_length(path) if (ROOT / path).exists() else {}
+
+
+def single_needle_cells(prefix: str, lengths: tuple[int, ...]) -> list[str]:
+    """lm-eval's niah_single_1 of PREFIX-lm-eval-LENGTH.json at each length, `not run` where missing."""
+    return [lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run" for n in lengths]
 
 
 def inspan_niah_cell(prefix: str) -> str:
@@ -1103,10 +1145,7 @@ def ruler_stages() -> list[str]:
                     stage,
                     inspan_passkey_cell(prefix),
                     inspan_niah_cell(prefix),
-                    *(
-                        lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run"
-                        for n in RULER_LENGTHS
-                    ),
+                    *single_needle_cells(prefix, RULER_LENGTHS),
                     *(rate_cell(passkey.get(n)) for n in RULER_STAGES_PASSKEY),
                 )
             )
@@ -1115,19 +1154,72 @@ def ruler_stages() -> list[str]:
     return lines
 
 
+RULER_REFRESH_LENGTHS = "results/ruler-refresh-lengths"
+# (the prefix of a run's records, the run's copied config and metrics under results/runs/)
+RULER_REFRESH_LENGTHS_ROWS = (
+    (f"{RULER_REFRESH_LENGTHS}/refresh", "lm/ruler/refresh/drt-x2"),
+    (f"{RULER_REFRESH_LENGTHS}/drt-x2-4k", "lm/ruler/refresh-lengths/drt-x2-4k"),
+    (f"{RULER_REFRESH_LENGTHS}/drt-x2-16k", "lm/ruler/refresh-lengths/drt-x2-16k"),
+)
+RULER_REFRESH_LENGTHS_PASSKEY = (65536, 262144)
+
+
+def curriculum_cell(data: dict) -> str:
+    """A needle config's training lengths, `1K → 2K → 4K`, from its curriculum (or its seq_len)."""
+    lengths = [length for _, length in data.get("curriculum") or [(0, data["seq_len"])]]
+    return " → ".join(length_name(n) for n in lengths)
+
+
+@table(
+    "ruler-refresh-lengths",
+    "results/ruler-refresh-lengths/{refresh,drt-x2-4k,drt-x2-16k}-passkey.json, "
+    "results/ruler-refresh-lengths/{refresh,drt-x2-4k,drt-x2-16k}-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
+    "results/runs/lm/ruler/refresh/drt-x2/{config.yaml,metrics.jsonl}, "
+    "results/runs/lm/ruler/refresh-lengths/{drt-x2-4k,drt-x2-16k}/{config.yaml,metrics.jsonl}",
+)
+def ruler_refresh_lengths() -> list[str]:
+    lines = header(
+        "stage 3 trained at",
+        "tokens a step",
+        "tokens",
+        *(f"passkey {length_name(n)}" for n in RULER_REFRESH_LENGTHS_PASSKEY),
+        "needle's chunks among those read",
+        "needle split over two chunks",
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in (4096, 16384)),
+    )
+    for prefix, run in RULER_REFRESH_LENGTHS_ROWS:
+        config = run_config(run)
+        tokens = max(entry.get("tokens", 0) for entry in jsonl(f"results/runs/{run}/metrics.jsonl"))
+        passkey = passkey_grid(prefix)
+        trials = record(f"{prefix}-passkey.json")["trials"] if passkey else []
+        found = sum(bool(t["retrieved_needle"]) for t in trials)
+        lines.append(
+            row(
+                curriculum_cell(config["data"]),
+                f"{config['data']['batch_tokens']:,}",
+                f"{tokens / 1e6:.1f}M",
+                *(rate_cell(passkey.get(n)) for n in RULER_REFRESH_LENGTHS_PASSKEY),
+                f"{found} of {len(trials)}" if trials else "not run",
+                split_needle_cell(f"{prefix}-passkey.json") if trials else "not run",
+                *single_needle_cells(prefix, (4096, 16384)),
+            )
+        )
+    return lines
+
+
 RULER_NEAR = "results/ruler-near"
 # (model, what its last stage was, the prefix of its records: PREFIX-inspan-passkey.json and, where
 # lm-eval ran, PREFIX-lm-eval-LENGTH.json)
 RULER_NEAR_ROWS = (
-    ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l", False),
-    ("baselm-2l", "then the RULER mix", f"{RULER_VARIED}/baselm-2l", True),
-    ("baselm-2l", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/baselm-2l-share05", True),
-    ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l", True),
-    ("drt-x2", "then the RULER mix", f"{RULER_VARIED}/drt-x2", True),
-    ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1", True),
-    ("drt-x2", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/drt-x2-share05", True),
-    ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2", True),
-    ("drt-x2", "then the mix, a fifth near, another seed", f"{RULER_NEAR}/drt-x2-seed1-near", True),
+    ("baselm-2l", "passkeys (`stage1-baselm-2l`)", f"{RULER_NEAR}/stage1-baselm-2l"),
+    ("baselm-2l", "then the RULER mix", f"{RULER_VARIED}/baselm-2l"),
+    ("baselm-2l", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/baselm-2l-share05"),
+    ("baselm-2l", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/baselm-2l"),
+    ("drt-x2", "then the RULER mix", f"{RULER_VARIED}/drt-x2"),
+    ("drt-x2", "then the RULER mix, another seed", f"{RULER_NEAR}/drt-x2-seed1"),
+    ("drt-x2", "then the mix, a twentieth of the needles near", f"{RULER_NEAR}/drt-x2-share05"),
+    ("drt-x2", "then the mix, a fifth of the needles near", f"{RULER_NEAR}/drt-x2"),
+    ("drt-x2", "then the mix, a fifth near, another seed", f"{RULER_NEAR}/drt-x2-seed1-near"),
 )
 
 
@@ -1150,12 +1242,11 @@ def ruler_near() -> list[str]:
         "in-span passkey 4K",
         *(f"lm-eval `niah_single_1` {length_name(n)}" for n in lengths),
     )
-    for model, stage, prefix, lm_eval in RULER_NEAR_ROWS:
+    for model, stage, prefix in RULER_NEAR_ROWS:
         grid = by_length(f"{prefix}-inspan-passkey.json")
-        scores = (
-            lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) if lm_eval else "not run" for n in lengths
+        lines.append(
+            row(code(model), stage, *(rate_cell(grid[n]) for n in (1024, 4096)), *single_needle_cells(prefix, lengths))
         )
-        lines.append(row(code(model), stage, *(rate_cell(grid[n]) for n in (1024, 4096)), *scores))
     return lines
 
 
@@ -1202,7 +1293,7 @@ def ruler_recipes() -> list[str]:
         *(f"passkey {length_name(n)}" for n in RULER_RECIPE_PASSKEY),
     )
     for prefix, run in RULER_RECIPE_ROWS:
-        config = yaml.safe_load((ROOT / "results/runs" / run / "config.yaml").read_text())
+        config = run_config(run)
         data, train = config["data"], config["train"]
         passkey = passkey_grid(prefix)
         lines.append(
@@ -1212,10 +1303,7 @@ def ruler_recipes() -> list[str]:
                 str(train["seed"]),
                 str(train["steps"]),
                 inspan_passkey_cell(prefix),
-                *(
-                    lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_single_1", n) or "not run"
-                    for n in RULER_RECIPE_LM_EVAL
-                ),
+                *single_needle_cells(prefix, RULER_RECIPE_LM_EVAL),
                 *(rate_cell(passkey.get(n)) for n in RULER_RECIPE_PASSKEY),
             )
         )

@@ -13,7 +13,8 @@
 # builds them with the model's byte tokenizer) at LENGTHS tokens, LIMIT items per task and length,
 # through `farsight eval harness`: first the needle tasks the shipped model is held to (GATED), with
 # two in-span checks (R1's passkey inside every window, and farsight's niah_single_1 right before
-# RULER's question) and farsight's passkey from 1K to 1M, for every model; then the shipped
+# RULER's question) and farsight's passkey from 1K to 1M (for the DRTs also with each needle at its
+# own offset within a chunk), for every model; then the shipped
 # drt-x2 through lm-eval's standard `hf` model (HF_TASKS at HF_LENGTHS); then the other tasks
 # (OTHERS) for every model. Each `farsight eval harness` call also writes its items' targets
 # and answers (`--samples`, JSON lines). Where the run of drt-x2 is present, its export is written
@@ -83,6 +84,15 @@ for model in "${MODELS[@]}"; do
     [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "$dir" $(reading "$model") \
         --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 2 \
         --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
+    # the same grid with each trial's needle at its own offset within a 32-token chunk
+    # (--needle-jitter): above, every trial of a cell holds its needle at one offset, so a cell tests
+    # only passkeys split over two chunks or only whole ones; 20 trials at 256K and 1M. Not run for
+    # the baseline, which has no chunks.
+    if [[ $model == drt-* ]] && [ ! -f "$OUT/$model-passkey-jitter.json" ]; then
+        $F eval passkey --model "$dir" $(reading "$model") --lengths 1k,4k,16k,64k,256k,1m \
+            --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 4 --needle-jitter 32 --corpus data/lm-byte \
+            --dtype bf16 --out "$OUT/$model-passkey-jitter.json"
+    fi
 done
 
 if [[ " ${MODELS[*]} " == *" drt-x2 "* ]]; then

@@ -208,6 +208,15 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
         help="the question ends on a multiple of this (default: the model's chunk size, where the session pads it to a chunk boundary; "
         "below the chunk size each trial's question sits at its own offset, unpadded)",
     )
+    needle.add_argument(
+        "--needle-jitter",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="move each trial's needle by its own shift of 0 to TOKENS-1 tokens (earlier beyond depth 0.5), so that "
+        "the trials of a cell hold it at TOKENS different offsets, e.g. the model's chunk size (default 0: the depth "
+        "alone places it, at one offset within a chunk for every trial of a cell)",
+    )
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
     add_dtype_argument(needle)
@@ -238,7 +247,7 @@ def _needle(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_plot_file(args.plot)
-    check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0})
+    check_at_least(args, {"--batch-size": 1, "--align": 1, "--seed": 0, "--needle-jitter": 0})
     if args.choices is not None and not args.export_choice:
         raise InputError(
             f"--choices {args.choices} sets the choices per item of --export-choice; add --export-choice DIR or drop --choices"
@@ -276,6 +285,7 @@ def _needle(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         memory=args.memory,
         kv_dtype=args.kv_dtype,
+        needle_jitter=args.needle_jitter,
     )
     summary.update(
         **measured,
@@ -285,6 +295,8 @@ def _needle(args: argparse.Namespace) -> int:
         filler=args.filler,
         corpus=args.corpus,
         split=args.split,
+        seed=args.seed,
+        task_options=options,
     )
     print(results_table(summary))
     write_json(args.out, summary)
@@ -311,7 +323,15 @@ def _export_choice(
         args.task, tokenizer, make_filler(args.filler, tokenizer, args.corpus, args.split), align, **options
     )
     names = export_choice_tasks(
-        task, lengths, depths, trials, args.export_choice, args.choices, args.seed, overwrite=args.force
+        task,
+        lengths,
+        depths,
+        trials,
+        args.export_choice,
+        args.choices,
+        args.seed,
+        overwrite=args.force,
+        needle_jitter=args.needle_jitter,
     )
     logger.info(f"wrote {len(names)} lm-eval tasks to {args.export_choice}: {', '.join(names)}")
     # a question at any offset of its chunk is scored as `eval passkey` decodes it with the
@@ -376,6 +396,7 @@ def _perplexity(args: argparse.Namespace) -> int:
         {
             "corpus": args.corpus,
             "split": args.split,
+            "seed": args.seed,
             "dtype": args.dtype,
             "kv_dtype": args.kv_dtype,
             "results": results,

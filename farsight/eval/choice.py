@@ -17,7 +17,7 @@ import yaml
 
 from farsight.data.tasks.needles import NeedleTask
 from farsight.errors import InputError
-from farsight.eval.needle import format_length, trial_rng
+from farsight.eval.needle import format_length, needle_rng, needle_shift, trial_rng
 from farsight.files import atomic_write, new_folders_for, reported_write, writing_folder
 
 DATA_LOADER = "farsight_data.py"  # copied into an export: loads its items relative to the folder
@@ -41,18 +41,25 @@ def write_lm_eval_task(out: Path, name: str, items: list[dict[str, Any]], config
 
 
 def choice_items(
-    task: NeedleTask, length: int, depths: list[float], trials: int, choices: int = 4, seed: int = 0
+    task: NeedleTask,
+    length: int,
+    depths: list[float],
+    trials: int,
+    choices: int = 4,
+    seed: int = 0,
+    needle_jitter: int = 0,
 ) -> list[dict[str, Any]]:
     """One item per (depth, trial): input (the prompt text, ending before the answer), choices
     (the answer and choices - 1 distinct random digit strings of its length, in random order),
-    gold (the answer's place)."""
+    gold (the answer's place). `needle_jitter` shifts each needle as `evaluate_needle_task` does."""
     if choices < 2:
         raise InputError(f"a multiple-choice task needs at least 2 choices, got {choices}")
     tokenizer = task.tokenizer
     items = []
     for di, depth in enumerate(depths):
         for t in range(trials):
-            sample = task.sample(length, depth, trial_rng(seed, length, di, t))
+            shift = needle_shift(needle_jitter, depth, needle_rng(seed, length, di, t))
+            sample = task.sample(length, depth, trial_rng(seed, length, di, t), needle_shift=shift)
             answer = tokenizer.decode(sample.answer.tolist()).strip()
             if not answer.isdigit():
                 raise InputError(
@@ -90,6 +97,7 @@ def export_choice_tasks(
     choices: int = 4,
     seed: int = 0,
     overwrite: bool = False,
+    needle_jitter: int = 0,
 ) -> list[str]:
     """Write out/data/NAME.jsonl and out/NAME.yaml per length (NAME = farsight_TASK_mc_LENGTH,
     tagged farsight_TASK_mc) and the loader they share (`write_lm_eval_task`); returns the task names.
@@ -101,7 +109,7 @@ def export_choice_tasks(
         names = []
         for length in lengths:
             name = f"{tag}_{format_length(length).lower()}"
-            items = choice_items(task, length, depths, trials[length], choices, seed)
+            items = choice_items(task, length, depths, trials[length], choices, seed, needle_jitter)
             config = {
                 "task": name,
                 "tag": [tag],

@@ -29,6 +29,7 @@ class TrialResult:
     retrieved_needle: bool | None
     answer: str
     predicted: str
+    evidence_chunks: int | None = None  # how many chunks hold the evidence (a model with retrieval)
 
 
 def score_answer(predicted: np.ndarray, answer: np.ndarray, lead: int = 0) -> tuple[bool, bool]:
@@ -111,6 +112,22 @@ def offset_rng(seed: int, length: int, depth_index: int, trial: int) -> np.rando
     return np.random.default_rng([seed, length, depth_index, trial, 1])
 
 
+def needle_rng(seed: int, length: int, depth_index: int, trial: int) -> np.random.Generator:
+    """The generator of a trial's needle shift (`needle_jitter`): apart from trial_rng, so that a
+    shifted trial has the unshifted trial's haystack, needles and question."""
+    return np.random.default_rng([seed, length, depth_index, trial, 2])
+
+
+def needle_shift(jitter: int, depth: float, rng: np.random.Generator) -> int:
+    """A trial's shift of its asked needle under `needle_jitter`: `jitter` consecutive values,
+    so the needle takes any of `jitter` offsets, later than its depth in the haystack's first half
+    and earlier in its second (0 to jitter - 1 or 1 - jitter to 0); 0 without jitter."""
+    if jitter <= 1:
+        return 0
+    k = int(rng.integers(jitter))
+    return k if depth <= 0.5 else k - (jitter - 1)
+
+
 def question_offsets(model: Any, task: NeedleTask) -> int:
     """How many offsets within a chunk a question may end at: 1 (a chunk boundary, where the
     session pads the prompt to) unless the task's `align` is below the model's chunk size."""
@@ -144,6 +161,7 @@ def evaluate_needle_task(
     memory: str = "device",
     kv_dtype: str | None = None,
     progress: bool = True,
+    needle_jitter: int = 0,
 ) -> dict[str, Any]:
     """Run the grid; returns {"trials": [...], "by_length": {...}, "by_cell": {...}, timing}.
 
@@ -158,9 +176,18 @@ def evaluate_needle_task(
     paper's setup. With `align` below the chunk size the prompt is fed as it is, and each trial's
     question ends at a random multiple of `align` within its chunk (with the needles of the
     aligned grid), so the grid tests that answers do not depend on where the landmarks fall.
+
+    Needle offsets: the depth alone places the asked needle, so every trial of a cell holds it at
+    the same offset within a chunk, and one cell may test only needles that straddle a chunk
+    boundary (a DRT must then retrieve both chunks) or only needles that do not. `needle_jitter`
+    J > 1 moves each trial's needle by its own shift (`needle_shift`, J consecutive offsets, with
+    the haystack, needles and question of the unshifted trial), so that with J = the chunk size a
+    cell's trials sample every offset.
     """
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
+    if needle_jitter < 0:
+        raise InputError(f"needle_jitter must be >= 0, got {needle_jitter}")
     per_length = check_needle_grid(lengths, depths, trials)
     decode_tokens = model.config.vocab_size
     results: list[TrialResult] = []
@@ -181,6 +208,7 @@ def evaluate_needle_task(
                     depth,
                     trial_rng(seed, length, di, t),
                     task.align * int(offset_rng(seed, length, di, t).integers(offsets)),
+                    needle_shift(needle_jitter, depth, needle_rng(seed, length, di, t)),
                 )
                 for t in range(per_length[length])
             ]
@@ -211,6 +239,11 @@ def evaluate_needle_task(
                     for row, i in enumerate(batch):
                         sample = samples[i]
                         exact, first = score_answer(predicted[row], sample.answer, sample.answer_lead)
+                        evidence = (
+                            None
+                            if retrieved is None
+                            else sample.evidence_chunks(model.config.chunk_size, session.prompt_offset)
+                        )
                         results.append(
                             TrialResult(
                                 length=length,
@@ -218,18 +251,17 @@ def evaluate_needle_task(
                                 trial=i,
                                 exact=exact,
                                 first_token=first,
-                                retrieved_needle=None
-                                if retrieved is None
-                                else sample.evidence_chunks(model.config.chunk_size, session.prompt_offset)
-                                <= retrieved[row],
+                                retrieved_needle=None if evidence is None else evidence <= retrieved[row],
                                 answer=task.tokenizer.decode(sample.answer.tolist()),
                                 predicted=task.tokenizer.decode(predicted[row].tolist()),
+                                evidence_chunks=None if evidence is None else len(evidence),
                             )
                         )
                     bar.update((length - question) * len(batch))  # the lead-in, the answer and the tail
     bar.close()
     summary = summarize(results, task.name, seconds)
     summary["question_offsets"] = question_offsets_label(model, task, offsets)
+    summary["needle_jitter"] = needle_jitter
     return summary
 
 
@@ -262,6 +294,10 @@ def summarize(results: list[TrialResult], task: str, seconds: dict[int, float] |
         }
         if all(r.retrieved_needle is not None for r in rows):
             out["needle_retrieved"] = sum(bool(r.retrieved_needle) for r in rows) / len(rows)
+        if all(r.evidence_chunks is not None for r in rows):
+            # the trials whose evidence spans a chunk boundary: a retriever must fetch every piece
+            split = [r for r in rows if r.evidence_chunks > 1]
+            out["split_evidence"] = {"trials": len(split), "exact": sum(r.exact for r in split)}
         return out
 
     return {
@@ -337,15 +373,22 @@ def results_table(summary: dict[str, Any], markdown: bool = False) -> str:
             "95% interval": _interval_cell(v.get("exact_match_ci95")),
             "first token %": 100 * v["first_token"],
             "needle retrieved %": 100 * v["needle_retrieved"] if "needle_retrieved" in v else None,
+            "split needle: exact": _split_cell(v.get("split_evidence")),
             "seconds": v.get("seconds"),
         }
         for k, v in summary["by_length"].items()
     ]
-    return format_table(
-        rows,
-        ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %", "seconds"],
-        markdown,
-    )
+    columns = ["length", "trials", "exact match %", "95% interval", "first token %", "needle retrieved %"]
+    if any(row["split needle: exact"] is not None for row in rows):
+        columns.append("split needle: exact")
+    return format_table(rows, [*columns, "seconds"], markdown)
+
+
+def _split_cell(split: dict[str, int] | None) -> str | None:
+    """The trials whose needle spans a chunk boundary: `2 of 8` exact, `-` where none did."""
+    if split is None:
+        return None
+    return f"{split['exact']} of {split['trials']}" if split["trials"] else "-"
 
 
 def _interval_cell(interval: list[float] | None) -> str | None:

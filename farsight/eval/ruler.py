@@ -50,11 +50,12 @@ def add_string_match(summary: dict[str, Any], has_needles: bool = True) -> dict[
     """Add "string_match" to every trial, cell and length of a needle summary (in place).
 
     Without needles (common and frequent words) every chunk is evidence, so DRT's
-    "needle_retrieved" says nothing and is removed."""
+    "needle_retrieved" and "evidence_chunks" say nothing and are removed."""
     for trial in summary["trials"]:
         trial["string_match"] = string_match(trial["predicted"], split_answer(trial["answer"]))
         if not has_needles:
             trial.pop("retrieved_needle", None)
+            trial.pop("evidence_chunks", None)
 
     def mean(rows: list[dict[str, Any]]) -> float:
         return sum(r["string_match"] for r in rows) / len(rows)
@@ -68,6 +69,7 @@ def add_string_match(summary: dict[str, Any], has_needles: bool = True) -> dict[
     if not has_needles:
         for row in [*summary["by_length"].values(), *summary["by_cell"]]:
             row.pop("needle_retrieved", None)
+            row.pop("split_evidence", None)
     return summary
 
 

@@ -56,6 +56,8 @@ def test_a_shift_moves_the_question_and_keeps_the_length():
     assert text(BYTE, shifted.answer) == text(BYTE, plain.answer)
     with pytest.raises(InputError, match="shift must be >= 0"):
         task.sample(1024, 0.5, rng(), shift=-1)
+    with pytest.raises(InputError, match="places its needles on sentence or word boundaries"):
+        task.sample(1024, 0.5, rng(), needle_shift=3)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])

@@ -55,6 +55,24 @@ def test_depth_places_the_needle(depth):
     assert abs(s.needle_positions[0] - depth * haystack) < 60
 
 
+@pytest.mark.parametrize("shift", [-7, 5])
+def test_a_needle_shift_moves_the_asked_needle_and_nothing_else(shift):
+    task = make_task("passkey", TOK, CorpusFiller(np.arange(10_000) % 250), 32)
+    plain, moved = task.sample(2000, 0.5, rng(4)), task.sample(2000, 0.5, rng(4), needle_shift=shift)
+
+    def without_needle(s):
+        start, n = s.needle_positions[0], s.needle_lengths[0]
+        return np.concatenate([s.input_ids[:start], s.input_ids[start + n :]])
+
+    assert moved.needle_positions[0] == plain.needle_positions[0] + shift
+    assert np.array_equal(without_needle(moved), without_needle(plain)) and moved.info == plain.info
+    assert moved.answer_start == plain.answer_start
+    # kept inside the haystack: a needle at either end cannot move past it
+    assert task.sample(2000, 0.0, rng(4), needle_shift=-3).needle_positions[0] == 0
+    end = task.sample(2000, 1.0, rng(4))
+    assert task.sample(2000, 1.0, rng(4), needle_shift=40).needle_positions[0] == end.needle_positions[0]
+
+
 def test_determinism_from_the_seed():
     t = make_task("niah2hop", TOK, CorpusFiller(np.arange(10_000) % 250), 32)
     a, b = t.sample(3000, 0.3, rng(7)), t.sample(3000, 0.3, rng(7))

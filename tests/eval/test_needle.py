@@ -94,7 +94,9 @@ def test_real_decoding_runs_for_drt_and_baselines(kind):
     summary = evaluate_needle_task(model, task, [200], [0.5], trials=3, batch_size=2, progress=False)
     row = summary["by_length"]["200"]
     assert row["trials"] == 3 and 0 <= row["exact_match"] <= row["first_token"] <= 1
-    assert ("needle_retrieved" in row) == (kind == "drt")
+    assert ("needle_retrieved" in row) == ("split_evidence" in row) == (kind == "drt")
+    assert all((t["evidence_chunks"] is None) == (kind != "drt") for t in summary["trials"])
+    assert ("split needle" in results_table(summary)) == (kind == "drt")
     predicted = [t["predicted"] for t in summary["trials"]]
     assert all(len(p) >= 1 for p in predicted)
 
@@ -127,6 +129,48 @@ def test_an_align_below_the_chunk_size_asks_each_question_at_its_own_offset_unpa
         evaluate_needle_task(
             model, make_task("passkey", TOK, RepeatedFiller(TOK), align=3), [200], [0.0], trials=1, progress=False
         )
+
+
+def test_needle_jitter_draws_every_shift_on_the_haystack_side_of_the_depth():
+    early = {needle.needle_shift(8, 0.3, np.random.default_rng(i)) for i in range(300)}
+    late = {needle.needle_shift(8, 0.7, np.random.default_rng(i)) for i in range(300)}
+    assert early == set(range(8)) and late == set(range(-7, 1))
+    assert needle.needle_shift(0, 0.3, np.random.default_rng(0)) == needle.needle_shift(1, 0.9, None) == 0
+
+
+def test_needle_jitter_moves_each_trials_needle_within_a_chunk_and_keeps_its_passkey(monkeypatch):
+    model = tiny_drt()  # chunk size 16
+    task = make_task("passkey", TOK, RepeatedFiller(TOK), align=16)
+    placed, sample = [], task.sample
+
+    def recording(*args, **kwargs):
+        drawn = sample(*args, **kwargs)
+        placed.append(drawn.needle_positions[0])
+        return drawn
+
+    monkeypatch.setattr(task, "sample", recording)
+    grid = ([400], [0.25, 0.75], 8)
+    fixed = evaluate_needle_task(model, task, *grid, progress=False)
+    at_depth, placed[:] = placed[:], []
+    moved = evaluate_needle_task(model, task, *grid, progress=False, needle_jitter=16)
+    assert fixed["needle_jitter"] == 0 and moved["needle_jitter"] == 16
+    assert [t["answer"] for t in moved["trials"]] == [t["answer"] for t in fixed["trials"]]
+    # without jitter every trial of a cell holds its needle at one offset within a chunk
+    assert len({p % 16 for p in at_depth[:8]}) == len({p % 16 for p in at_depth[8:]}) == 1
+    assert len({p % 16 for p in placed[:8]}) > 1 and len({p % 16 for p in placed[8:]}) > 1
+    assert all(0 <= m - f < 16 for m, f in zip(placed[:8], at_depth[:8]))
+    assert all(-16 < m - f <= 0 for m, f in zip(placed[8:], at_depth[8:]))
+    # the 6 evidence tokens (" " and 5 digits) span two chunks where they start past offset 10
+    intro = len(TOK.encode(" The passkey is:"))
+    split = [(p + intro) % 16 > 10 for p in placed]
+    assert [t["evidence_chunks"] for t in moved["trials"]] == [2 if s else 1 for s in split] and 0 < sum(split) < 16
+    assert moved["by_length"]["400"]["split_evidence"] == {
+        "trials": sum(split),
+        "exact": sum(t["exact"] for t, s in zip(moved["trials"], split) if s),
+    }
+    assert "split needle: exact" in results_table(moved)
+    with pytest.raises(InputError, match="needle_jitter must be >= 0"):
+        evaluate_needle_task(model, task, [400], [0.5], 1, progress=False, needle_jitter=-1)
 
 
 @pytest.mark.parametrize("mode", ["autocast-bf16", "bf16"])
@@ -186,6 +230,12 @@ def test_cli_eval_writes_json_and_heatmap(tmp_path):
             "1",
             "--filler",
             "repeat",
+            "--seed",
+            "3",
+            "--task-option",
+            "digits=4",
+            "--needle-jitter",
+            "16",
             "--out",
             str(tmp_path / "r.json"),
             "--plot",
@@ -195,6 +245,10 @@ def test_cli_eval_writes_json_and_heatmap(tmp_path):
     assert code == 0
     summary = json.loads((tmp_path / "r.json").read_text())
     assert set(summary["by_length"]) == {"160", "256"} and len(summary["by_cell"]) == 4
+    # what drew the trials, so that the record names its grid
+    assert summary["seed"] == 3 and summary["task_options"] == {"digits": 4} and summary["needle_jitter"] == 16
+    assert all(len(trial["answer"].strip()) == 4 for trial in summary["trials"])
+    assert main(["eval", "passkey", "--model", str(tmp_path / "m"), "--needle-jitter", "-1"]) == 2
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -27,6 +27,10 @@ def test_items_hold_the_answer_among_distinct_distractors():
         assert f"The passkey is: {answer}." in item["input"] and item["input"].endswith("The passkey is")
         assert len(set(item["choices"])) == 4 and all(len(c) == len(answer) and c.isdigit() for c in item["choices"])
     assert len({item["gold"] for item in items}) > 1
+    # a jittered grid asks the same passkeys among the same choices, its needles elsewhere
+    moved = choice_items(task, 300, [0.2, 0.8], 3, choices=4, seed=1, needle_jitter=16)
+    assert [(m["choices"], m["gold"]) for m in moved] == [(i["choices"], i["gold"]) for i in items]
+    assert any(m["input"] != i["input"] for m, i in zip(moved, items))
     with pytest.raises(InputError, match="at least 2 choices"):
         choice_items(task, 300, [0.5], 1, choices=1)
 

@@ -429,8 +429,11 @@ def test_ppl_of_two_models_prints_paired_differences_and_writes_json(paths, caps
         "--lengths",
         "32,64",
     ]
-    assert main([*argv, "--windows", "2", "--window-length", "96", "--out", str(tmp_path / "r.json")]) == 0
+    out_file = tmp_path / "r.json"
+    assert main([*argv, "--windows", "2", "--window-length", "96", "--seed", "5", "--out", str(out_file)]) == 0
     out = capsys.readouterr().out
     assert "NLL minus" in out and "first L" in out and "32-L" in out and "96-token windows" in out
-    saved = json.loads((tmp_path / "r.json").read_text())["results"][paths["tf"]]
+    record = json.loads(out_file.read_text())
+    saved = record["results"][paths["tf"]]
     assert saved["window_length"] == 96 and len(saved["by_length"]["64"]["window_nll"]) == 2
+    assert record["seed"] == 5  # the windows drawn: a record says how to draw them again

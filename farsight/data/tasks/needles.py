@@ -138,11 +138,16 @@ class NeedleTask:
     def draw(self, rng: np.random.Generator) -> Draw:
         raise NotImplementedError
 
-    def sample(self, length: int, depth: float, rng: np.random.Generator, shift: int = 0) -> NeedleSample:
+    def sample(
+        self, length: int, depth: float, rng: np.random.Generator, shift: int = 0, needle_shift: int = 0
+    ) -> NeedleSample:
         """A sample of exactly `length` tokens with the (first) needle at `depth` in [0, 1] of the
         haystack. `shift` moves that many filler tokens from before the question to after the
         answer, so the question ends at another offset within a chunk: without it, every sample of
-        one length puts the question at the same offset (training draws it at random)."""
+        one length puts the question at the same offset (training draws it at random).
+        `needle_shift` moves the asked needle that many tokens later (earlier where negative) than
+        its depth, kept inside the haystack: without it, every sample of one length and depth puts
+        the needle at the same offset within a chunk. Neither changes what `rng` draws."""
         if not 0.0 <= depth <= 1.0:
             raise InputError(f"depth must be in [0, 1], got {depth}")
         if shift < 0:
@@ -161,7 +166,7 @@ class NeedleTask:
             raise too_short(self.name, length, round_up(needed + len(head), self.align) + tail_len + shift, shift)
         filler = self.filler.take(haystack - needed, rng)
         # the first needle (the one asked about) sits at `depth`; any others at random places
-        positions = [int(round(depth * len(filler)))]
+        positions = [min(max(int(round(depth * len(filler))) + needle_shift, 0), len(filler))]
         positions += [int(x) for x in rng.integers(0, len(filler) + 1, size=len(needles) - 1)]
         order = sorted(range(len(needles)), key=lambda i: (positions[i], i))
         pieces, placed, cursor = [], [0] * len(needles), 0

@@ -115,14 +115,22 @@ class RulerTask(NeedleTask):
     def draw(self, rng: np.random.Generator) -> RulerDraw:
         raise NotImplementedError
 
-    def sample(self, length: int, depth: float, rng: np.random.Generator, shift: int = 0) -> NeedleSample:
+    def sample(
+        self, length: int, depth: float, rng: np.random.Generator, shift: int = 0, needle_shift: int = 0
+    ) -> NeedleSample:
         """A sample of exactly `length` tokens; the (first) asked needle at `depth` in [0, 1] of the
         context. `shift` moves that many tokens from before the question to after the answer, as in
-        NeedleTask.sample."""
+        NeedleTask.sample. Needles sit on sentence or word boundaries (`_snap`), so a `needle_shift`
+        other than 0 cannot be honoured and is refused."""
         if not 0.0 <= depth <= 1.0:
             raise InputError(f"depth must be in [0, 1], got {depth}")
         if shift < 0:
             raise InputError(f"shift must be >= 0, got {shift}")
+        if needle_shift:
+            raise InputError(
+                f"the {self.name} task places its needles on sentence or word boundaries and cannot shift them "
+                f"(needle_shift {needle_shift}); leave the needle jitter at 0"
+            )
         draw = self.draw(rng)
         end = self.encode(".")
         tail = len(draw.link) + len(draw.answer) + len(end)
