@@ -328,8 +328,8 @@ def _export_choice(
         depths,
         trials,
         args.export_choice,
-        args.choices,
-        args.seed,
+        choices=args.choices,
+        seed=args.seed,
         overwrite=args.force,
         needle_jitter=args.needle_jitter,
     )
