@@ -1080,13 +1080,11 @@ def ruler_passkey_jitter() -> list[str]:
         "model", "needles placed", *(f"passkey {length_name(n)}" for n in lengths), "needle split over two chunks"
     )
     for model in grids:
-        for placed, suffix in (("by depth alone", "passkey"), ("at any offset within a chunk", "passkey-jitter")):
-            path = f"{RULER}/{model}-{suffix}.json"
-            if not (ROOT / path).exists():
-                lines.append(row(code(model), placed, *("not run" for _ in lengths), "not run"))
-                continue
-            grid = by_length(path)
-            lines.append(row(code(model), placed, *(rate_cell(grid.get(n)) for n in lengths), split_needle_cell(path)))
+        for placed, suffix in (("by depth alone", ""), ("at any offset within a chunk", "-jitter")):
+            prefix = f"{RULER}/{model}"
+            grid = passkey_grid(prefix, suffix)
+            split = split_needle_cell(f"{prefix}-passkey{suffix}.json") if grid else "not run"
+            lines.append(row(code(model), placed, *(rate_cell(grid.get(n)) for n in lengths), split))
     return lines
 
 
@@ -1094,9 +1092,9 @@ RULER_TWO_STAGE = "results/ruler-two-stage"
 RULER_STAGES_PASSKEY = (4096, 16384, 65536, 262144, 1048576)
 
 
-def passkey_grid(prefix: str) -> dict[int, dict]:
-    """The passkey grid of PREFIX-passkey.json by length, empty where it was not run."""
-    path = f"{prefix}-passkey.json"
+def passkey_grid(prefix: str, suffix: str = "") -> dict[int, dict]:
+    """The passkey grid of PREFIX-passkeySUFFIX.json by length, empty where it was not run."""
+    path = f"{prefix}-passkey{suffix}.json"
     return by_length(path) if (ROOT / path).exists() else {}
 
 

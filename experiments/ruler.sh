@@ -40,6 +40,10 @@ read -r -a MODELS <<< "${MODELS:-drt-x2 drt-x1 baselm-2l}"
 mkdir -p "$OUT"
 bash experiments/lm-data.sh
 
+# farsight's passkey grid, 40 trials a length to 64K (--long-trials sets those beyond)
+PASSKEY_GRID=(--lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --corpus data/lm-byte
+    --dtype bf16)
+
 reading() {  # MODEL: the options that make a DRT read READ_TOP_K chunks (none for the baseline)
     [[ $1 == drt-* ]] && echo "--retrieval-top-k $READ_TOP_K" || true
 }
@@ -81,17 +85,15 @@ for model in "${MODELS[@]}"; do
         --depths 1 --trials 50 --corpus data/lm-byte --align 1 --dtype bf16 --batch-size 2 \
         --out "$OUT/$model-inspan-passkey.json"
     # the passkey from 1K to 1M tokens, in the corpus's held-out text
-    [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "$dir" $(reading "$model") \
-        --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 2 \
-        --corpus data/lm-byte --dtype bf16 --out "$OUT/$model-passkey.json"
+    [ -f "$OUT/$model-passkey.json" ] || $F eval passkey --model "$dir" $(reading "$model") "${PASSKEY_GRID[@]}" \
+        --long-trials 2 --out "$OUT/$model-passkey.json"
     # the same grid with each trial's needle at its own offset within a 32-token chunk
     # (--needle-jitter): above, every trial of a cell holds its needle at one offset, so a cell tests
     # only passkeys split over two chunks or only whole ones; 20 trials at 256K and 1M. Not run for
     # the baseline, which has no chunks.
     if [[ $model == drt-* ]] && [ ! -f "$OUT/$model-passkey-jitter.json" ]; then
-        $F eval passkey --model "$dir" $(reading "$model") --lengths 1k,4k,16k,64k,256k,1m \
-            --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 4 --needle-jitter 32 --corpus data/lm-byte \
-            --dtype bf16 --out "$OUT/$model-passkey-jitter.json"
+        $F eval passkey --model "$dir" $(reading "$model") "${PASSKEY_GRID[@]}" --long-trials 4 --needle-jitter 32 \
+            --out "$OUT/$model-passkey-jitter.json"
     fi
 done
 
