@@ -1205,6 +1205,130 @@ def ruler_refresh_lengths() -> list[str]:
     return lines
 
 
+def whole_needle_cell(path: str) -> str:
+    """The passkey trials of a record whose needle lies inside one chunk, all lengths together:
+    `160 of 166 exact`, or `not recorded` for a record written before farsight counted them."""
+    entries = record(path)["by_length"].values()
+    if not all("split_evidence" in entry for entry in entries):
+        return "not recorded"
+    exact = sum(round(e["exact_match"] * e["trials"]) - e["split_evidence"]["exact"] for e in entries)
+    trials = sum(e["trials"] - e["split_evidence"]["trials"] for e in entries)
+    return f"{exact} of {trials} exact"
+
+
+def neighbors_read(path: str, run: str | None) -> str:
+    """The chunks a DRT read beside each retrieved one in a record, `before:after`: the record's
+    `--retrieval-neighbors`, else the config of `run` (its copy under results/runs/), else the
+    measured model directory's (0:0 where it has no such field)."""
+    measured = record(path)
+    if "retrieval_neighbors" in measured:
+        before, after = measured["retrieval_neighbors"]
+    else:
+        config = (
+            run_config(run)["model"]
+            if run is not None
+            else json.loads((ROOT / measured["model"] / "config.json").read_text())["config"]
+        )
+        before, after = config.get("neighbors_before", 0), config.get("neighbors_after", 0)
+    return f"{before}:{after}"
+
+
+RULER_NEIGHBORS = "results/ruler-neighbors"
+# (what the third stage read, the prefix of the passkey and lm-eval records, the run measured
+# where it is not a model directory: its config and metrics under results/runs/)
+RULER_NEIGHBORS_ROWS = (
+    ("the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER}/drt-x2", None),
+    ("the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER_NEIGHBORS}/shipped", None),
+    ("each retrieved chunk and its neighbours", f"{RULER_NEIGHBORS}/trained", "lm/ruler/neighbors/drt-x2"),
+)
+
+
+@table(
+    "ruler-neighbors",
+    "results/ruler/drt-x2-passkey{,-jitter}.json, "
+    "results/ruler/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/ruler-neighbors/shipped-passkey-jitter.json, results/ruler-neighbors/trained-passkey{,-jitter}.json, "
+    "results/ruler-neighbors/shipped-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
+    "results/ruler-neighbors/trained-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/runs/lm/ruler/neighbors/drt-x2/config.yaml",
+)
+def ruler_neighbors() -> list[str]:
+    grids = [passkey_grid(prefix, "-jitter") for _, prefix, _ in RULER_NEIGHBORS_ROWS]
+    lengths = sorted({n for grid in grids for n in grid})
+    lines = header(
+        "stage 3 trained reading",
+        "neighbours read (before:after)",
+        *(f"passkey {length_name(n)}" for n in lengths),
+        "needle split over two chunks",
+        "needle inside one chunk",
+        "passkey by depth alone 256K / 1M",
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_LENGTHS),
+        "lm-eval `niah_multikey_2` 4K",
+    )
+    for (trained, prefix, run), grid in zip(RULER_NEIGHBORS_ROWS, grids):
+        if not grid:
+            continue
+        passkey = f"{prefix}-passkey-jitter.json"
+        by_depth = passkey_grid(prefix)
+        lines.append(
+            row(
+                trained,
+                neighbors_read(passkey, run),
+                *(rate_cell(grid.get(n)) for n in lengths),
+                split_needle_cell(passkey),
+                whole_needle_cell(passkey),
+                " / ".join(rate_cell(by_depth[n]) for n in (262144, 1048576)) if by_depth else "not run",
+                *single_needle_cells(prefix, RULER_LENGTHS),
+                lm_eval_cell(f"{prefix}-lm-eval-4096.json", "niah_multikey_2", 4096) or "not run",
+            )
+        )
+    return lines
+
+
+# (what stage 3 read, the record of the seed-1 grid, the run measured: its config under results/runs/)
+RULER_NEIGHBORS_SEED1_ROWS = (
+    (
+        "the retrieved chunks (`models/ruler-drt-x2`)",
+        f"{RULER_REFRESH_LENGTHS}/refresh-passkey.json",
+        "lm/ruler/refresh/drt-x2",
+    ),
+    (
+        "each retrieved chunk and its neighbours",
+        f"{RULER_NEIGHBORS}/trained-passkey-seed1.json",
+        "lm/ruler/neighbors/drt-x2",
+    ),
+)
+
+
+@table(
+    "ruler-neighbors-seed1",
+    "results/ruler-refresh-lengths/refresh-passkey.json, results/ruler-neighbors/trained-passkey-seed1.json, "
+    "results/runs/lm/ruler/{refresh,neighbors}/drt-x2/config.yaml",
+)
+def ruler_neighbors_seed1() -> list[str]:
+    lines = header(
+        "stage 3 trained reading",
+        "neighbours read (before:after)",
+        *(f"passkey {length_name(n)}" for n in RULER_REFRESH_LENGTHS_PASSKEY),
+        "needle's chunks among those read",
+        "needle split over two chunks",
+    )
+    for trained, path, run in RULER_NEIGHBORS_SEED1_ROWS:
+        if not (ROOT / path).exists():
+            continue
+        grid, trials = by_length(path), record(path)["trials"]
+        lines.append(
+            row(
+                trained,
+                neighbors_read(path, run),
+                *(rate_cell(grid.get(n)) for n in RULER_REFRESH_LENGTHS_PASSKEY),
+                f"{sum(bool(t['retrieved_needle']) for t in trials)} of {len(trials)}",
+                split_needle_cell(path),
+            )
+        )
+    return lines
+
+
 RULER_NEAR = "results/ruler-near"
 # (model, what its last stage was, the prefix of its records: PREFIX-inspan-passkey.json and, where
 # lm-eval ran, PREFIX-lm-eval-LENGTH.json)

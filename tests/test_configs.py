@@ -48,6 +48,9 @@ def test_out_dir_is_runs_plus_the_config_path(path):
     assert load_train_config(path).train.out_dir == f"runs/{name(path)}"
 
 
+READING = ("top_k", "neighbors_before", "neighbors_after")
+
+
 def test_fine_tunes_start_from_a_shipped_run_with_the_same_model():
     configs = {name(p): load_train_config(p) for p in CONFIGS}
     by_out_dir = {c.train.out_dir: (key, c) for key, c in configs.items()}
@@ -57,9 +60,9 @@ def test_fine_tunes_start_from_a_shipped_run_with_the_same_model():
         assert config.train.init_from in by_out_dir, f"{key}: no config writes {config.train.init_from}"
         source_name, source = by_out_dir[config.train.init_from]
         assert source_name != key, f"{key} starts from its own run"
-        # the number of retrieved chunks may change between stages: it shapes no weight
-        same = {name: value for name, value in config.model.items() if name != "top_k"}
-        assert same == {name: value for name, value in source.model.items() if name != "top_k"}, (
+        # how many chunks are read (retrieved, and beside each) may change between stages: it shapes no weight
+        same = {name: value for name, value in config.model.items() if name not in READING}
+        assert same == {name: value for name, value in source.model.items() if name not in READING}, (
             f"{key}'s model differs from {source_name}'s"
         )
 

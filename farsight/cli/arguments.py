@@ -63,8 +63,10 @@ def add_memory_argument(parser: argparse.ArgumentParser) -> None:
     kv_dtype.choices = _LazyChoices("KV_DTYPES")
 
 
-def add_retrieval_top_k_argument(parser: argparse.ArgumentParser) -> None:
-    """--retrieval-top-k: the past chunks a DRT reads per query chunk (`set_retrieval_top_k`)."""
+def add_retrieval_reading_arguments(parser: argparse.ArgumentParser) -> None:
+    """--retrieval-top-k and --retrieval-neighbors: how many past chunks a DRT reads per query
+    chunk (`set_retrieval_top_k`) and which chunks beside each it reads too
+    (`set_retrieval_neighbors`)."""
     parser.add_argument(
         "--retrieval-top-k",
         type=int,
@@ -73,6 +75,26 @@ def add_retrieval_top_k_argument(parser: argparse.ArgumentParser) -> None:
         help="a DRT reads the K best past chunks per chunk instead of the top_k it was trained with "
         "(recorded in --out); fewer can read a single needle more exactly",
     )
+    parser.add_argument(
+        "--retrieval-neighbors",
+        default=None,
+        metavar="N|BEFORE:AFTER",
+        help="a DRT also reads the chunks just before and after each retrieved one (N on each side, "
+        "or BEFORE:AFTER; recorded in --out), so that evidence split over two chunks is read whole",
+    )
+
+
+def retrieval_reading(args: argparse.Namespace) -> dict[str, Any]:
+    """The reading options given on the command line, as `load_model_and_tokenizer` and
+    `measured_on` take them (--retrieval-neighbors checked here, before any model loads)."""
+    from farsight.models import parse_neighbors
+
+    reading: dict[str, Any] = {}
+    if args.retrieval_top_k is not None:
+        reading["retrieval_top_k"] = args.retrieval_top_k
+    if args.retrieval_neighbors is not None:
+        reading["retrieval_neighbors"] = parse_neighbors(args.retrieval_neighbors)
+    return reading
 
 
 def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
@@ -225,6 +247,7 @@ EVALUATION_ONLY = {
     "--kv-dtype": None,
     "--dtype": "fp32",
     "--retrieval-top-k": None,
+    "--retrieval-neighbors": None,
     "--batch-size": 1,
 }
 
@@ -342,12 +365,23 @@ def open_corpus(corpus: str, split: str, model_paths: Sequence[str]) -> Any:
     return data
 
 
-def load_model_and_tokenizer(path: str, dtype: str = "fp32", retrieval_top_k: int | None = None) -> tuple[Any, Any]:
-    """The model (in eval mode, cast to `dtype`, reading `retrieval_top_k` chunks when given) and
-    the tokenizer of the model or run directory `path`."""
+def load_model_and_tokenizer(
+    path: str,
+    dtype: str = "fp32",
+    retrieval_top_k: int | None = None,
+    retrieval_neighbors: tuple[int, int] | None = None,
+) -> tuple[Any, Any]:
+    """The model (in eval mode, cast to `dtype`, reading `retrieval_top_k` chunks and their
+    `retrieval_neighbors` when given) and the tokenizer of the model or run directory `path`."""
     import torch
 
-    from farsight.models import MODEL_DTYPES, load_model, resolve_model_dir, set_retrieval_top_k
+    from farsight.models import (
+        MODEL_DTYPES,
+        load_model,
+        resolve_model_dir,
+        set_retrieval_neighbors,
+        set_retrieval_top_k,
+    )
     from farsight.models.registry import load_model_tokenizer
     from farsight.train.precision import software_dtype_reason
 
@@ -360,20 +394,27 @@ def load_model_and_tokenizer(path: str, dtype: str = "fp32", retrieval_top_k: in
     model = load_model(directory)
     if retrieval_top_k is not None:
         set_retrieval_top_k(model, retrieval_top_k)
+    if retrieval_neighbors is not None:
+        set_retrieval_neighbors(model, retrieval_neighbors)
     tokenizer = load_model_tokenizer(directory, model.config.vocab_size)
     return model.to(MODEL_DTYPES[dtype]).eval(), tokenizer
 
 
-def measured_on(path: str, retrieval_top_k: int | None = None) -> dict[str, Any]:
+def measured_on(
+    path: str, retrieval_top_k: int | None = None, retrieval_neighbors: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """What a results file records of the model it measured: the path given, the SHA-256 of the
     trained weights behind it (`farsight.models.io.trained_weights`), by which a model card knows
-    a result measured on one export of a checkpoint holds for another, and the chunks a DRT read
-    per query chunk when that was not its own top_k (`--retrieval-top-k`)."""
+    a result measured on one export of a checkpoint holds for another, and how a DRT read when
+    told otherwise than by its config: the chunks per query chunk (`--retrieval-top-k`) and the
+    neighbors read beside each, as [before, after] (`--retrieval-neighbors`)."""
     from farsight.models.io import trained_weights
 
     measured: dict[str, Any] = {"model": str(path), "trained_weights": trained_weights(path)}
     if retrieval_top_k is not None:
         measured["retrieval_top_k"] = retrieval_top_k
+    if retrieval_neighbors is not None:
+        measured["retrieval_neighbors"] = list(retrieval_neighbors)
     return measured
 
 

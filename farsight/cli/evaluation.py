@@ -14,7 +14,7 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
-    add_retrieval_top_k_argument,
+    add_retrieval_reading_arguments,
     check_at_least,
     check_memory_for,
     check_memory_tier,
@@ -33,6 +33,7 @@ from farsight.cli.arguments import (
     parse_list,
     parse_task_options,
     refuse_unused,
+    retrieval_reading,
 )
 from farsight.cli.harness import add_harness_command
 from farsight.cli.ruler import add_ruler_command
@@ -114,7 +115,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     add_memory_argument(generate)
     add_dtype_argument(generate)
-    add_retrieval_top_k_argument(generate)
+    add_retrieval_reading_arguments(generate)
     add_json_output_argument(generate)
     generate.add_argument(
         "--show", type=int, default=3, help="print the first N answers beside their references (default 3)"
@@ -220,7 +221,7 @@ def _add_needle_command(evaluations: argparse._SubParsersAction, task: str, what
     needle.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(needle)
     add_dtype_argument(needle)
-    add_retrieval_top_k_argument(needle)
+    add_retrieval_reading_arguments(needle)
     needle.add_argument("--seed", type=int, default=0)
     needle.add_argument("--task-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. digits=7")
     add_json_output_argument(needle)
@@ -270,8 +271,8 @@ def _needle(args: argparse.Namespace) -> int:
     if args.export_choice:
         return _export_choice(args, lengths, depths, trials, options)
     # the weights loaded now, whatever the run saves while this runs
-    measured = measured_on(args.model, args.retrieval_top_k)
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
+    measured = measured_on(args.model, **retrieval_reading(args))
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, **retrieval_reading(args))
     align = args.align or getattr(model.config, "chunk_size", 1)
     filler = make_filler(args.filler, tokenizer, args.corpus, args.split)
     task = make_task(args.task, tokenizer, filler, align, **options)
@@ -461,8 +462,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise InputError(
             f"{args.data} holds no usable example; pass a JSONL file of prompt/completion or messages records"
         )
-    measured = measured_on(args.model, args.retrieval_top_k)  # the weights loaded now
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
+    measured = measured_on(args.model, **retrieval_reading(args))  # the weights loaded now
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, **retrieval_reading(args))
     summary = evaluate_answers(
         model,
         tokenizer,

@@ -9,12 +9,13 @@ from farsight.cli.arguments import (
     add_json_output_argument,
     add_memory_argument,
     add_model_argument,
-    add_retrieval_top_k_argument,
+    add_retrieval_reading_arguments,
     check_at_least,
     check_memory_tier,
     check_output_file,
     measured_on,
     parse_list,
+    retrieval_reading,
 )
 from farsight.errors import InputError, MissingDependencyError, MissingFileError
 from farsight.readers import parse_json_object
@@ -57,7 +58,7 @@ def add_harness_command(evaluations: argparse._SubParsersAction) -> None:
     )
     add_memory_argument(harness)
     add_dtype_argument(harness)
-    add_retrieval_top_k_argument(harness)
+    add_retrieval_reading_arguments(harness)
     harness.set_defaults(widen_cpu_matmuls=False)  # FarsightLM widens them itself, on the device it picks
     add_json_output_argument(harness)
     harness.add_argument(
@@ -99,7 +100,7 @@ def _harness(args: argparse.Namespace) -> int:
 
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     # the weights loaded now; --out and --samples record the same
-    measured = measured_on(args.model, args.retrieval_top_k)
+    measured = measured_on(args.model, **retrieval_reading(args))
     results = evaluate(
         args.model,
         tasks,
@@ -113,7 +114,7 @@ def _harness(args: argparse.Namespace) -> int:
         align_context=args.align_context,
         metadata=metadata,
         log_samples=args.samples is not None,
-        retrieval_top_k=args.retrieval_top_k,
+        **retrieval_reading(args),
     )
     samples = results.pop("samples", None)
     print(make_table(results))

@@ -8,10 +8,11 @@ import logging
 from farsight.cli.arguments import (
     add_dtype_argument,
     add_model_argument,
-    add_retrieval_top_k_argument,
+    add_retrieval_reading_arguments,
     check_at_least,
     check_number,
     load_model_and_tokenizer,
+    retrieval_reading,
     text_argument,
 )
 
@@ -24,7 +25,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     add_model_argument(generate)
     add_dtype_argument(generate)
-    add_retrieval_top_k_argument(generate)
+    add_retrieval_reading_arguments(generate)
     generate.add_argument("--prompt", default="", help="text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=200, help="tokens to write (at least 0)")
     generate.add_argument("--temperature", type=float, default=0.8, help="0 decodes greedily (at least 0)")
@@ -85,7 +86,7 @@ def _generate(args: argparse.Namespace) -> int:
     check_number(args, "--temperature", 0)
     check_number(args, "--top-p", 0, 1, open_low=True)
     args.prompt = text_argument(args.prompt, "--prompt")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
+    model, tokenizer = load_model_and_tokenizer(args.model, args.dtype, **retrieval_reading(args))
     text = continue_text(
         model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed
     )

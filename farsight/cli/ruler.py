@@ -15,7 +15,7 @@ from farsight.cli.arguments import (
     add_memory_argument,
     add_model_argument,
     add_needle_grid_arguments,
-    add_retrieval_top_k_argument,
+    add_retrieval_reading_arguments,
     check_at_least,
     check_memory_for,
     check_output_file,
@@ -29,6 +29,7 @@ from farsight.cli.arguments import (
     needle_grid,
     parse_task_options,
     refuse_unused,
+    retrieval_reading,
 )
 from farsight.errors import InputError
 
@@ -68,7 +69,7 @@ def add_ruler_command(evaluations: argparse._SubParsersAction) -> None:
     ruler.add_argument("--batch-size", type=int, default=1, help="trials decoded together")
     add_memory_argument(ruler)
     add_dtype_argument(ruler)
-    add_retrieval_top_k_argument(ruler)
+    add_retrieval_reading_arguments(ruler)
     ruler.add_argument("--seed", type=int, default=0)
     ruler.add_argument(
         "--task-option",
@@ -122,8 +123,8 @@ def _ruler(args: argparse.Namespace) -> int:
     from farsight.eval.ruler import average_table, evaluate_ruler, ruler_table
 
     # the weights loaded now, whatever the run saves while this runs
-    measured = measured_on(args.model, args.retrieval_top_k)
-    model, _ = load_model_and_tokenizer(args.model, args.dtype, args.retrieval_top_k)
+    measured = measured_on(args.model, **retrieval_reading(args))
+    model, _ = load_model_and_tokenizer(args.model, args.dtype, **retrieval_reading(args))
     results = evaluate_ruler(
         model,
         tasks,

@@ -231,10 +231,20 @@ def answers_section(path: Path, names: ModelNames) -> list[str]:
 
 
 def _retrieval_note(results: dict[str, Any]) -> str:
-    """How many chunks the model read per query chunk, where the results were measured with
-    another number than its config's (`--retrieval-top-k`); else nothing."""
+    """How the model read, where the results were measured otherwise than its config says: the
+    chunks per query chunk (`--retrieval-top-k`) and the neighbors read beside each
+    (`--retrieval-neighbors`); else nothing."""
+    note = ""
     top_k = results.get("retrieval_top_k")
-    return f", reading the {top_k} best past chunks per chunk (`--retrieval-top-k {top_k}`)" if top_k else ""
+    if top_k:
+        note += f", reading the {top_k} best past chunks per chunk (`--retrieval-top-k {top_k}`)"
+    neighbors = results.get("retrieval_neighbors")
+    if neighbors is not None:
+        before, after = neighbors
+        note += (
+            f", each with the {before} chunk(s) before and {after} after it (`--retrieval-neighbors {before}:{after}`)"
+        )
+    return note
 
 
 def results_section(path: str | Path, names: ModelNames) -> list[str]:

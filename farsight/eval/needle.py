@@ -373,7 +373,7 @@ def results_table(summary: dict[str, Any], markdown: bool = False) -> str:
             "95% interval": _interval_cell(v.get("exact_match_ci95")),
             "first token %": 100 * v["first_token"],
             "needle retrieved %": 100 * v["needle_retrieved"] if "needle_retrieved" in v else None,
-            "split needle: exact": _split_cell(v.get("split_evidence")),
+            "split needle: exact": split_cell(v.get("split_evidence")),
             "seconds": v.get("seconds"),
         }
         for k, v in summary["by_length"].items()
@@ -384,7 +384,7 @@ def results_table(summary: dict[str, Any], markdown: bool = False) -> str:
     return format_table(rows, [*columns, "seconds"], markdown)
 
 
-def _split_cell(split: dict[str, int] | None) -> str | None:
+def split_cell(split: dict[str, int] | None) -> str | None:
     """The trials whose needle spans a chunk boundary: `2 of 8` exact, `-` where none did."""
     if split is None:
         return None

@@ -19,7 +19,7 @@ from typing import Any
 
 from farsight.data.tasks.ruler import RulerTask, split_answer
 from farsight.eval.choice import write_lm_eval_task
-from farsight.eval.needle import check_needle_grid, evaluate_needle_task, format_length, trial_rng
+from farsight.eval.needle import check_needle_grid, evaluate_needle_task, format_length, split_cell, trial_rng
 from farsight.files import atomic_write, new_folders_for, reported_write, writing_folder
 
 DEPTHLESS = 0.5  # the single depth of the tasks whose answer is spread over the whole context
@@ -113,10 +113,11 @@ def evaluate_ruler(
 
 
 def ruler_table(summary: dict[str, Any]) -> str:
-    """One task's results, a row per length: string match first, then the needle metrics."""
+    """One task's results, a row per length: string match first, then the needle metrics (for a
+    model with chunks, the needles split over two chunks too)."""
     from farsight.eval.efficiency import format_table
 
-    columns = ["length", "trials", "string match %", "exact match %", "first token %", "needle retrieved %", "seconds"]
+    columns = ["length", "trials", "string match %", "exact match %", "first token %", "needle retrieved %"]
     rows = [
         {
             "length": format_length(int(k)),
@@ -125,11 +126,14 @@ def ruler_table(summary: dict[str, Any]) -> str:
             "exact match %": 100 * v["exact_match"],
             "first token %": 100 * v["first_token"],
             "needle retrieved %": 100 * v["needle_retrieved"] if "needle_retrieved" in v else None,
+            "split needle: exact": split_cell(v.get("split_evidence")),
             "seconds": v.get("seconds"),
         }
         for k, v in summary["by_length"].items()
     ]
-    return format_table(rows, columns)
+    if any(row["split needle: exact"] is not None for row in rows):
+        columns.append("split needle: exact")
+    return format_table(rows, [*columns, "seconds"])
 
 
 def average_table(results: dict[str, Any]) -> str:

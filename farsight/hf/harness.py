@@ -42,6 +42,7 @@ from farsight.models import (
     load_model,
     resolve_model_dir,
     sample_next_token,
+    set_retrieval_neighbors,
     set_retrieval_top_k,
 )
 from farsight.models.registry import load_model_tokenizer
@@ -59,7 +60,9 @@ class FarsightLM(TemplateLM):
     device: where the model runs (default: cuda if available, else cpu); align_context: score a
     DRT's log-likelihoods with each context aligned to end on a chunk boundary (default false:
     the stream from the context's first token, as `forward` computes it); retrieval_top_k: the
-    past chunks a DRT reads per chunk, instead of its own top_k (`set_retrieval_top_k`).
+    past chunks a DRT reads per chunk, instead of its own top_k (`set_retrieval_top_k`);
+    retrieval_neighbors: the chunks it reads beside each, N or "BEFORE:AFTER"
+    (`set_retrieval_neighbors`).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class FarsightLM(TemplateLM):
         max_batch_size: int | None = None,
         align_context: bool | str = False,
         retrieval_top_k: int | str | None = None,
+        retrieval_neighbors: int | str | tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if memory not in MEMORY_TIERS:
@@ -92,6 +96,8 @@ class FarsightLM(TemplateLM):
             self.model.to(torch_dtype)
         if retrieval_top_k is not None:
             set_retrieval_top_k(self.model, _whole_number(retrieval_top_k))
+        if retrieval_neighbors is not None:
+            set_retrieval_neighbors(self.model, retrieval_neighbors)
         self.tokenizer = load_model_tokenizer(directory, self.model.config.vocab_size)
         self.pretrained = str(directory)
         self.session_options = {"memory": memory, "kv_dtype": kv_dtype}
@@ -461,6 +467,7 @@ def evaluate(
     align_context: bool = False,
     metadata: dict[str, Any] | None = None,
     retrieval_top_k: int | None = None,
+    retrieval_neighbors: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """`lm_eval.simple_evaluate` of the farsight model directory `pretrained` on `tasks`; returns
     lm-eval's results dict (print it with lm_eval.utils.make_table).
@@ -486,6 +493,7 @@ def evaluate(
         device=device,
         align_context=align_context,
         retrieval_top_k=retrieval_top_k,
+        retrieval_neighbors=retrieval_neighbors,
     )
     manager = task_manager(tasks, include_path, task_kwargs)
     unknown = [task for task in tasks if task not in manager.all_tasks]

@@ -29,6 +29,7 @@ from farsight.models import (
     generate,
     load_model,
     resolve_model_dir,
+    set_retrieval_neighbors,
     set_retrieval_top_k,
 )
 from farsight.models.io import stored_dtype
@@ -242,7 +243,8 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> FarsightForCausalLM:
         """Load a farsight model directory (or a training run's newest checkpoint) with farsight's
         loader. Options: `memory`, `kv_dtype` (DRT sessions), `retrieval_top_k` (the past chunks a
-        DRT reads per chunk instead of its own top_k), `dtype`/`torch_dtype` ("fp32",
+        DRT reads per chunk instead of its own top_k), `retrieval_neighbors` (the chunks it reads
+        beside each: N, or "BEFORE:AFTER"), `dtype`/`torch_dtype` ("fp32",
         "bf16", torch.bfloat16, ...; "auto": the dtype config.json records, else the stored
         weights'; unset: fp32), `device_map` (one device, e.g. "cuda")."""
         if args:
@@ -250,6 +252,7 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         for name in _HUB_KWARGS:
             kwargs.pop(name, None)
         retrieval_top_k = kwargs.pop("retrieval_top_k", None)
+        retrieval_neighbors = kwargs.pop("retrieval_neighbors", None)
         config = kwargs.pop("config", None)
         requested = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
@@ -280,6 +283,10 @@ class FarsightForCausalLM(PreTrainedModel, GenerationMixin):
         if retrieval_top_k is not None:
             set_retrieval_top_k(model, retrieval_top_k)
             config.config = {**config.config, "top_k": model.config.top_k}
+        if retrieval_neighbors is not None:
+            set_retrieval_neighbors(model, retrieval_neighbors)
+            before, after = model.config.neighbors_before, model.config.neighbors_after
+            config.config = {**config.config, "neighbors_before": before, "neighbors_after": after}
         if dtype is not None and dtype != next(model.parameters()).dtype:
             model.to(dtype)
         config.dtype = next(model.parameters()).dtype

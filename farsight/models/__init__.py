@@ -1,6 +1,6 @@
 """Configs and whole models, their inference sessions, caches and model directories."""
 
-from farsight.models.causal_retrieval import set_retrieval_top_k
+from farsight.models.causal_retrieval import parse_neighbors, set_retrieval_neighbors, set_retrieval_top_k
 from farsight.models.chunk_memory import KV_DTYPES, MEMORY_TIERS
 from farsight.models.drt import DRTConfig, DRTForCausalLM
 from farsight.models.drt_session import DRTSession
@@ -39,5 +39,7 @@ __all__ = [
     "read_model_meta",
     "resolve_model_dir",
     "sample_next_token",
+    "parse_neighbors",
+    "set_retrieval_neighbors",
     "set_retrieval_top_k",
 ]

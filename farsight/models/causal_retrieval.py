@@ -49,7 +49,7 @@ from farsight.models.drt_state import CarriedRetrieval, DRTState, FetchedChunks,
 from farsight.models.lm import CausalLMOutput, PretrainedLM, check_packed_input, checked_labels
 from farsight.models.session import check_left_padding
 from farsight.ops.documents import document_positions, document_starts
-from farsight.ops.retrieval import retrieval_scores, retrieval_target_loss, retrieval_topk
+from farsight.ops.retrieval import add_neighbors, retrieval_scores, retrieval_target_loss, retrieval_topk
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +58,21 @@ RETRIEVERS = ("learned", "random", "none")
 
 def check_retrieval_config(config: Any) -> None:
     """Check the retrieval fields of a model config (ConfigError) and fill in their defaults:
-    chunk_size, top_k, groups, encoder_layers, lower_layers (None: n_layers // 2), retriever
-    (one of RETRIEVERS), gumbel, gumbel_temperature, softmax_one, landmark_id (None: the
-    vocabulary's last id) and pad_id (None: 0 fills padding slots). A config's validate calls it
-    once its head_dim is set (the chunk encoder's RoPE needs an even one)."""
+    chunk_size, top_k, groups, neighbors_before and neighbors_after (0: the chunks read beside
+    each retrieved one, docs/design.md §2.8), encoder_layers, lower_layers (None: n_layers //
+    2), retriever (one of RETRIEVERS), gumbel, gumbel_temperature, softmax_one, landmark_id
+    (None: the vocabulary's last id) and pad_id (None: 0 fills padding slots). A config's
+    validate calls it once its head_dim is set (the chunk encoder's RoPE needs an even one)."""
     for name in ("chunk_size", "top_k", "groups"):
         value = getattr(config, name)
         require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("neighbors_before", "neighbors_after"):
+        value = getattr(config, name, 0)
+        require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+            f"{name} must be an integer >= 0 (the chunks read beside each retrieved one), got {value!r}",
+        )
+        setattr(config, name, value)
     require(config.encoder_layers >= 0, f"encoder_layers must be >= 0, got {config.encoder_layers}")
     if config.lower_layers is None:
         config.lower_layers = config.n_layers // 2
@@ -104,17 +112,61 @@ def set_retrieval_top_k(model: Any, top_k: int) -> int:
     misreads the one chunk that holds the answer. The new K is part of the model's config: a
     model saved afterwards keeps it. InputError for a model without retrieval or a K that is not
     a whole number >= 1."""
-    if not isinstance(model, CausalRetrievalLM):
-        kind = getattr(model, "model_type", type(model).__name__)
-        raise InputError(
-            f"retrieval top-k applies to models with causal retrieval (DRT); this is a {kind!r} model; drop the option"
-        )
+    _require_retrieval(model, "retrieval top-k")
     if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1:
         raise InputError(f"retrieval top-k must be a whole number >= 1, got {top_k!r}")
     trained, model.config.top_k = model.config.top_k, int(top_k)
     if top_k != trained:
         logger.info(f"retrieving {top_k} chunks per query chunk (the model's config had {trained})")
     return trained
+
+
+def _require_retrieval(model: Any, option: str) -> None:
+    if not isinstance(model, CausalRetrievalLM):
+        kind = getattr(model, "model_type", type(model).__name__)
+        raise InputError(
+            f"{option} applies to models with causal retrieval (DRT); this is a {kind!r} model; drop the option"
+        )
+
+
+def parse_neighbors(value: Any) -> tuple[int, int]:
+    """The chunks read beside each retrieved one, as (before, after), from N (N on each side),
+    (BEFORE, AFTER), or the text "N" / "BEFORE:AFTER"; InputError naming the accepted forms."""
+    parts = value.split(":") if isinstance(value, str) else value
+    if isinstance(parts, (list, tuple)) and len(parts) == 1:
+        parts = parts[0]
+    if not isinstance(parts, (list, tuple)):
+        parts = (parts, parts)
+    try:
+        before, after = (int(p, 10) if isinstance(p, str) else p for p in parts)
+    except ValueError:
+        before = after = None
+    if len(parts) != 2 or not all(
+        isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 0 for n in (before, after)
+    ):
+        raise InputError(
+            f"retrieval neighbors must be N (N chunks on each side) or BEFORE:AFTER, whole numbers >= 0, got {value!r}"
+        )
+    return int(before), int(after)
+
+
+def set_retrieval_neighbors(model: Any, neighbors: Any) -> tuple[int, int]:
+    """Have a retrieval model read, beside each chunk it retrieves, the chunks just before and
+    after it (`parse_neighbors`: N, (BEFORE, AFTER) or "BEFORE:AFTER"); returns the (before,
+    after) it had. Evidence that straddles a chunk boundary is then read whole once either of
+    its chunks is retrieved (docs/design.md §2.8). Like top-k, the setting is part of the
+    model's config: a model saved afterwards keeps it. InputError for a model without retrieval
+    or a malformed value."""
+    _require_retrieval(model, "retrieval neighbors")
+    before, after = parse_neighbors(neighbors)
+    config = model.config
+    had = (config.neighbors_before, config.neighbors_after)
+    config.neighbors_before, config.neighbors_after = before, after
+    if (before, after) != had:
+        logger.info(
+            f"reading {before} chunk(s) before and {after} after each retrieved one (the model's config had {had})"
+        )
+    return had
 
 
 @dataclass
@@ -384,8 +436,13 @@ class CausalRetrievalLM(PretrainedLM):
             state.memory.append(*self.encode_chunks(rows[:, : complete * s1].view(h.shape[0], complete, s1, -1), mask))
         state.pending = rows[:, complete * s1 :] if state.streaming else None
 
+    @property
+    def reads_per_retrieval(self) -> int:
+        """Chunks a retrieval hands GCA: the top K, each with its neighbors (docs/design.md §2.8)."""
+        return self.config.top_k * (1 + self.config.neighbors_before + self.config.neighbors_after)
+
     def _empty_retrieval(self, h: torch.Tensor) -> CarriedRetrieval:
-        k = self.config.top_k
+        k = self.reads_per_retrieval
         empty = torch.full((h.shape[0], k), -1, dtype=torch.long, device=h.device)
         return CarriedRetrieval(
             empty, torch.zeros(h.shape[0], k, dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
@@ -437,6 +494,18 @@ class CausalRetrievalLM(PretrainedLM):
                     query, memory.landmark_keys(), self.config.top_k, start, stop, scale, **memory.screen_state()
                 )
                 made_index, made_weight = self._weigh(top, chosen)
+            if self.config.neighbors_before or self.config.neighbors_after:
+                low = start[:, None].expand(-1, len(offsets))
+                if packed is not None:
+                    low = torch.maximum(low, packed.first_chunk[:, : len(offsets)])
+                made_index, made_weight = add_neighbors(
+                    made_index,
+                    made_weight,
+                    self.config.neighbors_before,
+                    self.config.neighbors_after,
+                    low,
+                    stop.expand(h.shape[0], -1),
+                )
         index, weight = carried.index[:, None], carried.weight[:, None]
         if span.n_chunks > 1:
             index = torch.cat([index, made_index[:, : span.n_chunks - 1]], dim=1)

@@ -37,6 +37,8 @@ class DRTConfig(ConfigBase):
     chunk_size: int = 64
     window: int = 512
     top_k: int = 8
+    neighbors_before: int = 0
+    neighbors_after: int = 0
     groups: int = 1
     encoder_layers: int = 2
     position: str = "alibi"

@@ -95,6 +95,16 @@ def test_multi_answer_scoring_counts_each_reference(monkeypatch):
     assert "average" in average_table(results)
 
 
+def test_the_printed_table_counts_split_needles_where_the_records_do():
+    row = {"trials": 8, "string_match": 0.75, "exact_match": 0.5, "first_token": 1.0, "seconds": 1.0}
+    with_chunks = {
+        "by_length": {"4096": {**row, "needle_retrieved": 0.875, "split_evidence": {"trials": 3, "exact": 1}}}
+    }
+    table = ruler_table(with_chunks)
+    assert "split needle: exact" in table and "1 of 3" in table
+    assert "split needle" not in ruler_table({"by_length": {"4096": row}})  # a baseline, or a task without needles
+
+
 def test_lm_eval_runs_the_exported_items(tmp_path, monkeypatch):
     """The export runs in lm-eval itself: a model answering the references scores 1, a silent one 0."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -154,21 +154,25 @@ def test_no_retriever_equals_a_sliding_window_transformer():
     torch.testing.assert_close(model(x).logits, want)
 
 
-# 262 and 247 tokens are 53 and 50 chunks: the device/host pages (16, 32, 64 chunks) fill and grow
+# 262 and 247 tokens are 53 and 50 chunks: the device/host pages (16, 32, 64 chunks) fill and grow;
+# the last field: the chunks read before and after each retrieved one
 STREAM_CASES = [
-    (30, 1, "device"),
-    (28, 2, "device"),
-    (33, 1, "host"),
-    (25, 2, "disk"),
-    (31, 2, "host"),
-    (262, 2, "device"),
-    (247, 1, "host"),
+    (30, 1, "device", (0, 0)),
+    (28, 2, "device", (0, 0)),
+    (33, 1, "host", (0, 0)),
+    (25, 2, "disk", (0, 0)),
+    (31, 2, "host", (0, 0)),
+    (262, 2, "device", (0, 0)),
+    (247, 1, "host", (0, 0)),
+    (41, 2, "device", (1, 1)),
+    (38, 1, "disk", (0, 2)),
+    (131, 2, "host", (2, 1)),
 ]
 
 
-@pytest.mark.parametrize("length,groups,memory", STREAM_CASES)
-def test_streaming_prefill_and_decode_equal_parallel_forward(length, groups, memory, tmp_path):
-    model = tiny(groups=groups, top_k=3)
+@pytest.mark.parametrize("length,groups,memory,neighbors", STREAM_CASES)
+def test_streaming_prefill_and_decode_equal_parallel_forward(length, groups, memory, neighbors, tmp_path):
+    model = tiny(groups=groups, top_k=3, neighbors_before=neighbors[0], neighbors_after=neighbors[1])
     x = ids(2, length)
     full = model(x).logits
     prefix = 11
@@ -231,6 +235,8 @@ def test_save_load_round_trip(tmp_path):
         (dict(groups=3), "cannot be split into groups"),
         (dict(retriever="bm25"), "retriever"),
         (dict(landmark_id=99), "landmark_id"),
+        (dict(neighbors_before=-1), "neighbors_before must be an integer >= 0"),
+        (dict(neighbors_after="two"), "neighbors_after must be an integer"),
     ],
 )
 def test_bad_configs(kwargs, message):

@@ -18,7 +18,7 @@ V = 40
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-drt"
 
 
-def tiny(groups=1, top_k=8, dtype=torch.float64):
+def tiny(groups=1, top_k=8, dtype=torch.float64, neighbors=(0, 0)):
     # top_k above the number of chunks: every earlier chunk is retrieved, the partly padded one
     # included, so a pad reaching GCA or a padding-only chunk competing in retrieval shows
     torch.manual_seed(0)
@@ -32,6 +32,8 @@ def tiny(groups=1, top_k=8, dtype=torch.float64):
         top_k=top_k,
         groups=groups,
         encoder_layers=1,
+        neighbors_before=neighbors[0],
+        neighbors_after=neighbors[1],
     )
     return DRTForCausalLM(cfg).to(dtype).eval()
 
@@ -60,8 +62,11 @@ def run(model, batch, answer, mask=None):
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("prompt_length", [1, 4, 5, 17, 23])
-def test_real_logits_do_not_depend_on_left_padding(groups, prompt_length):
-    model = tiny(groups)
+@pytest.mark.parametrize("neighbors", [(0, 0), (2, 1)])
+def test_real_logits_do_not_depend_on_left_padding(groups, prompt_length, neighbors):
+    # with one chunk retrieved and its neighbors, the first real chunk's neighbors before it are
+    # padding-only chunks, which must never be read
+    model = tiny(groups, top_k=1, neighbors=neighbors) if neighbors != (0, 0) else tiny(groups)
     prompt, answer = ids(1, prompt_length), ids(1, 12, seed=2)
     with model.new_session() as session:
         session.prefill(prompt)
@@ -120,8 +125,9 @@ def test_parallel_forward_masks_left_padding(groups):
     torch.testing.assert_close(last, aligned.logits[:, -1], atol=1e-10, rtol=0)
 
 
-def test_padding_only_chunks_are_never_retrieved():
-    model = tiny(top_k=8)  # every candidate is retrieved
+@pytest.mark.parametrize("neighbors", [(0, 0), (3, 0)])
+def test_padding_only_chunks_are_never_retrieved(neighbors):
+    model = tiny(top_k=8 if neighbors == (0, 0) else 1, neighbors=neighbors)  # every candidate is read
     prompt = ids(1, 11)
     batch, mask = left_padded(prompt, 13)  # + 1 alignment pad: 2 chunks of padding and 4 pads more
     with model.new_session(batch_size=2, record_retrieval=True) as session:

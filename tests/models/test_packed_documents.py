@@ -20,6 +20,9 @@ MODELS = {
         TransformerConfig(**SMALL, attention="castle-swl", lookahead_window=3)
     ),
     "drt": lambda: DRTForCausalLM(DRTConfig(**SMALL, chunk_size=4, window=9, top_k=2)),
+    "drt-neighbors": lambda: DRTForCausalLM(
+        DRTConfig(**SMALL, chunk_size=3, window=7, top_k=1, neighbors_before=1, neighbors_after=2)
+    ),
     "drt-x2-rope": lambda: DRTForCausalLM(
         DRTConfig(
             **{**SMALL, "n_layers": 3}, lower_layers=1, groups=2, chunk_size=3, window=7, top_k=2, position="rope"

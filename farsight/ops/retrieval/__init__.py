@@ -22,6 +22,7 @@ from farsight.errors import InputError
 from farsight.ops.checks import check_float, check_positive_int, check_tensor
 from farsight.ops.precision import native_bf16_matmul
 from farsight.ops.retrieval.lowrank import LowRankKeys, retrieval_topk_lowrank
+from farsight.ops.retrieval.neighbors import add_neighbors, neighbor_offsets
 from farsight.ops.retrieval.reference import retrieval_scores, retrieval_topk_reference, score_dtype
 from farsight.ops.retrieval.screened import retrieval_topk_screened
 from farsight.ops.retrieval.targets import retrieval_target_loss
@@ -31,6 +32,8 @@ __all__ = [
     "LOW_RANK_MIN_KEYS",
     "LOW_RANK_OVER_BF16_KEYS",
     "LowRankKeys",
+    "add_neighbors",
+    "neighbor_offsets",
     "retrieval_scores",
     "retrieval_target_loss",
     "retrieval_topk",

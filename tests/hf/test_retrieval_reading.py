@@ -1,4 +1,5 @@
-"""`retrieval_top_k` through Hugging Face's from_pretrained and farsight's lm-eval model."""
+"""`retrieval_top_k` and `retrieval_neighbors` through Hugging Face's from_pretrained and
+farsight's lm-eval model."""
 
 from __future__ import annotations
 
@@ -49,3 +50,38 @@ def test_lm_evals_own_hf_model_passes_k_from_its_model_args(tiny_drt_dir):
 
     lm = HFLM.create_from_arg_string(f"pretrained={tiny_drt_dir},retrieval_top_k=1,device=cpu,dtype=float32")
     assert lm.model.model.config.top_k == 1
+
+
+def test_from_pretrained_reads_neighbors_and_its_config_says_so(tiny_drt_dir):
+    from transformers import AutoModelForCausalLM
+
+    import farsight.hf  # noqa: F401
+
+    trained = AutoModelForCausalLM.from_pretrained(tiny_drt_dir)
+    wider = AutoModelForCausalLM.from_pretrained(tiny_drt_dir, retrieval_neighbors="0:1")
+    assert (wider.model.config.neighbors_before, wider.model.config.neighbors_after) == (0, 1)
+    assert (wider.config.config["neighbors_before"], wider.config.config["neighbors_after"]) == (0, 1)
+    ids = torch.randint(0, 256, (1, 70))
+    with torch.no_grad():
+        assert not torch.equal(trained(ids).logits, wider(ids).logits)
+    with pytest.raises(InputError, match="BEFORE:AFTER"):
+        AutoModelForCausalLM.from_pretrained(tiny_drt_dir, retrieval_neighbors="wide")
+
+
+@pytest.mark.parametrize(("given", "read"), [(1, (1, 1)), ("0:2", (0, 2))])
+def test_lm_eval_model_args_set_neighbors(tiny_drt_dir, given, read):
+    pytest.importorskip("lm_eval")
+    from farsight.hf.harness import FarsightLM
+
+    config = FarsightLM(str(tiny_drt_dir), retrieval_neighbors=given).model.config
+    assert (config.neighbors_before, config.neighbors_after) == read
+
+
+def test_lm_evals_own_hf_model_passes_neighbors_from_its_model_args(tiny_drt_dir):
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    import farsight.hf  # noqa: F401
+
+    lm = HFLM.create_from_arg_string(f"pretrained={tiny_drt_dir},retrieval_neighbors=1:0,device=cpu,dtype=float32")
+    assert (lm.model.model.config.neighbors_before, lm.model.model.config.neighbors_after) == (1, 0)

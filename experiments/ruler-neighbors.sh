@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Reading the chunks beside each retrieved one (docs/results.md, "Reading the chunks beside each
+# retrieved one"; docs/design.md §2.8). make ruler's drt-x2 reads 2 of its 4 chunks; here it also
+# reads the chunk before and the chunk after each (--retrieval-neighbors 1), as shipped (the
+# option at evaluation alone) and after its third stage trained with them
+# (configs/lm/ruler/neighbors/drt-x2.yaml, from the same second stage). Each answers make ruler's
+# passkey grid with jittered needles (1K to 1M, 40 trials a length to 64K, 20 at 256K and 1M: the
+# trials of results/ruler/drt-x2-passkey-jitter.json) and lm-eval's niah_single_1 at 4K and 16K and
+# niah_multikey_2 at 4K (50 items); the trained run also make ruler's passkey grid by depth alone,
+# the passkey grid of experiments/ruler-refresh-lengths.sh and niah_single_1 at 64K and 128K.
+# Finished runs and result files are reused. Run from the repository root after make ruler.
+set -euo pipefail
+F=.venv/bin/farsight
+OUT=results/ruler-neighbors
+mkdir -p "$OUT"
+bash experiments/lm-data.sh
+READING=(--retrieval-top-k 2 --retrieval-neighbors 1)
+# make ruler's passkey grid (experiments/ruler.sh)
+PASSKEY_GRID=(--lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --corpus data/lm-byte
+    --dtype bf16)
+
+measure() {  # MODEL NAME LENGTHS: the passkey grid and lm-eval's tasks into $OUT/NAME-*.json
+    local model=$1 name=$2 lengths=$3 length tasks
+    [ -f "$OUT/$name-passkey-jitter.json" ] || $F eval passkey --model "$model" "${READING[@]}" "${PASSKEY_GRID[@]}" \
+        --long-trials 4 --needle-jitter 32 --out "$OUT/$name-passkey-jitter.json"
+    for length in ${lengths//,/ }; do
+        tasks=niah_single_1
+        [ "$length" -gt 4096 ] || tasks=niah_single_1,niah_multikey_2
+        [ -f "$OUT/$name-lm-eval-$length.json" ] || $F eval harness --model "$model" "${READING[@]}" \
+            --tasks "$tasks" --metadata "{\"max_seq_lengths\": [$length]}" --limit 50 --dtype bf16 \
+            --out "$OUT/$name-lm-eval-$length.json" --samples "$OUT/$name-lm-eval-$length-samples.jsonl"
+    done
+}
+
+[ -f models/ruler-drt-x2/config.json ] || { echo "models/ruler-drt-x2 is missing: run make ruler first" >&2; exit 1; }
+$F train configs/lm/ruler/stage1-drt-x2.yaml --no-progress
+$F train configs/lm/ruler/composed/drt-x2.yaml --no-progress
+$F train configs/lm/ruler/neighbors/drt-x2.yaml --no-progress
+measure runs/lm/ruler/neighbors/drt-x2 trained 4096,16384,65536,131072
+[ -f "$OUT/trained-passkey.json" ] || $F eval passkey --model runs/lm/ruler/neighbors/drt-x2 "${READING[@]}" \
+    "${PASSKEY_GRID[@]}" --long-trials 2 --out "$OUT/trained-passkey.json"
+# the grid of "Training lengths of the single-needle stage" (seed 1), whose depth-0.7 trials at
+# 256K all hold their passkey across a chunk boundary
+[ -f "$OUT/trained-passkey-seed1.json" ] || $F eval passkey --model runs/lm/ruler/neighbors/drt-x2 "${READING[@]}" \
+    --lengths 64k,256k --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --seed 1 --corpus data/lm-byte --dtype bf16 \
+    --out "$OUT/trained-passkey-seed1.json"
+measure models/ruler-drt-x2 shipped 4096,16384

@@ -1,0 +1,144 @@
+"""Reading the chunks beside each retrieved one (`set_retrieval_neighbors`, docs/design.md §2.8),
+from Python, the commands and their records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from farsight.cli import main
+from farsight.data.tokenizers import ByteTokenizer
+from farsight.errors import InputError
+from farsight.models import (
+    DRTConfig,
+    DRTForCausalLM,
+    TransformerConfig,
+    TransformerForCausalLM,
+    load_model,
+    parse_neighbors,
+    set_retrieval_neighbors,
+)
+
+SIZES = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 2}
+
+
+def tiny_drt(before: int = 0, after: int = 0, top_k: int = 1) -> DRTForCausalLM:
+    torch.manual_seed(0)
+    config = DRTConfig(
+        **SIZES,
+        chunk_size=8,
+        window=16,
+        top_k=top_k,
+        encoder_layers=1,
+        landmark_id=259,
+        pad_id=256,
+        neighbors_before=before,
+        neighbors_after=after,
+    )
+    return DRTForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def drt_dir(tmp_path_factory):
+    return tiny_drt().save_pretrained(tmp_path_factory.mktemp("drt") / "model", tokenizer=ByteTokenizer())
+
+
+@pytest.mark.parametrize(("value", "parsed"), [(1, (1, 1)), ("2", (2, 2)), ("1:0", (1, 0)), ((0, 3), (0, 3))])
+def test_neighbors_are_n_on_each_side_or_before_and_after(value, parsed):
+    assert parse_neighbors(value) == parsed
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "a", "1:2:3", "1:-1", "", None, (1, 2, 3)])
+def test_malformed_neighbors_are_refused_naming_the_forms(value):
+    with pytest.raises(InputError, match=r"must be N \(N chunks on each side\) or BEFORE:AFTER"):
+        parse_neighbors(value)
+
+
+@pytest.mark.parametrize(("before", "after"), [(1, 0), (0, 1), (1, 1), (2, 3)])
+def test_a_drt_set_to_read_neighbors_computes_what_one_built_with_them_does(before, after):
+    model, built = tiny_drt(), tiny_drt(before, after)
+    assert set_retrieval_neighbors(model, (before, after)) == (0, 0)
+    ids = torch.randint(0, 256, (2, 75))  # 9 chunks and a part
+    out = model(ids, return_retrieval=True)
+    torch.testing.assert_close(out.logits, built(ids).logits, rtol=0, atol=0)
+    last = out.retrieval.indices[0][:, -1]  # [B, 1 + before + after]: chunk 8's retrieval, chunks 0-7 to read
+    assert last.shape[-1] == 1 + before + after
+    for row in last.tolist():
+        read = [c for c in row if c >= 0]
+        assert len(read) == len(set(read)) and all(0 <= c < 8 for c in read)
+        assert read[1:] == [
+            c for c in (read[0] + o for o in [*range(-1, -before - 1, -1), *range(1, after + 1)]) if 0 <= c < 8
+        ]
+    # reading more chunks changes what the model computes
+    assert not torch.equal(out.logits, tiny_drt()(ids).logits)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+def test_neighbors_set_in_bf16_or_under_autocast_compute_what_a_model_built_with_them_does(precision):
+    model, built = tiny_drt(), tiny_drt(1, 1)
+    if precision == "bf16":
+        model, built = model.to(torch.bfloat16), built.to(torch.bfloat16)
+    set_retrieval_neighbors(model, 1)
+    ids = torch.randint(0, 256, (2, 75))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        torch.testing.assert_close(model(ids).logits, built(ids).logits, rtol=0, atol=0)
+
+
+def test_the_loss_reaches_the_retriever_through_the_neighbors_weights():
+    # two chunks retrieved (one alone always weighs 1); the neighbors' share of the gradient shows
+    # as a difference from the same model reading no neighbors
+    grads = []
+    for before, after in ((0, 0), (0, 2)):
+        model = tiny_drt(before, after, top_k=2).double()
+        ids = torch.randint(0, 256, (2, 75), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.landmark_key.weight.grad)
+        assert all(bool(p.grad.abs().sum() > 0) for p in model.query_proj.parameters())
+    assert not torch.allclose(*grads)
+
+
+def test_a_session_reads_the_neighbors():
+    model = tiny_drt()
+    ids = torch.randint(0, 256, (1, 60))
+    set_retrieval_neighbors(model, "1:1")
+    streamed = model.new_session().prefill(ids)
+    torch.testing.assert_close(streamed, tiny_drt(1, 1).new_session().prefill(ids), rtol=0, atol=0)
+    assert not torch.allclose(streamed, tiny_drt().new_session().prefill(ids), rtol=1e-3, atol=1e-3)
+
+
+def test_a_model_without_retrieval_is_refused_by_name():
+    with pytest.raises(InputError, match="retrieval neighbors applies to models with causal retrieval.*'transformer'"):
+        set_retrieval_neighbors(TransformerForCausalLM(TransformerConfig(**SIZES)), 1)
+
+
+def test_the_commands_read_neighbors_and_record_them(drt_dir, tmp_path):
+    base = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
+    default, wider = tmp_path / "default.json", tmp_path / "wider.json"
+    assert main([*base, "--trials", "1", "--out", str(default)]) == 0
+    assert main([*base, "--trials", "1", "--retrieval-neighbors", "0:1", "--out", str(wider)]) == 0
+    assert "retrieval_neighbors" not in json.loads(default.read_text())
+    assert json.loads(wider.read_text())["retrieval_neighbors"] == [0, 1]
+    config = load_model(drt_dir).config  # the model directory is left as it was
+    assert (config.neighbors_before, config.neighbors_after) == (0, 0)
+
+
+def test_the_model_card_says_which_neighbors_a_result_read(drt_dir, tmp_path):
+    from farsight.eval.card import ModelNames, results_section
+    from farsight.models.io import trained_weights
+
+    measured = tmp_path / "wider.json"
+    passkey = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
+    assert main([*passkey, "--trials", "1", "--retrieval-neighbors", "1", "--out", str(measured)]) == 0
+    names = ModelNames({drt_dir.resolve(): "tiny"}, {trained_weights(drt_dir): "tiny"})
+    section = "\n".join(results_section(measured, names))
+    assert "each with the 1 chunk(s) before and 1 after it (`--retrieval-neighbors 1:1`)" in section
+
+
+@pytest.mark.parametrize("value", ["x", "1:2:3", "-1"])
+def test_a_command_refuses_malformed_neighbors_in_one_line_before_loading(drt_dir, value, capsys):
+    argv = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96"]
+    assert main([*argv, f"--retrieval-neighbors={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "BEFORE:AFTER" in err
