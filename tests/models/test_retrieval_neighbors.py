@@ -1,9 +1,8 @@
 """Reading the chunks beside each retrieved one (`set_retrieval_neighbors`, docs/design.md §2.8),
-from Python, the commands and their records."""
+from Python and the commands (bf16 and autocast, the records and the cards' note:
+tests/models/test_retrieval_top_k.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -14,9 +13,6 @@ from farsight.errors import InputError
 from farsight.models import (
     DRTConfig,
     DRTForCausalLM,
-    TransformerConfig,
-    TransformerForCausalLM,
-    load_model,
     parse_neighbors,
     set_retrieval_neighbors,
 )
@@ -75,17 +71,6 @@ def test_a_drt_set_to_read_neighbors_computes_what_one_built_with_them_does(befo
     assert not torch.equal(out.logits, tiny_drt()(ids).logits)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "autocast"])
-def test_neighbors_set_in_bf16_or_under_autocast_compute_what_a_model_built_with_them_does(precision):
-    model, built = tiny_drt(), tiny_drt(1, 1)
-    if precision == "bf16":
-        model, built = model.to(torch.bfloat16), built.to(torch.bfloat16)
-    set_retrieval_neighbors(model, 1)
-    ids = torch.randint(0, 256, (2, 75))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
-        torch.testing.assert_close(model(ids).logits, built(ids).logits, rtol=0, atol=0)
-
-
 def test_the_loss_reaches_the_retriever_through_the_neighbors_weights():
     # two chunks retrieved (one alone always weighs 1); the neighbors' share of the gradient shows
     # as a difference from the same model reading no neighbors
@@ -106,34 +91,6 @@ def test_a_session_reads_the_neighbors():
     streamed = model.new_session().prefill(ids)
     torch.testing.assert_close(streamed, tiny_drt(1, 1).new_session().prefill(ids), rtol=0, atol=0)
     assert not torch.allclose(streamed, tiny_drt().new_session().prefill(ids), rtol=1e-3, atol=1e-3)
-
-
-def test_a_model_without_retrieval_is_refused_by_name():
-    with pytest.raises(InputError, match="retrieval neighbors applies to models with causal retrieval.*'transformer'"):
-        set_retrieval_neighbors(TransformerForCausalLM(TransformerConfig(**SIZES)), 1)
-
-
-def test_the_commands_read_neighbors_and_record_them(drt_dir, tmp_path):
-    base = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
-    default, wider = tmp_path / "default.json", tmp_path / "wider.json"
-    assert main([*base, "--trials", "1", "--out", str(default)]) == 0
-    assert main([*base, "--trials", "1", "--retrieval-neighbors", "0:1", "--out", str(wider)]) == 0
-    assert "retrieval_neighbors" not in json.loads(default.read_text())
-    assert json.loads(wider.read_text())["retrieval_neighbors"] == [0, 1]
-    config = load_model(drt_dir).config  # the model directory is left as it was
-    assert (config.neighbors_before, config.neighbors_after) == (0, 0)
-
-
-def test_the_model_card_says_which_neighbors_a_result_read(drt_dir, tmp_path):
-    from farsight.eval.card import ModelNames, results_section
-    from farsight.models.io import trained_weights
-
-    measured = tmp_path / "wider.json"
-    passkey = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
-    assert main([*passkey, "--trials", "1", "--retrieval-neighbors", "1", "--out", str(measured)]) == 0
-    names = ModelNames({drt_dir.resolve(): "tiny"}, {trained_weights(drt_dir): "tiny"})
-    section = "\n".join(results_section(measured, names))
-    assert "each with the 1 chunk(s) before and 1 after it (`--retrieval-neighbors 1:1`)" in section
 
 
 @pytest.mark.parametrize("value", ["x", "1:2:3", "-1"])

@@ -1,5 +1,6 @@
 """Reading another number of past chunks than a DRT was trained with (`set_retrieval_top_k`), from
-Python, the commands and their records."""
+Python, the commands and their records; what the commands and cards do with either reading option
+(top-k, and the neighbors of tests/models/test_retrieval_neighbors.py)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,18 @@ from farsight.models import (
     TransformerConfig,
     TransformerForCausalLM,
     load_model,
+    set_retrieval_neighbors,
     set_retrieval_top_k,
 )
 
 SIZES = {"vocab_size": 260, "d_model": 32, "n_layers": 2, "n_heads": 2}
 
 
-def tiny_drt(top_k: int) -> DRTForCausalLM:
+def tiny_drt(top_k: int, **reading: int) -> DRTForCausalLM:
     torch.manual_seed(0)
-    config = DRTConfig(**SIZES, chunk_size=8, window=16, top_k=top_k, encoder_layers=1, landmark_id=259, pad_id=256)
+    config = DRTConfig(
+        **SIZES, chunk_size=8, window=16, top_k=top_k, encoder_layers=1, landmark_id=259, pad_id=256, **reading
+    )
     return DRTForCausalLM(config).eval()
 
 
@@ -57,11 +61,19 @@ def test_a_drt_set_to_k_chunks_computes_what_one_built_with_k_does(top_k):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "autocast"])
-def test_k_set_in_bf16_or_under_autocast_computes_what_a_model_built_with_k_does(precision):
-    model, built = tiny_drt(3), tiny_drt(1)
+@pytest.mark.parametrize(
+    ("told", "built_with"),
+    [
+        (lambda model: set_retrieval_top_k(model, 1), {"top_k": 1}),
+        (lambda model: set_retrieval_neighbors(model, 1), {"top_k": 3, "neighbors_before": 1, "neighbors_after": 1}),
+    ],
+    ids=["top-k", "neighbors"],
+)
+def test_a_reading_set_in_bf16_or_under_autocast_computes_what_a_model_built_with_it_does(precision, told, built_with):
+    model, built = tiny_drt(3), tiny_drt(**built_with)
     if precision == "bf16":
         model, built = model.to(torch.bfloat16), built.to(torch.bfloat16)
-    set_retrieval_top_k(model, 1)
+    told(model)
     ids = torch.randint(0, 256, (2, 75))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
         torch.testing.assert_close(model(ids).logits, built(ids).logits, rtol=0, atol=0)
@@ -82,31 +94,54 @@ def test_a_number_of_chunks_that_is_not_a_whole_number_from_1_is_refused(value):
         set_retrieval_top_k(tiny_drt(3), value)
 
 
-def test_a_model_without_retrieval_is_refused_by_name():
-    with pytest.raises(InputError, match="causal retrieval.*'transformer' model; drop the option"):
-        set_retrieval_top_k(TransformerForCausalLM(TransformerConfig(**SIZES)), 2)
+@pytest.mark.parametrize(
+    ("setter", "value", "option"),
+    [(set_retrieval_top_k, 2, "retrieval top-k"), (set_retrieval_neighbors, 1, "retrieval neighbors")],
+)
+def test_a_model_without_retrieval_is_refused_by_name(setter, value, option):
+    with pytest.raises(
+        InputError, match=f"{option} applies to models with causal retrieval.*'transformer' model; drop"
+    ):
+        setter(TransformerForCausalLM(TransformerConfig(**SIZES)), value)
 
 
-def test_the_commands_read_k_chunks_and_record_it(drt_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("option", "field", "recorded"),
+    [
+        (["--retrieval-top-k", "1"], "retrieval_top_k", 1),
+        (["--retrieval-neighbors", "0:1"], "retrieval_neighbors", [0, 1]),
+    ],
+)
+def test_the_commands_read_as_told_and_record_it(drt_dir, tmp_path, option, field, recorded):
     base = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96", "--depths", "0.5"]
-    default, fewer = tmp_path / "default.json", tmp_path / "fewer.json"
+    default, told = tmp_path / "default.json", tmp_path / "told.json"
     assert main([*base, "--trials", "1", "--out", str(default)]) == 0
-    assert main([*base, "--trials", "1", "--retrieval-top-k", "1", "--out", str(fewer)]) == 0
-    assert "retrieval_top_k" not in json.loads(default.read_text())
-    assert json.loads(fewer.read_text())["retrieval_top_k"] == 1
-    assert load_model(drt_dir).config.top_k == 3  # the model directory is left as it was
+    assert main([*base, "--trials", "1", *option, "--out", str(told)]) == 0
+    assert field not in json.loads(default.read_text())
+    assert json.loads(told.read_text())[field] == recorded
+    config = load_model(drt_dir).config  # the model directory is left as it was
+    assert (config.top_k, config.neighbors_before, config.neighbors_after) == (3, 0, 0)
 
 
-def test_the_model_card_says_how_many_chunks_a_result_read(drt_dir, tmp_path):
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--retrieval-top-k", "2"], "reading the 2 best past chunks per chunk (`--retrieval-top-k 2`)"),
+        (
+            ["--retrieval-neighbors", "1"],
+            "each with the 1 chunk(s) before and 1 after it (`--retrieval-neighbors 1:1`)",
+        ),
+    ],
+)
+def test_the_model_card_says_how_a_result_read(drt_dir, tmp_path, option, said):
     from farsight.eval.card import ModelNames, results_section
     from farsight.models.io import trained_weights
 
-    measured = tmp_path / "fewer.json"
+    measured = tmp_path / "read.json"
     passkey = ["eval", "passkey", "--model", str(drt_dir), "--filler", "repeat", "--lengths", "96"]
-    assert main([*passkey, "--depths", "0.5", "--trials", "1", "--retrieval-top-k", "2", "--out", str(measured)]) == 0
+    assert main([*passkey, "--depths", "0.5", "--trials", "1", *option, "--out", str(measured)]) == 0
     names = ModelNames({drt_dir.resolve(): "tiny"}, {trained_weights(drt_dir): "tiny"})
-    section = "\n".join(results_section(measured, names))
-    assert "reading the 2 best past chunks per chunk (`--retrieval-top-k 2`)" in section
+    assert said in "\n".join(results_section(measured, names))
 
 
 @pytest.mark.parametrize(
