@@ -1234,28 +1234,32 @@ def neighbors_read(path: str, run: str | None) -> str:
 
 
 RULER_NEIGHBORS = "results/ruler-neighbors"
-# (what the third stage read, the prefix of the passkey and lm-eval records, the run measured
-# where it is not a model directory: its config and metrics under results/runs/)
+# (model, what its third stage read, the prefix of the passkey and lm-eval records, the run
+# measured where it is not a model directory: its config and metrics under results/runs/)
 RULER_NEIGHBORS_ROWS = (
-    ("the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER}/drt-x2", None),
-    ("the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER_NEIGHBORS}/shipped", None),
-    ("each retrieved chunk and its neighbours", f"{RULER_NEIGHBORS}/trained", "lm/ruler/neighbors/drt-x2"),
+    ("drt-x2", "the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER}/drt-x2", None),
+    ("drt-x2", "the retrieved chunks (`models/ruler-drt-x2`)", f"{RULER_NEIGHBORS}/drt-x2-shipped", None),
+    ("drt-x2", "each and its neighbours", f"{RULER_NEIGHBORS}/drt-x2-trained", "lm/ruler/neighbors/drt-x2"),
+    ("drt-x1", "the retrieved chunks (`models/ruler-drt-x1`)", f"{RULER}/drt-x1", None),
+    ("drt-x1", "each and its neighbours", f"{RULER_NEIGHBORS}/drt-x1-trained", "lm/ruler/neighbors/drt-x1"),
 )
 
 
 @table(
     "ruler-neighbors",
-    "results/ruler/drt-x2-passkey{,-jitter}.json, "
-    "results/ruler/drt-x2-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
-    "results/ruler-neighbors/shipped-passkey-jitter.json, results/ruler-neighbors/trained-passkey{,-jitter}.json, "
-    "results/ruler-neighbors/shipped-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
-    "results/ruler-neighbors/trained-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
-    "results/runs/lm/ruler/neighbors/drt-x2/config.yaml",
+    "results/ruler/{drt-x2,drt-x1}-passkey{,-jitter}.json, "
+    "results/ruler/{drt-x2,drt-x1}-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/ruler-neighbors/drt-x2-shipped-passkey-jitter.json, "
+    "results/ruler-neighbors/{drt-x2,drt-x1}-trained-passkey{,-jitter}.json, "
+    "results/ruler-neighbors/drt-x2-shipped-lm-eval-{4096,16384}{.json,-samples.jsonl}, "
+    "results/ruler-neighbors/{drt-x2,drt-x1}-trained-lm-eval-{4096,16384,65536,131072}{.json,-samples.jsonl}, "
+    "results/runs/lm/ruler/neighbors/{drt-x2,drt-x1}/config.yaml",
 )
 def ruler_neighbors() -> list[str]:
-    grids = [passkey_grid(prefix, "-jitter") for _, prefix, _ in RULER_NEIGHBORS_ROWS]
+    grids = [passkey_grid(prefix, "-jitter") for _, _, prefix, _ in RULER_NEIGHBORS_ROWS]
     lengths = sorted({n for grid in grids for n in grid})
     lines = header(
+        "model",
         "stage 3 trained reading",
         "neighbours read (before:after)",
         *(f"passkey {length_name(n)}" for n in lengths),
@@ -1265,13 +1269,14 @@ def ruler_neighbors() -> list[str]:
         *(f"lm-eval `niah_single_1` {length_name(n)}" for n in RULER_LENGTHS),
         "lm-eval `niah_multikey_2` 4K",
     )
-    for (trained, prefix, run), grid in zip(RULER_NEIGHBORS_ROWS, grids):
+    for (model, trained, prefix, run), grid in zip(RULER_NEIGHBORS_ROWS, grids):
         if not grid:
             continue
         passkey = f"{prefix}-passkey-jitter.json"
         by_depth = passkey_grid(prefix)
         lines.append(
             row(
+                code(model),
                 trained,
                 neighbors_read(passkey, run),
                 *(rate_cell(grid.get(n)) for n in lengths),
@@ -1294,7 +1299,7 @@ RULER_NEIGHBORS_SEED1_ROWS = (
     ),
     (
         "each retrieved chunk and its neighbours",
-        f"{RULER_NEIGHBORS}/trained-passkey-seed1.json",
+        f"{RULER_NEIGHBORS}/drt-x2-trained-passkey-seed1.json",
         "lm/ruler/neighbors/drt-x2",
     ),
 )
@@ -1302,7 +1307,7 @@ RULER_NEIGHBORS_SEED1_ROWS = (
 
 @table(
     "ruler-neighbors-seed1",
-    "results/ruler-refresh-lengths/refresh-passkey.json, results/ruler-neighbors/trained-passkey-seed1.json, "
+    "results/ruler-refresh-lengths/refresh-passkey.json, results/ruler-neighbors/drt-x2-trained-passkey-seed1.json, "
     "results/runs/lm/ruler/{refresh,neighbors}/drt-x2/config.yaml",
 )
 def ruler_neighbors_seed1() -> list[str]:

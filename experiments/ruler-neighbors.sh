@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Reading the chunks beside each retrieved one (docs/results.md, "Reading the chunks beside each
-# retrieved one"; docs/design.md §2.8). make ruler's drt-x2 reads 2 of its 4 chunks; here it also
-# reads the chunk before and the chunk after each (--retrieval-neighbors 1), as shipped (the
-# option at evaluation alone) and after its third stage trained with them
-# (configs/lm/ruler/neighbors/drt-x2.yaml, from the same second stage). Each answers make ruler's
+# retrieved one"; docs/design.md §2.8). make ruler's DRTs read 2 of their 4 chunks; here they also
+# read the chunk before and the chunk after each (--retrieval-neighbors 1): drt-x2 as shipped (the
+# option at evaluation alone), and drt-x2 and drt-x1 after their third stage trained with them
+# (configs/lm/ruler/neighbors/<model>.yaml, from the same second stage). Each answers make ruler's
 # passkey grid with jittered needles (1K to 1M, 40 trials a length to 64K, 20 at 256K and 1M: the
-# trials of results/ruler/drt-x2-passkey-jitter.json) and lm-eval's niah_single_1 at 4K and 16K and
-# niah_multikey_2 at 4K (50 items); the trained run also make ruler's passkey grid by depth alone,
-# the passkey grid of experiments/ruler-refresh-lengths.sh and niah_single_1 at 64K and 128K.
-# Finished runs and result files are reused. Run from the repository root after make ruler.
+# trials of results/ruler/<model>-passkey-jitter.json) and lm-eval's niah_single_1 at 4K and 16K and
+# niah_multikey_2 at 4K (50 items); the trained drt-x2 also make ruler's passkey grid by depth
+# alone, the passkey grid of experiments/ruler-refresh-lengths.sh and niah_single_1 at 64K and
+# 128K. Finished runs and result files are reused. Run from the repository root after make ruler.
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-neighbors
@@ -32,16 +32,20 @@ measure() {  # MODEL NAME LENGTHS: the passkey grid and lm-eval's tasks into $OU
     done
 }
 
-[ -f models/ruler-drt-x2/config.json ] || { echo "models/ruler-drt-x2 is missing: run make ruler first" >&2; exit 1; }
-$F train configs/lm/ruler/stage1-drt-x2.yaml --no-progress
-$F train configs/lm/ruler/composed/drt-x2.yaml --no-progress
-$F train configs/lm/ruler/neighbors/drt-x2.yaml --no-progress
-measure runs/lm/ruler/neighbors/drt-x2 trained 4096,16384,65536,131072
-[ -f "$OUT/trained-passkey.json" ] || $F eval passkey --model runs/lm/ruler/neighbors/drt-x2 "${READING[@]}" \
-    "${PASSKEY_GRID[@]}" --long-trials 2 --out "$OUT/trained-passkey.json"
+for model in drt-x2 drt-x1; do
+    [ -f "models/ruler-$model/config.json" ] || { echo "models/ruler-$model is missing: run make ruler first" >&2; exit 1; }
+    $F train "configs/lm/ruler/stage1-$model.yaml" --no-progress
+    $F train "configs/lm/ruler/composed/$model.yaml" --no-progress
+    $F train "configs/lm/ruler/neighbors/$model.yaml" --no-progress
+done
+measure runs/lm/ruler/neighbors/drt-x2 drt-x2-trained 4096,16384,65536,131072
+RUN=runs/lm/ruler/neighbors/drt-x2
+[ -f "$OUT/drt-x2-trained-passkey.json" ] || $F eval passkey --model "$RUN" "${READING[@]}" "${PASSKEY_GRID[@]}" \
+    --long-trials 2 --out "$OUT/drt-x2-trained-passkey.json"
 # the grid of "Training lengths of the single-needle stage" (seed 1), whose depth-0.7 trials at
 # 256K all hold their passkey across a chunk boundary
-[ -f "$OUT/trained-passkey-seed1.json" ] || $F eval passkey --model runs/lm/ruler/neighbors/drt-x2 "${READING[@]}" \
+[ -f "$OUT/drt-x2-trained-passkey-seed1.json" ] || $F eval passkey --model "$RUN" "${READING[@]}" \
     --lengths 64k,256k --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --seed 1 --corpus data/lm-byte --dtype bf16 \
-    --out "$OUT/trained-passkey-seed1.json"
-measure models/ruler-drt-x2 shipped 4096,16384
+    --out "$OUT/drt-x2-trained-passkey-seed1.json"
+measure models/ruler-drt-x2 drt-x2-shipped 4096,16384
+measure runs/lm/ruler/neighbors/drt-x1 drt-x1-trained 4096,16384
