@@ -49,3 +49,8 @@ RUN=runs/lm/ruler/neighbors/drt-x2
     --out "$OUT/drt-x2-trained-passkey-seed1.json"
 measure models/ruler-drt-x2 drt-x2-shipped 4096,16384
 measure runs/lm/ruler/neighbors/drt-x1 drt-x1-trained 4096,16384
+# the same trials at 64K and 256K in fp32: are the digits it misreads bf16's rounding?
+[ -f "$OUT/drt-x1-trained-passkey-jitter-fp32-64k-256k.json" ] || $F eval passkey \
+    --model runs/lm/ruler/neighbors/drt-x1 "${READING[@]}" --lengths 64k,256k --depths 0.1,0.3,0.5,0.7,0.9 \
+    --trials 8 --long-trials 4 --needle-jitter 32 --corpus data/lm-byte --dtype fp32 \
+    --out "$OUT/drt-x1-trained-passkey-jitter-fp32-64k-256k.json"
