@@ -15,7 +15,9 @@ def inspect_retrieval(
     model: DRTForCausalLM, ids: torch.Tensor, chunks: list[int] | None = None
 ) -> list[dict[str, Any]]:
     """ids [L] -> one record per querying chunk t (default: all that retrieved something):
-    {"chunk": t, "groups": [[{"chunk": k, "weight": w}, ...] per group]}, best first.
+    {"chunk": t, "groups": [[{"chunk": k, "weight": w, "neighbor": bool}, ...] per group]}, best
+    first; "neighbor" marks a chunk read beside a retrieved one (docs/design.md §2.8), which
+    carries that chunk's weight and follows the retrieved chunks.
 
     Chunk t's landmark made the retrieval; chunk t + 1 is the chunk that reads it.
     """
@@ -37,8 +39,14 @@ def inspect_retrieval(
             raise InputError(f"chunk {t} does not exist; the input has chunks 0..{n - 1}")
         groups = []
         for index, weight in zip(info.indices, info.weights):
-            pairs = [(int(k), float(w)) for k, w in zip(index[0, t], weight[0, t]) if k >= 0]
-            groups.append([{"chunk": k, "weight": w} for k, w in sorted(pairs, key=lambda p: -p[1])])
+            # slots 0..K-1 hold the retrieved chunks, the rest their neighbors (add_neighbors)
+            read = [
+                (int(k), float(w), slot >= model.config.top_k)
+                for slot, (k, w) in enumerate(zip(index[0, t], weight[0, t]))
+                if k >= 0
+            ]
+            ranked = sorted(read, key=lambda r: (r[2], -r[1]))
+            groups.append([{"chunk": k, "weight": w, "neighbor": beside} for k, w, beside in ranked])
         if chunks is not None or any(groups):
             records.append({"chunk": t, "groups": groups})
     return records
@@ -62,8 +70,9 @@ def format_retrieval(
             lines.append(f"chunk {t + 1} (target) | {text(t + 1)}")
         for g, group in enumerate(rec["groups"]):
             for rank, item in enumerate(group, 1):
+                place = "beside" if item.get("neighbor") else f"#{rank}"
                 lines.append(
-                    f"  group {g} #{rank} chunk {item['chunk']:>5} w={item['weight']:.3f} | {text(item['chunk'])}"
+                    f"  group {g} {place} chunk {item['chunk']:>5} w={item['weight']:.3f} | {text(item['chunk'])}"
                 )
         lines.append("")
     return "\n".join(lines)

@@ -133,3 +133,24 @@ def test_retrieval_inspection_lists_past_chunks_with_text():
         inspect_retrieval(model, ids, chunks=[999])
     with pytest.raises(TypeError, match="DRT"):
         inspect_retrieval(models()[1], ids)
+
+
+def test_retrieval_inspection_marks_the_chunks_read_beside_the_retrieved_ones():
+    from farsight.models import set_retrieval_neighbors
+
+    model = models()[0]
+    ids = torch.tensor(TOK.encode("def f(x): return x + 1\n" * 12))
+    set_retrieval_neighbors(model, "0:1")
+    records = inspect_retrieval(model, ids)
+    top_k = model.config.top_k
+    for rec in records:
+        for group in rec["groups"]:
+            retrieved = [item for item in group if not item["neighbor"]]
+            beside = [item for item in group if item["neighbor"]]
+            assert group == retrieved + beside and len(retrieved) <= top_k
+            # each neighbor is the chunk after a retrieved one, weighed as it, and read once
+            weights = {item["chunk"]: item["weight"] for item in retrieved}
+            assert all(weights[item["chunk"] - 1] == item["weight"] for item in beside)
+            assert len({item["chunk"] for item in group}) == len(group)
+    assert any(item["neighbor"] for rec in records for group in rec["groups"] for item in group)
+    assert "beside" in format_retrieval(records, ids, TOK, 8)
