@@ -138,6 +138,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         "--top", type=int, default=None, help="show only the N chunks with the most confident retrieval"
     )
     retrieval.add_argument("--max-tokens", type=int, default=16384)
+    add_retrieval_reading_arguments(retrieval)
     add_json_output_argument(retrieval)
     retrieval.set_defaults(func=_retrieval)
 
@@ -506,6 +507,7 @@ def _retrieval(args: argparse.Namespace) -> int:
 
     check_output_file(args.out, "--out")
     check_at_least(args, {"--max-tokens": 1, "--top": 1, "--document": 0})
+    reading = retrieval_reading(args)
     chunks = parse_list(args.chunks, int, "--chunks", "chunk numbers") if args.chunks else None
     tokenizer = model_tokenizer(args.model)
     if args.text is not None:
@@ -546,7 +548,8 @@ def _retrieval(args: argparse.Namespace) -> int:
         logger.warning(f"(using the first {args.max_tokens} of {len(ids)} tokens; raise --max-tokens for more)")
         ids = ids[: args.max_tokens]
     ids = torch.tensor(ids, dtype=torch.long)
-    model, _ = load_model_and_tokenizer(args.model)
+    measured = measured_on(args.model, **reading)
+    model, _ = load_model_and_tokenizer(args.model, **reading)
     records = inspect_retrieval(model, ids, chunks)
     if args.top and chunks is None:
         records = sorted(records, key=lambda r: -max((i["weight"] for g in r["groups"] for i in g), default=0))[
@@ -557,7 +560,7 @@ def _retrieval(args: argparse.Namespace) -> int:
         print(format_retrieval(records, ids, tokenizer, model.config.chunk_size))
     else:
         print(f"no chunk of the {len(ids)} tokens retrieved a past chunk")
-    write_json(args.out, {"records": records})
+    write_json(args.out, {**measured, "records": records})
     return 0
 
 

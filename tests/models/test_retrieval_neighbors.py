@@ -4,6 +4,8 @@ tests/models/test_retrieval_top_k.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -99,3 +101,15 @@ def test_a_command_refuses_malformed_neighbors_in_one_line_before_loading(drt_di
     assert main([*argv, f"--retrieval-neighbors={value}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "BEFORE:AFTER" in err
+
+
+def test_retrieval_inspection_reads_and_records_the_neighbors_it_is_told(drt_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the pass key is 12345. remember it. " * 6)
+    out = tmp_path / "retrieval.json"
+    argv = ["eval", "retrieval", "--model", str(drt_dir), "--text", str(text), "--retrieval-neighbors", "0:1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["retrieval_neighbors"] == [0, 1]
+    items = [item for record in written["records"] for group in record["groups"] for item in group]
+    assert any(item["neighbor"] for item in items) and any(not item["neighbor"] for item in items)
