@@ -1058,15 +1058,24 @@ def ruler_passkey() -> list[str]:
     return lines
 
 
-def split_needle_cell(path: str) -> str:
-    """The passkey trials of a record whose needle spans a chunk boundary, all lengths together:
-    `3 of 8 exact`, or `not recorded` for a record written before farsight counted them."""
+def needle_cell(path: str, split: bool = True) -> str:
+    """The passkey trials of a record whose needle spans a chunk boundary (`split`), or lies
+    inside one chunk, all lengths together: `3 of 8 exact`, `none` where no trial did, or `not
+    recorded` for a record written before farsight counted them."""
     entries = record(path)["by_length"].values()
     if not all("split_evidence" in entry for entry in entries):
         return "not recorded"
-    split = [entry["split_evidence"] for entry in entries]
-    trials = sum(s["trials"] for s in split)
-    return f"{sum(s['exact'] for s in split)} of {trials} exact" if trials else "none"
+    counts = [
+        (e["split_evidence"]["exact"], e["split_evidence"]["trials"])
+        if split
+        else (
+            round(e["exact_match"] * e["trials"]) - e["split_evidence"]["exact"],
+            e["trials"] - e["split_evidence"]["trials"],
+        )
+        for e in entries
+    ]
+    exact, trials = (sum(column) for column in zip(*counts))
+    return f"{exact} of {trials} exact" if trials else "none"
 
 
 @table(
@@ -1083,7 +1092,7 @@ def ruler_passkey_jitter() -> list[str]:
         for placed, suffix in (("by depth alone", ""), ("at any offset within a chunk", "-jitter")):
             prefix = f"{RULER}/{model}"
             grid = passkey_grid(prefix, suffix)
-            split = split_needle_cell(f"{prefix}-passkey{suffix}.json") if grid else "not run"
+            split = needle_cell(f"{prefix}-passkey{suffix}.json") if grid else "not run"
             lines.append(row(code(model), placed, *(rate_cell(grid.get(n)) for n in lengths), split))
     return lines
 
@@ -1198,22 +1207,11 @@ def ruler_refresh_lengths() -> list[str]:
                 f"{tokens / 1e6:.1f}M",
                 *(rate_cell(passkey.get(n)) for n in RULER_REFRESH_LENGTHS_PASSKEY),
                 f"{found} of {len(trials)}" if trials else "not run",
-                split_needle_cell(f"{prefix}-passkey.json") if trials else "not run",
+                needle_cell(f"{prefix}-passkey.json") if trials else "not run",
                 *single_needle_cells(prefix, (4096, 16384)),
             )
         )
     return lines
-
-
-def whole_needle_cell(path: str) -> str:
-    """The passkey trials of a record whose needle lies inside one chunk, all lengths together:
-    `160 of 166 exact`, or `not recorded` for a record written before farsight counted them."""
-    entries = record(path)["by_length"].values()
-    if not all("split_evidence" in entry for entry in entries):
-        return "not recorded"
-    exact = sum(round(e["exact_match"] * e["trials"]) - e["split_evidence"]["exact"] for e in entries)
-    trials = sum(e["trials"] - e["split_evidence"]["trials"] for e in entries)
-    return f"{exact} of {trials} exact"
 
 
 def neighbors_read(path: str, run: str | None) -> str:
@@ -1280,8 +1278,8 @@ def ruler_neighbors() -> list[str]:
                 trained,
                 neighbors_read(passkey, run),
                 *(rate_cell(grid.get(n)) for n in lengths),
-                split_needle_cell(passkey),
-                whole_needle_cell(passkey),
+                needle_cell(passkey),
+                needle_cell(passkey, split=False),
                 " / ".join(rate_cell(by_depth[n]) for n in (262144, 1048576)) if by_depth else "not run",
                 *single_needle_cells(prefix, RULER_LENGTHS),
                 lm_eval_cell(f"{prefix}-lm-eval-4096.json", "niah_multikey_2", 4096) or "not run",
@@ -1328,7 +1326,7 @@ def ruler_neighbors_seed1() -> list[str]:
                 neighbors_read(path, run),
                 *(rate_cell(grid.get(n)) for n in RULER_REFRESH_LENGTHS_PASSKEY),
                 f"{sum(bool(t['retrieved_needle']) for t in trials)} of {len(trials)}",
-                split_needle_cell(path),
+                needle_cell(path),
             )
         )
     return lines
