@@ -620,7 +620,8 @@ class CausalRetrievalLM(PretrainedLM):
         [B, L] (packed rows, farsight.ops.documents): each document is laid out on the chunk grid
         as if alone (`packed_slots`), attends and retrieves only inside itself, and its last
         token predicts nothing. retrieval_targets [B, L] (integers; 1: a token of the evidence,
-        2: a token whose chunk's retrieval should find the evidence, 0: neither; the needle
+        2: a token whose chunk's retrieval should find the evidence, 0: neither; a row that asks
+        about several needles numbers them: 2p + 1 and 2p + 2 for its needle p; the needle
         batches' `data.retrieval_weight`) adds supervised retrieval: `retrieval_loss` and
         `retrieval_found` (`supervised_retrieval`).
         """
@@ -665,10 +666,11 @@ class CausalRetrievalLM(PretrainedLM):
             targets.is_floating_point()
             or targets.is_complex()
             or targets.dtype == torch.bool
-            or bool(((targets < 0) | (targets > 2)).any())
+            or bool((targets < 0).any())
         ):
             raise InputError(
-                "retrieval_targets holds 0 (neither), 1 (evidence) or 2 (a token whose retrieval should find it) as integers"
+                "retrieval_targets holds 0 (neither), 1 (evidence) or 2 (a token whose retrieval should find it) as integers, "
+                "or 2p + 1 and 2p + 2 for a row's needle p"
             )
         if self.config.retriever != "learned":
             raise InputError(
@@ -681,7 +683,9 @@ class CausalRetrievalLM(PretrainedLM):
         {"retrieval_loss": the mean over groups of `retrieval_target_loss` per supervised
         retrieval, "retrieval_found": the share of supervised retrievals whose top k held the
         evidence's chunks (nan when none was supervised)}. A token of chunk c reads the retrieval
-        made by the landmark of chunk c - 1, so that retrieval is the one supervised."""
+        made by the landmark of chunk c - 1, so that retrieval is the one supervised, toward the
+        chunks of the evidence of the needle its tokens ask about (of each, where answers about
+        two needles share a chunk)."""
         b, length = targets.shape
         s, s1 = self.config.chunk_size, self.slots_per_chunk
         if state.packed is None:
@@ -691,12 +695,18 @@ class CausalRetrievalLM(PretrainedLM):
         if not state.scores:  # no landmark, hence no retrieval
             zero = torch.zeros((), device=targets.device)
             return {"retrieval_loss": zero, "retrieval_found": zero / zero}
-        n = state.scores[0].shape[-1]
-        counts = torch.zeros(2, b, n + 1, dtype=torch.long, device=targets.device)
-        counts[0].scatter_add_(1, chunk, (targets == 1).long())
-        counts[1].scatter_add_(1, chunk, (targets == 2).long())
-        evidence = counts[0, :, :n] > 0  # [B, n] chunks holding evidence
-        asking = counts[1, :, 1 : state.scores[0].shape[1] + 1] > 0  # [B, m]: landmark i serves chunk i + 1
+        m, n = state.scores[0].shape[-2:]
+        needles = max(1, (int(targets.max()) + 1) // 2)  # targets 2p + 1 (evidence) and 2p + 2 (asking) of needle p
+        slot = (targets - 1).clamp(min=0).div(2, rounding_mode="floor") * (n + 1) + chunk  # [B, L]: (needle, chunk)
+        counts = torch.zeros(2, b, needles * (n + 1), dtype=torch.long, device=targets.device)
+        counts[0].scatter_add_(1, slot, (targets % 2 == 1).long())
+        counts[1].scatter_add_(1, slot, ((targets > 0) & (targets % 2 == 0)).long())
+        counts = counts.view(2, b, needles, n + 1)
+        evidence = counts[0, :, :, :n] > 0  # [B, P, n]: the chunks holding needle p's evidence
+        asking = counts[1, :, :, 1 : m + 1] > 0  # [B, P, m]: landmark i serves chunk i + 1
+        # [B, m, n]: the chunks each retrieval should find, those of the needles its chunk asks about
+        evidence = torch.einsum("bpm,bpn->bmn", asking.float(), evidence.float()) > 0
+        asking = asking.any(1)
         losses, counted, found = [], 0, 0
         for scores in state.scores:
             loss, n_counted, n_found = retrieval_target_loss(scores, asking, evidence, self.config.top_k)

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from collections import Counter
 from pathlib import Path
@@ -280,3 +281,102 @@ def test_ruler_wording_is_the_default_and_draws_as_before():
         make_ruler_tasks(["vt"], BYTE, 1, haystack="noise", options={"wording": "random"})
     with pytest.raises(InputError, match="option\\(s\\) wording not valid for the cwe task"):
         make_ruler_tasks(["cwe"], BYTE, 1, haystack="noise", options={"wording": "varied"})
+
+
+# niah_multikey_2 at 2,000 tokens, its question on a multiple of 32, depth 0.4, seed 7: the digests of
+# its ids before quizzes existed. A task without quizzes must draw exactly these haystacks still.
+WITHOUT_QUIZZES = {
+    ("byte", "ruler"): "0464a8ede0b6f48e",
+    ("byte", "composed"): "a9a278168bd29f7f",
+    ("gpt2", "ruler"): "d5ae23be72aee4b7",
+    ("gpt2", "composed"): "b32ad3694a7af02e",
+}
+
+
+@pytest.mark.parametrize("tokenizer_name, wording", sorted(WITHOUT_QUIZZES))
+def test_a_needle_haystack_without_quizzes_draws_as_before(tokenizer_name, wording):
+    import hashlib
+
+    tokenizer = BYTE if tokenizer_name == "byte" else GPT2
+    for options in ({"wording": wording}, {"wording": wording, "quizzes": 0}):
+        (task,) = make_ruler_tasks(["niah_multikey_2"], tokenizer, 32, options=options)
+        s = task.sample(2000, 0.4, rng(7))
+        assert hashlib.sha256(s.input_ids.tobytes()).hexdigest()[:16] == WITHOUT_QUIZZES[tokenizer_name, wording]
+        assert s.quizzes == []
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+@pytest.mark.parametrize("wording", ["ruler", "varied", "composed"])
+@pytest.mark.parametrize("align", [1, 32])
+def test_quizzes_ask_earlier_distractors_once_and_answer_them(tokenizer, wording, align):
+    (task,) = make_ruler_tasks(["niah_multikey_2"], tokenizer, align, options={"wording": wording, "quizzes": 0.4})
+    for seed in range(4):
+        s = task.sample(3001, 0.5, rng(seed))
+        assert len(s.input_ids) == 3001 and len(s.quizzes) >= 5
+        prompt = text(tokenizer, s.prompt)
+        assert tokenizer.encode(prompt) == s.prompt.tolist()  # the text re-tokenizes to the same ids
+        asked = s.info["keys"][0]
+        needle = s.info["needle"]
+        quizzed = []
+        for start, key_end, answer, n, evidence in s.quizzes:
+            assert evidence + n < start < key_end < answer < answer + n < s.question_start
+            # the quiz's evidence is its needle's value, which its answer repeats
+            assert np.array_equal(s.input_ids[evidence : evidence + n], s.input_ids[answer : answer + n])
+            value = text(tokenizer, s.input_ids[answer : answer + n])
+            question = text(tokenizer, s.input_ids[start:key_end])
+            key = re.search(r"([a-z]+-[a-z]+)$", question).group(1)
+            assert key != asked
+            quizzed.append(key)
+            # the key's needle came earlier, holding the answer
+            assert needle.format(key=key) + value + "." in text(tokenizer, s.input_ids[:start])
+            # after the answer, "." and then the next needle or quiz
+            assert text(tokenizer, s.input_ids[answer + n : answer + n + 1]) == "."
+            # the asked needle never lands inside a quiz
+            assert not start < s.needle_positions[0] <= answer + n
+        assert len(set(quizzed)) == len(quizzed)
+        # the sample's own question and answer are as without quizzes
+        assert prompt.count(needle.format(key=asked) + " " + s.info["references"][0] + ".") == 1
+        assert split_answer(text(tokenizer, s.answer)) == s.info["references"]
+
+
+def test_quiz_answers_weigh_from_the_chunk_after_the_key_is_named():
+    (task,) = make_ruler_tasks(["niah_multikey_2"], BYTE, 1, options={"wording": "composed", "quizzes": 0.5})
+    s = task.sample(4096, 0.5, rng(2))
+    assert s.quizzes
+    for chunk in (1, 8, 32):
+        w = s.loss_weights(10.0, 0.0, chunk)
+        for start, key_end, answer, n, _ in s.quizzes:
+            assert np.all(w[start:answer] == 0.0)  # the question weighs as the sample's own question
+            for t in range(answer, answer + n):
+                assert w[t] == (10.0 if t // chunk > (key_end - 1) // chunk else 0.0), (chunk, t)
+            # the "." that ends the quiz weighs as the one after the sample's answer
+            assert w[answer + n] == w[s.answer_start + s.answer_length] == 1.0
+        assert np.all(w[s.answer_start : s.answer_start + s.answer_length] == 10.0)
+    # chunk_size 1 (a model without chunks): every answer token of a quiz, which follows its key
+    assert int(np.sum(s.loss_weights(10.0, 0.0) == 10.0)) == s.answer_length + sum(q[3] for q in s.quizzes)
+    # a quiz whose answer shares the key's chunk weighs nothing there: a chunk holding the whole quiz
+    wide = s.loss_weights(10.0, 0.0, 4096)
+    assert int(np.sum(wide == 10.0)) == s.answer_length
+
+
+def test_quizzes_are_refused_outside_a_needle_haystack_and_out_of_range():
+    with pytest.raises(InputError, match="quizzes ask about distractor needles.*set haystack: needles"):
+        make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise", options={"quizzes": 0.3})
+    for bad in (-0.1, 1.5, True, "0.3"):
+        with pytest.raises(InputError, match="option quizzes must be a number in \\[0, 1\\]"):
+            make_ruler_tasks(["niah_multikey_2"], BYTE, 1, options={"quizzes": bad})
+
+
+def test_each_quiz_is_a_needle_of_its_own_in_the_retrieval_targets():
+    (task,) = make_ruler_tasks(["niah_multikey_2"], BYTE, 1, options={"wording": "composed", "quizzes": 0.5})
+    s = task.sample(4096, 0.5, rng(4))
+    assert len(s.quizzes) > 10
+    targets = s.retrieval_targets(32)
+    plain = dataclasses.replace(s, quizzes=[])
+    # the sample's own needle keeps 1 and 2, as without quizzes
+    assert np.array_equal(np.where(targets <= 2, targets, 0), plain.retrieval_targets(32))
+    for q, (_, key_end, answer, n, evidence) in enumerate(s.quizzes):
+        assert np.all(targets[evidence : evidence + n] == 2 * q + 3)
+        asking = np.flatnonzero(targets == 2 * q + 4)
+        assert asking.tolist() == [t for t in range(answer, answer + n) if t // 32 > (key_end - 1) // 32]
+    assert targets.dtype == np.int16 and targets.max() == 2 * len(s.quizzes) + 2

@@ -32,7 +32,7 @@ def _targets(b, length, evidence, answers):
 
 
 def _capture(monkeypatch):
-    """Record what the model hands the loss: (asking [B, m], targets [B, n]) per group."""
+    """Record what the model hands the loss: (asking [B, m], targets [B, m, n]) per group."""
     seen = []
     real = causal_retrieval.retrieval_target_loss
 
@@ -55,9 +55,12 @@ def test_the_retrieval_made_before_the_answers_chunk_is_supervised_toward_the_ev
     out = model(ids, retrieval_targets=targets)
     assert len(seen) == 2  # one per group
     asking, evidence = seen[0]
-    assert asking.shape == (2, 8) and evidence.shape == (2, 8)
+    assert asking.shape == (2, 8) and evidence.shape == (2, 8, 8)
     assert asking[0].nonzero().flatten().tolist() == [4, 5] and asking[1].nonzero().flatten().tolist() == [6]
-    assert evidence[0].nonzero().flatten().tolist() == [1, 2] and evidence[1].nonzero().flatten().tolist() == [0]
+    for i in (4, 5):
+        assert evidence[0, i].nonzero().flatten().tolist() == [1, 2]
+    assert evidence[1, 6].nonzero().flatten().tolist() == [0]
+    assert not evidence[0, [0, 1, 2, 3, 6, 7]].any() and not evidence[1, [0, 1, 2, 3, 4, 5, 7]].any()
     assert torch.isfinite(out.retrieval_loss) and float(out.retrieval_loss.detach()) > 0
 
 
@@ -118,7 +121,7 @@ def test_packed_rows_map_each_token_to_its_documents_chunk(monkeypatch):
     seen = _capture(monkeypatch)
     out = model(ids, document_ids=documents, retrieval_targets=targets, return_retrieval=True)
     asking, evidence = seen[0]
-    assert evidence[0].nonzero().flatten().tolist() == [2] and asking[0].nonzero().flatten().tolist() == [3]
+    assert evidence[0, 3].nonzero().flatten().tolist() == [2] and asking[0].nonzero().flatten().tolist() == [3]
     # landmark 3's only candidate in its document is chunk 2: found
     assert float(out.retrieval_found) == 1.0
 
@@ -127,7 +130,7 @@ def test_packed_rows_map_each_token_to_its_documents_chunk(monkeypatch):
     ("targets", "message"),
     [
         (torch.zeros(2, 5, dtype=torch.long), r"retrieval_targets must be a tensor shaped like input_ids \(2, 9\)"),
-        (torch.full((2, 9), 3), "retrieval_targets holds 0 \\(neither\\), 1 \\(evidence\\) or 2"),
+        (torch.full((2, 9), -1), "retrieval_targets holds 0 \\(neither\\), 1 \\(evidence\\) or 2.*2p \\+ 1"),
         (torch.zeros(2, 9), "retrieval_targets holds 0"),
         ([0] * 9, r"shaped like input_ids \(2, 9\), got list"),
     ],
@@ -161,3 +164,22 @@ def test_the_loss_in_other_precisions_is_close_to_fp32s_and_trains(precision):
     loss.backward()
     grad = model.query_proj[0].weight.grad
     assert grad is not None and bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0
+
+
+def test_a_row_asking_about_several_needles_supervises_each_retrieval_toward_its_own(monkeypatch):
+    model = _model().eval()
+    ids = torch.randint(0, 256, (1, 31)).expand(2, -1).clone()
+    # needle 0: evidence in chunk 1, its answer in chunk 5 (landmark 4); needle 1: evidence in
+    # chunk 3, its answer in chunk 7 (landmark 6)
+    both = torch.zeros(1, 31, dtype=torch.long)
+    both[0, 5:6], both[0, 22:23], both[0, 13:14], both[0, 29:31] = 1, 2, 3, 4
+    seen = _capture(monkeypatch)
+    out = model(ids[:1], retrieval_targets=both)
+    asking, evidence = seen[0]
+    assert asking[0].nonzero().flatten().tolist() == [4, 6]
+    assert evidence[0, 4].nonzero().flatten().tolist() == [1] and evidence[0, 6].nonzero().flatten().tolist() == [3]
+    # the same as two rows of the same text, each asking about one of the needles
+    apart = _targets(2, 31, {0: (5, 6), 1: (13, 14)}, {0: (22, 23), 1: (29, 31)})
+    alone = model(ids, retrieval_targets=apart)
+    torch.testing.assert_close(out.retrieval_loss, alone.retrieval_loss)
+    torch.testing.assert_close(out.retrieval_found, alone.retrieval_found)

@@ -22,8 +22,9 @@ def _loop_reference(scores, asking, targets, k):
         for i in range(m):
             if not asking[row, i]:
                 continue
+            evidence = targets[row] if targets.dim() == 2 else targets[row, i]
             candidates = [j for j in range(n) if math.isfinite(float(scores[row, i, j].detach()))]
-            wanted = [j for j in candidates if targets[row, j]]
+            wanted = [j for j in candidates if evidence[j]]
             if not wanted:
                 continue
             values = torch.stack([scores[row, i, j] for j in candidates])
@@ -31,11 +32,11 @@ def _loop_reference(scores, asking, targets, k):
             loss = loss + sum(total - scores[row, i, j] for j in wanted) / len(wanted)
             counted += 1
             best = sorted(candidates, key=lambda j: -float(scores[row, i, j].detach()))[:k]
-            found += sum(bool(targets[row, j]) for j in best) >= min(len(wanted), k)
+            found += sum(bool(evidence[j]) for j in best) >= min(len(wanted), k)
     return loss, counted, found
 
 
-def _case(b, m, n, seed, dtype=torch.float64):
+def _case(b, m, n, seed, dtype=torch.float64, per_retrieval=False):
     g = torch.Generator().manual_seed(seed)
     scores = torch.randn(b, m, n, generator=g, dtype=dtype) * 3
     # causal candidates as in DRT: landmark i scores chunks j < i; some rows lose their leading chunks
@@ -44,13 +45,14 @@ def _case(b, m, n, seed, dtype=torch.float64):
     keep = (torch.arange(n) < stop) & (torch.arange(n) >= start)
     scores = scores.masked_fill(~keep, float("-inf"))
     asking = torch.rand(b, m, generator=g) < 0.6
-    targets = torch.rand(b, n, generator=g) < 0.2
+    targets = torch.rand(*((b, m, n) if per_retrieval else (b, n)), generator=g) < 0.2
     return scores, asking, targets
 
 
+@pytest.mark.parametrize("per_retrieval", [False, True], ids=["row-evidence", "retrieval-evidence"])
 @pytest.mark.parametrize(("b", "m", "n", "k"), [(2, 9, 9, 2), (3, 17, 17, 4), (1, 5, 5, 8), (2, 33, 33, 1)])
-def test_loss_counts_and_gradients_equal_the_loop_in_fp64(b, m, n, k):
-    scores, asking, targets = _case(b, m, n, seed=m)
+def test_loss_counts_and_gradients_equal_the_loop_in_fp64(b, m, n, k, per_retrieval):
+    scores, asking, targets = _case(b, m, n, seed=m, per_retrieval=per_retrieval)
     ours = scores.clone().requires_grad_()
     theirs = scores.clone().requires_grad_()
     loss, counted, found = retrieval_target_loss(ours, asking, targets, k)
@@ -106,3 +108,18 @@ def test_low_precision_scores_give_an_fp32_loss_close_to_fp64(dtype):
     ref, ref_counted, _ = _loop_reference(low.double(), asking, targets, 4)
     assert loss.dtype == torch.float32 and int(counted) == ref_counted
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_per_retrieval_evidence_equal_to_the_rows_gives_the_rows_loss():
+    scores, asking, targets = _case(2, 17, 17, seed=3)
+    expanded = targets[:, None, :].expand(-1, 17, -1)
+    for a, b in zip(
+        retrieval_target_loss(scores, asking, targets, 2), retrieval_target_loss(scores, asking, expanded, 2)
+    ):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a retrieval whose own evidence is empty is not counted, whatever the row's evidence
+    emptied = expanded.clone()
+    emptied[:, 5] = False
+    counted_all = int(retrieval_target_loss(scores, asking, expanded, 2)[1])
+    counted = int(retrieval_target_loss(scores, asking, emptied, 2)[1])
+    assert counted == counted_all - int((asking[:, 5] & (expanded[:, 5] & torch.isfinite(scores[:, 5])).any(-1)).sum())

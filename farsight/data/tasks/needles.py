@@ -39,7 +39,11 @@ class NeedleSample:
     needle_positions / needle_lengths: where each needle sits, the asked one first; answer_lead:
     how many answer tokens come before the first one with a letter or digit (the byte tokenizer's
     " " before the digits, the 2-hop answer's ": "), which first-token accuracy skips;
-    question_start / question_end: the question's first token and the end of its head."""
+    question_start / question_end: the question's first token and the end of its head;
+    quizzes: questions inside the haystack about other needles, answered there (training data
+    for recall among look-alike needles), as (question start, end of the question's first
+    mention of the key, answer start, answer length, start of the asked needle's value: the
+    quiz's evidence, as long as its answer)."""
 
     input_ids: np.ndarray
     answer_start: int
@@ -52,6 +56,7 @@ class NeedleSample:
     answer_lead: int = 0
     question_end: int | None = None
     question_start: int | None = None
+    quizzes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
     @property
     def prompt(self) -> np.ndarray:
@@ -73,17 +78,22 @@ class NeedleSample:
         return self.input_ids[self.answer_start : self.answer_start + self.answer_length]
 
     def retrieval_targets(self, chunk_size: int = 1) -> np.ndarray:
-        """int8 [length]: 1 for the evidence's tokens, 2 for the answer tokens whose retrieval
+        """int16 [length]: 1 for the evidence's tokens, 2 for the answer tokens whose retrieval
         should find it, 0 elsewhere: a causal-retrieval model's `retrieval_targets`. A token of
         chunk c reads the retrieval made at the end of chunk c - 1 (`chunk_size` tokens a chunk),
         so only the answer tokens of chunks that start after the question's head are marked: an
-        earlier retrieval has not read which key is asked, and no target could teach it that."""
-        targets = np.zeros(len(self.input_ids), dtype=np.int8)
+        earlier retrieval has not read which key is asked, and no target could teach it that.
+        Quiz q is the row's needle q + 1: 2q + 3 for its needle's value, 2q + 4 for its answer
+        tokens from the chunk after the one where it names its key."""
+        targets = np.zeros(len(self.input_ids), dtype=np.int16)
         for start, n in self.evidence:
             targets[start : start + n] = 1
         asked_from = self.answer_start if self.question_end is None else self.question_end
         answer = np.arange(self.answer_start, self.answer_start + self.answer_length)
         targets[answer[answer // chunk_size * chunk_size >= asked_from]] = 2
+        for q, (_, key_end, answer_start, n, evidence) in enumerate(self.quizzes):
+            targets[evidence : evidence + n] = 2 * q + 3
+            targets[self._quiz_answer(key_end, answer_start, n, chunk_size)] = 2 * q + 4
         return targets
 
     def evidence_chunks(self, chunk_size: int, offset: int = 0) -> set[int]:
@@ -92,17 +102,33 @@ class NeedleSample:
         spans = [(offset + start, n) for start, n in self.evidence]
         return {c for start, n in spans for c in range(start // chunk_size, (start + n - 1) // chunk_size + 1)}
 
-    def loss_weights(self, answer_weight: float, needle_weight: float = 1.0) -> np.ndarray:
+    def loss_weights(self, answer_weight: float, needle_weight: float = 1.0, chunk_size: int = 1) -> np.ndarray:
         """Per-token loss weights (float32 [length]): `answer_weight` for the answer tokens,
         `needle_weight` for the needles' tokens and the question's up to the answer (0 keeps a
-        model from learning to write needle sentences into its text), 1 for the haystack."""
+        model from learning to write needle sentences into its text), 1 for the haystack.
+
+        A quiz weighs as the question does, and its answer tokens `answer_weight` only from the
+        first chunk (of `chunk_size` tokens) after the one where the quiz first names its key: a
+        token of chunk c reads the retrieval made at the end of chunk c - 1, and a retrieval made
+        before the key was read cannot know which needle to fetch, so those answer tokens (and
+        every one, for a model without chunks, chunk_size 1, only after the key) would be noise."""
         weights = np.ones(len(self.input_ids), dtype=np.float32)
         for position, length in zip(self.needle_positions, self.needle_lengths):
             weights[position : position + length] = needle_weight
         if self.question_start is not None:
             weights[self.question_start : self.answer_start] = needle_weight
         weights[self.answer_start : self.answer_start + self.answer_length] = answer_weight
+        for start, key_end, answer, n, _ in self.quizzes:
+            weights[start : answer + n] = needle_weight
+            weights[self._quiz_answer(key_end, answer, n, chunk_size)] = answer_weight
         return weights
+
+    @staticmethod
+    def _quiz_answer(key_end: int, answer: int, n: int, chunk_size: int) -> np.ndarray:
+        """A quiz's answer tokens from the first chunk after the one where it names its key: those
+        whose retrieval has read which needle is asked (the others read one made before)."""
+        tokens = np.arange(answer, answer + n)
+        return tokens[tokens // chunk_size > (key_end - 1) // chunk_size]
 
 
 @dataclass

@@ -84,7 +84,10 @@ class RulerDraw:
     """One random instance before it is laid out: the instruction, the needles (the asked one
     first), the question, the link and answer after the chunk boundary, the references, the
     evidence as (needle index, offset in that needle, length), and the names and values in use
-    per kind (distractors take others)."""
+    per kind (distractors take others). A NIAH draw also keeps its question with "{key}" left to
+    fill (`question_template`), and its haystack the quizzes it laid, as (question start, end of
+    the key's first mention, answer start, answer length, start of the asked needle's value) in
+    haystack tokens, then in context tokens once `context` has placed the needles."""
 
     intro: np.ndarray
     needles: list[np.ndarray]
@@ -95,6 +98,8 @@ class RulerDraw:
     evidence: list[tuple[int, int, int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     used: dict[str, set[str]] = field(default_factory=dict)
+    question_template: str = ""
+    quizzes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
 
 
 class RulerTask(NeedleTask):
@@ -154,6 +159,7 @@ class RulerTask(NeedleTask):
         ids = np.concatenate(pieces).astype(np.int64)
         assert len(ids) == length
         positions = [start + p for p in placed]
+        quizzes = [(start + q, start + k, start + a, n, start + e) for q, k, a, n, e in draw.quizzes]
         evidence = [(positions[i] + offset, n) for i, offset, n in draw.evidence]
         lead = next((i for i, t in enumerate(draw.answer.tolist()) if self.tokenizer.decode([t]).strip()), 0)
         info = {**draw.info, "references": draw.references, "prompt_tokens": prefix + len(draw.link)}
@@ -169,6 +175,7 @@ class RulerTask(NeedleTask):
             lead,
             prefix,
             prefix - len(draw.question),
+            quizzes,
         )
 
     def shortest_context(self, draw: RulerDraw) -> int:
@@ -178,9 +185,17 @@ class RulerTask(NeedleTask):
     def context(
         self, draw: RulerDraw, budget: int, depth: float, rng: np.random.Generator
     ) -> tuple[np.ndarray, list[int]]:
-        """`budget` tokens of haystack with the needles inserted, and where each needle starts."""
+        """`budget` tokens of haystack with the needles inserted, and where each needle starts (the
+        draw's quizzes move to context tokens too)."""
         haystack = self.haystack(budget - self.shortest_context(draw), draw, rng)
         positions = [self._snap(haystack, p) for p in self.positions(len(draw.needles), len(haystack), depth, rng)]
+        # a quiz's question ends a sentence, yet a needle goes before the quiz, not between its question and answer
+        positions = [next((q for q, _, a, n, _ in draw.quizzes if q < p <= a + n), p) for p in positions]
+
+        def moved(h: int) -> int:  # where haystack token h lands: after every needle inserted at or before it
+            return h + sum(len(needle) for needle, p in zip(draw.needles, positions) if p <= h)
+
+        draw.quizzes = [(moved(q), moved(k), moved(a), n, moved(e)) for q, k, a, n, e in draw.quizzes]
         order = sorted(range(len(draw.needles)), key=lambda i: (positions[i], i))
         pieces, placed, cursor, size = [], [0] * len(draw.needles), 0, 0
         for i in order:
@@ -430,6 +445,13 @@ class NIAHTask(RulerTask):
     "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
     distractor needles with other keys, RULER's needle haystack). The first value of the first
     asked key sits at `depth`; the other needles anywhere.
+
+    quizzes (training data, needle haystacks only): the chance, before each distractor needle,
+    that the haystack first asks the task's question about an earlier distractor, answered at
+    once ("... What is the number for KEY? ... is VALUE."). Each distractor is asked at most once
+    and the asked key never. A needle haystack is RULER's hardest: the needles differ only in
+    their key, and the one question gives one answer a sample to learn which needle holds it;
+    quizzes give many (`NeedleSample.loss_weights` weighs their answers), at every distance.
     """
 
     name = "niah"
@@ -446,6 +468,7 @@ class NIAHTask(RulerTask):
         value_kind: str = "numbers",
         haystack: str = "filler",
         wording: str = "ruler",
+        quizzes: float = 0.0,
     ) -> None:
         super().__init__(tokenizer, filler, align)
         self.keys = whole_option(self.name, "keys", keys, 1)
@@ -459,6 +482,14 @@ class NIAHTask(RulerTask):
         self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
         self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
         self.wording = _choice(self.name, "wording", wording, NIAH_WORDINGS)
+        if isinstance(quizzes, bool) or not isinstance(quizzes, (int, float)) or not 0 <= quizzes <= 1:
+            raise InputError(f"the {self.name} task's option quizzes must be a number in [0, 1], got {quizzes!r}")
+        if quizzes and self.haystack_kind != "needles":
+            raise InputError(
+                f"the {self.name} task's quizzes ask about distractor needles, and its haystack is {self.haystack_kind}; "
+                "set haystack: needles or leave quizzes at 0"
+            )
+        self.quizzes = float(quizzes)
 
     def _needle(self, key: str, value: str, head: str) -> tuple[np.ndarray, int, int]:
         """A needle's ids with the head `head` ({key} left to fill), and the offset and length of its value."""
@@ -504,7 +535,18 @@ class NIAHTask(RulerTask):
         link = self.encode(" are" if several else " is")
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
         info = {"keys": [keys[k] for k in asked], "values": references, "phrasing": phrasing, "needle": head}
-        return RulerDraw(intro, needles, self._ids(question), link, answer, references, evidence, info, used)
+        return RulerDraw(
+            intro, needles, self._ids(question), link, answer, references, evidence, info, used, question_text
+        )
+
+    def _quiz(self, key: str, value: str, draw: RulerDraw) -> tuple[np.ndarray, int, int, int]:
+        """The draw's question about `key`, answered with `value`: its ids, the end of the question's
+        first mention of the key, and the offset and length of the answer."""
+        question = self._ids(draw.question_template.format(key=key))
+        key_end = len(self._ids(draw.question_template.split("{key}")[0] + key))
+        answer = self._ids(" " + value)
+        ids = np.concatenate([question, draw.link, answer, self.encode(".")])
+        return ids, key_end, len(question) + len(draw.link), len(answer)
 
     def haystack(self, n: int, draw: RulerDraw, rng: np.random.Generator) -> np.ndarray:
         if self.haystack_kind == "filler":
@@ -512,6 +554,9 @@ class NIAHTask(RulerTask):
         make_key, key_space = MAKERS[self.key_kind]
         make_value, value_space = MAKERS[self.value_kind]
         lines: list[np.ndarray] = []
+        unasked: list[
+            tuple[str, str, int]
+        ] = []  # (key, value, where the value starts) of the distractors not quizzed yet
         used = 0
         while True:
             # a batch of distractors at a time: about as many as the rest of the budget holds
@@ -519,9 +564,20 @@ class NIAHTask(RulerTask):
             keys = _distinct(rng, count, make_key, draw.used[self.key_kind], key_space, "keys")
             values = _distinct(rng, count, make_value, draw.used[self.value_kind], value_space, "values")
             for key, value in zip(keys, values):
-                line = self._needle(key, value, draw.info["needle"])[0]
+                # no draw without quizzes, so that the haystacks of a task without them stay as they were
+                if self.quizzes and unasked and rng.random() < self.quizzes:
+                    key_asked, value_asked, evidence = unasked.pop(int(rng.integers(len(unasked))))
+                    line, key_end, answer, length = self._quiz(key_asked, value_asked, draw)
+                    if used + len(line) > n:
+                        return self.list_context(lines, n, rng)
+                    draw.quizzes.append((used, used + key_end, used + answer, length, evidence))
+                    lines.append(line)
+                    used += len(line)
+                line, offset, _ = self._needle(key, value, draw.info["needle"])
                 if used + len(line) > n:
                     return self.list_context(lines, n, rng)
+                if self.quizzes:
+                    unasked.append((key, value, used + offset))
                 lines.append(line)
                 used += len(line)
 

@@ -207,7 +207,7 @@ class NeedleBatches:
         ids = np.empty((n, length), dtype=np.int64)
         weights = np.ones((n, length), dtype=np.float32)
         # 0 for the plain-text rows: nothing to find
-        targets = np.zeros((n, length), dtype=np.int8) if self.config.retrieval_weight else None
+        targets = np.zeros((n, length), dtype=np.int16) if self.config.retrieval_weight else None
         tasks = self.tasks[split]
         for i in range(n):
             if rng.random() < self.config.lm_fraction:
@@ -217,7 +217,7 @@ class NeedleBatches:
             shift = self.config.align * int(rng.integers(0, self.offsets)) if self.offsets > 1 else 0
             sample = task.sample(length, self._depth(rng), rng, shift)
             ids[i] = sample.input_ids
-            weights[i] = sample.loss_weights(self.config.answer_weight, self.config.needle_weight)
+            weights[i] = sample.loss_weights(self.config.answer_weight, self.config.needle_weight, self.chunk_size)
             if targets is not None:
                 targets[i] = sample.retrieval_targets(self.chunk_size)
         ids_t = torch.from_numpy(ids)

@@ -19,8 +19,10 @@ def retrieval_target_loss(
     scores: torch.Tensor, asking: torch.Tensor, targets: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """scores [B, m, n] (landmark i's score of chunk j; -inf = no candidate), asking [B, m] bool
-    (the retrievals to supervise), targets [B, n] bool (the chunks holding evidence), k (how many
-    chunks a retrieval reads) -> (loss sum, supervised retrievals, found), each a 0-dim tensor.
+    (the retrievals to supervise), targets bool, [B, n] (the chunks holding evidence, for every
+    retrieval of a row) or [B, m, n] (each retrieval's own evidence: a row that asks about several
+    needles), k (how many chunks a retrieval reads) -> (loss sum, supervised retrievals, found),
+    each a 0-dim tensor.
 
     A retrieval's loss is the mean over its evidence chunks E (the target candidates) of
     -log softmax(scores[b, i])[j]: every chunk of the evidence is pulled into the top k and given
@@ -32,7 +34,7 @@ def retrieval_target_loss(
     dtype = torch.promote_types(scores.dtype, torch.float32)
     scores = scores.to(dtype)
     candidate = torch.isfinite(scores)  # [B, m, n]
-    wanted = candidate & targets[:, None, :]
+    wanted = candidate & (targets[:, None, :] if targets.dim() == 2 else targets)
     n_wanted = wanted.sum(-1)  # [B, m]
     counted = asking & (n_wanted > 0)
     low = torch.finfo(dtype).min
