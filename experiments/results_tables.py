@@ -917,6 +917,65 @@ def ruler_multikey_targets() -> list[str]:
     return lines
 
 
+# Quizzes in the needle haystack (configs/lm/ruler/quizzes/, experiments/ruler-quizzes.sh): the
+# shipped drt-x2, then each run (records named after their runs)
+QUIZZES = "results/ruler-quizzes"
+QUIZZES_RUNS = (
+    ("drt-x2", "then `quizzes/drt-x2`"),
+    ("drt-x2-more", "then `quizzes/drt-x2-more`"),
+    ("drt-x2-supervised", "then `quizzes/drt-x2-supervised` (instead of `-more`)"),
+)
+
+
+@table(
+    "ruler-quizzes",
+    "results/ruler-quizzes/{shipped,drt-x2,drt-x2-more,drt-x2-supervised}{.json,-lm-eval-4096.json}, "
+    "results/runs/lm/ruler/quizzes/{drt-x2,drt-x2-more,drt-x2-supervised}/config.yaml",
+)
+def ruler_quizzes() -> list[str]:
+    rows = [("shipped", "`models/ruler-drt-x2` (`make ruler`)", None)]
+    rows += [(name, label, f"lm/ruler/quizzes/{name}") for name, label in QUIZZES_RUNS]
+    lengths = sorted(int(n) for n in record(f"{QUIZZES}/shipped.json")["tasks"]["niah_multikey_2"]["by_length"])
+    lines = header(
+        "`drt-x2`",
+        "steps",
+        "quiz chance",
+        "supervised retrieval",
+        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        "`single_1` 4K",
+        "lm-eval `niah_multikey_2` 4K",
+        "lm-eval `niah_single_1` 4K",
+    )
+    for name, label, run in rows:
+        if not (ROOT / QUIZZES / f"{name}.json").exists():
+            lines.append(row(label, *["not run"] * (len(lengths) + 6)))
+            continue
+        steps, chance, supervised = "-", "-", "none"
+        if run is not None:
+            config = run_config(run)
+            data = config["data"]
+            steps = str(config["train"]["steps"])
+            chance = f"{data['task_options']['niah_multikey_2'].get('quizzes', 0):g}"
+            supervised = f"{data['retrieval_weight']:g}" if data.get("retrieval_weight") else "none"
+        tasks = record(f"{QUIZZES}/{name}.json")["tasks"]
+        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
+        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+        harness = f"{QUIZZES}/{name}-lm-eval-4096.json"
+        lines.append(
+            row(
+                label,
+                steps,
+                chance,
+                supervised,
+                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
+                rate_cell(single[4096]),
+                lm_eval_cell(harness, "niah_multikey_2", 4096) or "not run",
+                lm_eval_cell(harness, "niah_single_1", 4096) or "not run",
+            )
+        )
+    return lines
+
+
 RULER = "results/ruler"
 RULER_LENGTHS = (4096, 16384, 65536, 131072)
 RULER_MODELS = ("drt-x2", "drt-x1", "baselm-2l")

@@ -676,7 +676,7 @@ class CausalRetrievalLM(PretrainedLM):
             raise InputError(
                 f"retrieval_targets supervise a learned retriever; this model's retriever is {self.config.retriever!r}"
             )
-        return targets.to(input_ids.device)
+        return targets.to(input_ids.device, torch.long)  # int64: (needle, chunk) slots overflow narrower ints
 
     def supervised_retrieval(self, targets: torch.Tensor, state: DRTState) -> dict[str, torch.Tensor]:
         """targets [B, L] (forward's retrieval_targets) and the scores a training forward kept ->

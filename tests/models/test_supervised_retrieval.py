@@ -183,3 +183,18 @@ def test_a_row_asking_about_several_needles_supervises_each_retrieval_toward_its
     alone = model(ids, retrieval_targets=apart)
     torch.testing.assert_close(out.retrieval_loss, alone.retrieval_loss)
     torch.testing.assert_close(out.retrieval_found, alone.retrieval_found)
+
+
+def test_narrow_integer_targets_with_many_needles_give_the_same_loss():
+    # 120 needles on 601 chunks: 120 * 602 (needle, chunk) slots do not fit an int16
+    model = _model().eval()
+    length = 601 * S
+    ids = torch.randint(0, 256, (1, length))
+    targets = torch.zeros(1, length, dtype=torch.long)
+    for p in range(120):
+        targets[0, 8 * p] = 2 * p + 1  # the evidence in chunk 2p
+        targets[0, 8 * p + 4 * S] = 2 * p + 2  # asked from chunk 2p + 4 (landmark 2p + 3)
+    wide = model(ids, retrieval_targets=targets)
+    narrow = model(ids, retrieval_targets=targets.to(torch.int16))
+    torch.testing.assert_close(narrow.retrieval_loss, wide.retrieval_loss)
+    torch.testing.assert_close(narrow.retrieval_found, wide.retrieval_found)
