@@ -42,7 +42,7 @@ class NeedleSample:
     question_start / question_end: the question's first token and the end of its head;
     quizzes: questions inside the haystack about other needles, answered there (training data
     for recall among look-alike needles), as (question start, end of the question's first
-    mention of the key, answer start, answer length, start of the asked needle's value: the
+    mention of the key, answer start, answer length, start of the quizzed needle's value: the
     quiz's evidence, as long as its answer)."""
 
     input_ids: np.ndarray

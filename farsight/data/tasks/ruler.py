@@ -86,7 +86,7 @@ class RulerDraw:
     evidence as (needle index, offset in that needle, length), and the names and values in use
     per kind (distractors take others). A NIAH draw also keeps its question with "{key}" left to
     fill (`question_template`), and its haystack the quizzes it laid, as (question start, end of
-    the key's first mention, answer start, answer length, start of the asked needle's value) in
+    the key's first mention, answer start, answer length, start of the quizzed needle's value) in
     haystack tokens, then in context tokens once `context` has placed the needles."""
 
     intro: np.ndarray
@@ -554,9 +554,8 @@ class NIAHTask(RulerTask):
         make_key, key_space = MAKERS[self.key_kind]
         make_value, value_space = MAKERS[self.value_kind]
         lines: list[np.ndarray] = []
-        unasked: list[
-            tuple[str, str, int]
-        ] = []  # (key, value, where the value starts) of the distractors not quizzed yet
+        # (key, value, where the value starts) of the distractors laid and not quizzed yet
+        unasked: list[tuple[str, str, int]] = []
         used = 0
         while True:
             # a batch of distractors at a time: about as many as the rest of the budget holds
