@@ -840,29 +840,36 @@ def retrieved_cell(entry: dict) -> str:
     return f"{100 * entry['needle_retrieved']:.0f}"
 
 
+def multikey_lengths(path: str) -> list[int]:
+    """The lengths of a `farsight eval ruler` record's niah_multikey_2 grid."""
+    return sorted(int(n) for n in record(path)["tasks"]["niah_multikey_2"]["by_length"])
+
+
+def multikey_headers(lengths: list[int]) -> list[str]:
+    return [f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths]
+
+
+def multikey_cells(path: str, lengths: list[int]) -> tuple[list[str], dict[int, dict]]:
+    """A record's niah_multikey_2 cells (exact, needle retrieved) at `lengths`, and its
+    niah_single_1 entries by length."""
+    tasks = record(path)["tasks"]
+    multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
+    single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+    return [f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths], single
+
+
 @table("ruler-multikey", "results/ruler-multikey/{stage1-drt-x2,drt-x2,1-warmup,2-recall,3-lengths,4-wide}.json")
 def ruler_multikey() -> list[str]:
-    lengths = sorted(
-        int(n) for n in record(f"{MULTIKEY}/{MULTIKEY_STAGES[0][0]}.json")["tasks"]["niah_multikey_2"]["by_length"]
-    )
+    lengths = multikey_lengths(f"{MULTIKEY}/{MULTIKEY_STAGES[0][0]}.json")
     lines = header(
         "`drt-x2` fine-tuned on",
         "steps of the last stage",
-        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        *multikey_headers(lengths),
         *(f"`single_1` {length_name(n)}" for n in lengths[-1:]),
     )
     for name, label, steps in MULTIKEY_STAGES:
-        tasks = record(f"{MULTIKEY}/{name}.json")["tasks"]
-        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
-        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
-        lines.append(
-            row(
-                label,
-                str(steps),
-                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
-                *(rate_cell(single[n]) for n in lengths[-1:]),
-            )
-        )
+        cells, single = multikey_cells(f"{MULTIKEY}/{name}.json", lengths)
+        lines.append(row(label, str(steps), *cells, *(rate_cell(single[n]) for n in lengths[-1:])))
     return lines
 
 
@@ -888,21 +895,19 @@ def questions_end_cell(data: dict, chunk_size: int) -> str:
 def ruler_multikey_targets() -> list[str]:
     rows = [(MULTIKEY_START[0], "the composed RULER mix (`near/drt-x2-composed-seed2`)", MULTIKEY_START[1])]
     rows += [(name, f"then `multikey/{name}`", f"lm/ruler/multikey/{name}") for name in MULTIKEY_MIX_RUNS]
-    lengths = sorted(int(n) for n in record(f"{MULTIKEY}/{rows[0][0]}.json")["tasks"]["niah_multikey_2"]["by_length"])
+    lengths = multikey_lengths(f"{MULTIKEY}/{rows[0][0]}.json")
     lines = header(
         "`drt-x2` fine-tuned on",
         "steps",
         "questions end",
         "supervised retrieval (`retrieval_weight`)",
-        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        *multikey_headers(lengths),
         *(f"`single_1` {length_name(n)}" for n in lengths[-1:]),
     )
     for name, label, run in rows:
         config = run_config(run)
         data = config["data"]
-        tasks = record(f"{MULTIKEY}/{name}.json")["tasks"]
-        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
-        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+        cells, single = multikey_cells(f"{MULTIKEY}/{name}.json", lengths)
         weight = data.get("retrieval_weight", 0)
         lines.append(
             row(
@@ -910,7 +915,7 @@ def ruler_multikey_targets() -> list[str]:
                 str(config["train"]["steps"]),
                 questions_end_cell(data, config["model"]["chunk_size"]),
                 f"{weight:g}" if weight else "none",
-                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
+                *cells,
                 *(rate_cell(single[n]) for n in lengths[-1:]),
             )
         )
@@ -935,13 +940,13 @@ QUIZZES_RUNS = (
 def ruler_quizzes() -> list[str]:
     rows = [("shipped", "`models/ruler-drt-x2` (`make ruler`)", None)]
     rows += [(name, label, f"lm/ruler/quizzes/{name}") for name, label in QUIZZES_RUNS]
-    lengths = sorted(int(n) for n in record(f"{QUIZZES}/shipped.json")["tasks"]["niah_multikey_2"]["by_length"])
+    lengths = multikey_lengths(f"{QUIZZES}/shipped.json")
     lines = header(
         "`drt-x2`",
         "steps",
         "quiz chance",
         "supervised retrieval",
-        *(f"`multikey_2` {length_name(n)}: exact % (95% CI); needle retrieved %" for n in lengths),
+        *multikey_headers(lengths),
         "`single_1` 4K",
         "lm-eval `niah_multikey_2` 4K",
         "lm-eval `niah_single_1` 4K",
@@ -957,9 +962,7 @@ def ruler_quizzes() -> list[str]:
             steps = str(config["train"]["steps"])
             chance = f"{data['task_options']['niah_multikey_2'].get('quizzes', 0):g}"
             supervised = f"{data['retrieval_weight']:g}" if data.get("retrieval_weight") else "none"
-        tasks = record(f"{QUIZZES}/{name}.json")["tasks"]
-        multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
-        single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+        cells, single = multikey_cells(f"{QUIZZES}/{name}.json", lengths)
         harness = f"{QUIZZES}/{name}-lm-eval-4096.json"
         lines.append(
             row(
@@ -967,7 +970,7 @@ def ruler_quizzes() -> list[str]:
                 steps,
                 chance,
                 supervised,
-                *(f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths),
+                *cells,
                 rate_cell(single[4096]),
                 lm_eval_cell(harness, "niah_multikey_2", 4096) or "not run",
                 lm_eval_cell(harness, "niah_single_1", 4096) or "not run",
