@@ -145,11 +145,14 @@ def test_a_model_without_a_learned_retriever_is_refused():
         _model(retriever="random")(torch.randint(0, 256, (1, 9)), retrieval_targets=torch.zeros(1, 9, dtype=torch.long))
 
 
+@pytest.mark.parametrize("needles", [1, 2], ids=["one-needle", "two-needles"])
 @pytest.mark.parametrize("precision", ["fp64", "bf16", "autocast-bf16"])
-def test_the_loss_in_other_precisions_is_close_to_fp32s_and_trains(precision):
+def test_the_loss_in_other_precisions_is_close_to_fp32s_and_trains(precision, needles):
     model = _model(init_std=0.2).eval()
     ids = torch.randint(0, 256, (2, 45))
     targets = _targets(2, 45, {0: (3, 9), 1: (12, 14)}, {0: (40, 45), 1: (33, 36)})
+    if needles == 2:  # a second needle in each row: evidence in chunk 4, asked from chunk 7
+        targets[:, 17:19], targets[:, 29:31] = 3, 4
     reference = model(ids, retrieval_targets=targets).retrieval_loss.detach()
     if precision == "autocast-bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):

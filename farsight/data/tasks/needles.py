@@ -89,11 +89,10 @@ class NeedleSample:
         for start, n in self.evidence:
             targets[start : start + n] = 1
         asked_from = self.answer_start if self.question_end is None else self.question_end
-        answer = np.arange(self.answer_start, self.answer_start + self.answer_length)
-        targets[answer[answer // chunk_size * chunk_size >= asked_from]] = 2
+        targets[self._asked_tokens(asked_from, self.answer_start, self.answer_length, chunk_size)] = 2
         for q, (_, key_end, answer_start, n, evidence) in enumerate(self.quizzes):
             targets[evidence : evidence + n] = 2 * q + 3
-            targets[self._quiz_answer(key_end, answer_start, n, chunk_size)] = 2 * q + 4
+            targets[self._asked_tokens(key_end, answer_start, n, chunk_size)] = 2 * q + 4
         return targets
 
     def evidence_chunks(self, chunk_size: int, offset: int = 0) -> set[int]:
@@ -120,15 +119,16 @@ class NeedleSample:
         weights[self.answer_start : self.answer_start + self.answer_length] = answer_weight
         for start, key_end, answer, n, _ in self.quizzes:
             weights[start : answer + n] = needle_weight
-            weights[self._quiz_answer(key_end, answer, n, chunk_size)] = answer_weight
+            weights[self._asked_tokens(key_end, answer, n, chunk_size)] = answer_weight
         return weights
 
     @staticmethod
-    def _quiz_answer(key_end: int, answer: int, n: int, chunk_size: int) -> np.ndarray:
-        """A quiz's answer tokens from the first chunk after the one where it names its key: those
-        whose retrieval has read which needle is asked (the others read one made before)."""
+    def _asked_tokens(asked_from: int, answer: int, n: int, chunk_size: int) -> np.ndarray:
+        """The answer tokens answer .. answer + n - 1 of the chunks that start at or after
+        `asked_from` (where the question, or a quiz's key, has been read): those whose retrieval,
+        made at the end of the chunk before, knows which needle is asked."""
         tokens = np.arange(answer, answer + n)
-        return tokens[tokens // chunk_size > (key_end - 1) // chunk_size]
+        return tokens[tokens // chunk_size * chunk_size >= asked_from]
 
 
 @dataclass
