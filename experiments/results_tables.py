@@ -929,13 +929,27 @@ QUIZZES_RUNS = (
     ("drt-x2", "then `quizzes/drt-x2`"),
     ("drt-x2-more", "then `quizzes/drt-x2-more`"),
     ("drt-x2-supervised", "then `quizzes/drt-x2-supervised` (instead of `-more`)"),
+    ("drt-x2-supervised-long", "`quizzes/drt-x2-supervised-long` (from `models/ruler-drt-x2`)"),
+    ("drt-x2-supervised-16k", "then `quizzes/drt-x2-supervised-16k`"),
+    ("drt-x2-supervised-64k", "then `quizzes/drt-x2-supervised-64k`"),
 )
+# the runs lm-eval also measured at its longer lengths, beside the shipped model's make ruler records
+QUIZZES_LONG_RUNS = ("drt-x2-supervised-long", "drt-x2-supervised-16k", "drt-x2-supervised-64k")
+QUIZZES_NAMES = ",".join(("shipped", *(name for name, _ in QUIZZES_RUNS)))
+QUIZZES_RUN_NAMES = ",".join(name for name, _ in QUIZZES_RUNS)
+
+
+def training_lengths_cell(data: dict) -> str:
+    """The training lengths of a run's curriculum (or its seq_len alone): `1K-4K`."""
+    lengths = [n for _, n in data.get("curriculum") or [[0, data["seq_len"]]]]
+    first, last = length_name(min(lengths)), length_name(max(lengths))
+    return first if first == last else f"{first}-{last}"
 
 
 @table(
     "ruler-quizzes",
-    "results/ruler-quizzes/{shipped,drt-x2,drt-x2-more,drt-x2-supervised}{.json,-lm-eval-4096.json}, "
-    "results/runs/lm/ruler/quizzes/{drt-x2,drt-x2-more,drt-x2-supervised}/config.yaml",
+    f"results/ruler-quizzes/{{{QUIZZES_NAMES}}}{{.json,-lm-eval-4096.json}}, "
+    f"results/runs/lm/ruler/quizzes/{{{QUIZZES_RUN_NAMES}}}/config.yaml",
 )
 def ruler_quizzes() -> list[str]:
     rows = [("shipped", "`models/ruler-drt-x2` (`make ruler`)", None)]
@@ -944,6 +958,7 @@ def ruler_quizzes() -> list[str]:
     lines = header(
         "`drt-x2`",
         "steps",
+        "training lengths",
         "quiz chance",
         "supervised retrieval",
         *multikey_headers(lengths),
@@ -953,13 +968,14 @@ def ruler_quizzes() -> list[str]:
     )
     for name, label, run in rows:
         if not (ROOT / QUIZZES / f"{name}.json").exists():
-            lines.append(row(label, *["not run"] * (len(lengths) + 6)))
+            lines.append(row(label, *["not run"] * (len(lengths) + 7)))
             continue
-        steps, chance, supervised = "-", "-", "none"
+        steps, trained, chance, supervised = "-", "-", "-", "none"
         if run is not None:
             config = run_config(run)
             data = config["data"]
             steps = str(config["train"]["steps"])
+            trained = training_lengths_cell(data)
             chance = f"{data['task_options']['niah_multikey_2'].get('quizzes', 0):g}"
             supervised = f"{data['retrieval_weight']:g}" if data.get("retrieval_weight") else "none"
         cells, single = multikey_cells(f"{QUIZZES}/{name}.json", lengths)
@@ -968,6 +984,7 @@ def ruler_quizzes() -> list[str]:
             row(
                 label,
                 steps,
+                trained,
                 chance,
                 supervised,
                 *cells,
@@ -976,6 +993,23 @@ def ruler_quizzes() -> list[str]:
                 lm_eval_cell(harness, "niah_single_1", 4096) or "not run",
             )
         )
+    return lines
+
+
+@table(
+    "ruler-quizzes-lengths",
+    f"results/ruler/drt-x2-lm-eval-{{4096,16384,65536,131072}}.json, "
+    f"results/ruler-quizzes/{{{','.join(QUIZZES_LONG_RUNS)}}}-lm-eval-{{4096,16384,65536,131072}}.json",
+)
+def ruler_quizzes_lengths() -> list[str]:
+    rows = [("`models/ruler-drt-x2` (`make ruler`)", f"{RULER}/drt-x2-lm-eval-{{}}.json")]
+    rows += [(f"`quizzes/{name}`", f"{QUIZZES}/{name}-lm-eval-{{}}.json") for name in QUIZZES_LONG_RUNS]
+    lines = header("`drt-x2`", "lm-eval task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
+    for label, pattern in rows:
+        files = [pattern.format(n) for n in RULER_LENGTHS]
+        for task in RULER_GATED:
+            cells = [lm_eval_cell(path, task, n) or "not run" for path, n in zip(files, RULER_LENGTHS)]
+            lines.append(row(label, code(task), *cells, items_cell(files, task)))
     return lines
 
 
@@ -1056,11 +1090,17 @@ def chunks_read(paths: list[str]) -> str:
 def ruler_row(model: str, harness: str, read: str, task: str, files: dict[int, str]) -> str:
     """A row of ruler-lm-eval: `task` at each length from its results file in `files` (length ->
     path), `not run` where that file is missing."""
-    measured = [path for path in files.values() if (ROOT / path).exists() and task in record(path)["results"]]
-    items = sorted({record(path)["results"][task]["sample_len"] for path in measured})
     label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
     cells = (lm_eval_cell(files[n], task, n) or "not run" for n in RULER_LENGTHS)
-    return row(code(model), f"`{harness}`", read, label, *cells, "/".join(map(str, items)) or "-")
+    return row(code(model), f"`{harness}`", read, label, *cells, items_cell(list(files.values()), task))
+
+
+def items_cell(paths: list[str], task: str) -> str:
+    """The items a cell of `task` in these lm-eval results files (`50`, or `50/100` where they
+    differ), `-` where none holds it."""
+    measured = [path for path in paths if (ROOT / path).exists() and task in record(path)["results"]]
+    items = sorted({record(path)["results"][task]["sample_len"] for path in measured})
+    return "/".join(map(str, items)) or "-"
 
 
 @table(
