@@ -996,23 +996,6 @@ def ruler_quizzes() -> list[str]:
     return lines
 
 
-@table(
-    "ruler-quizzes-lengths",
-    f"results/ruler/drt-x2-lm-eval-{{4096,16384,65536,131072}}.json, "
-    f"results/ruler-quizzes/{{{','.join(QUIZZES_LONG_RUNS)}}}-lm-eval-{{4096,16384,65536,131072}}.json",
-)
-def ruler_quizzes_lengths() -> list[str]:
-    rows = [("`models/ruler-drt-x2` (`make ruler`)", f"{RULER}/drt-x2-lm-eval-{{}}.json")]
-    rows += [(f"`quizzes/{name}`", f"{QUIZZES}/{name}-lm-eval-{{}}.json") for name in QUIZZES_LONG_RUNS]
-    lines = header("`drt-x2`", "lm-eval task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
-    for label, pattern in rows:
-        files = [pattern.format(n) for n in RULER_LENGTHS]
-        for task in RULER_GATED:
-            cells = [lm_eval_cell(path, task, n) or "not run" for path, n in zip(files, RULER_LENGTHS)]
-            lines.append(row(label, code(task), *cells, items_cell(files, task)))
-    return lines
-
-
 RULER = "results/ruler"
 RULER_LENGTHS = (4096, 16384, 65536, 131072)
 RULER_MODELS = ("drt-x2", "drt-x1", "baselm-2l")
@@ -1024,6 +1007,24 @@ RULER_TASKS = (*RULER_GATED, "niah_multikey_3", "ruler_cwe", "ruler_fwe")
 RULER_HELD_OUT = ("ruler_fwe",)
 # the records of the RULER mix in farsight's varied wording alone, the recipe make ruler had before
 RULER_VARIED = "results/ruler-varied"
+RULER_LENGTH_NAMES = ",".join(map(str, RULER_LENGTHS))  # as the records name them
+
+
+@table(
+    "ruler-quizzes-lengths",
+    f"results/ruler/drt-x2-lm-eval-{{{RULER_LENGTH_NAMES}}}.json, "
+    f"results/ruler-quizzes/{{{','.join(QUIZZES_LONG_RUNS)}}}-lm-eval-{{{RULER_LENGTH_NAMES}}}.json",
+)
+def ruler_quizzes_lengths() -> list[str]:
+    rows = [("`models/ruler-drt-x2` (`make ruler`)", f"{RULER}/drt-x2-lm-eval-{{}}.json")]
+    rows += [(f"`quizzes/{name}`", f"{QUIZZES}/{name}-lm-eval-{{}}.json") for name in QUIZZES_LONG_RUNS]
+    lines = header("`drt-x2`", "lm-eval task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
+    for label, pattern in rows:
+        files = [pattern.format(n) for n in RULER_LENGTHS]
+        for task in RULER_GATED:
+            cells = [lm_eval_cell(path, task, n) or "not run" for path, n in zip(files, RULER_LENGTHS)]
+            lines.append(row(label, code(task), *cells, items_cell(files, task)))
+    return lines
 
 
 def ruler_file(model: str, task: str, length: int) -> str:

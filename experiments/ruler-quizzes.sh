@@ -43,3 +43,7 @@ for name in drt-x2-supervised-long drt-x2-supervised-16k drt-x2-supervised-64k; 
     $F train "configs/lm/ruler/quizzes/$name.yaml" --no-progress
     measure "runs/lm/ruler/quizzes/$name" "$name" 16384 65536 131072
 done
+# the last run on make ruler's passkey grid, 1K to 1M tokens
+[ -f "$OUT/drt-x2-supervised-64k-passkey.json" ] || $F eval passkey --model runs/lm/ruler/quizzes/drt-x2-supervised-64k \
+    "${READING[@]}" --lengths 1k,4k,16k,64k,256k,1m --depths 0.1,0.3,0.5,0.7,0.9 --trials 8 --long-trials 2 \
+    --corpus data/lm-byte --dtype bf16 --out "$OUT/drt-x2-supervised-64k-passkey.json"
