@@ -380,3 +380,28 @@ def test_each_quiz_is_a_needle_of_its_own_in_the_retrieval_targets():
         asking = np.flatnonzero(targets == 2 * q + 4)
         assert asking.tolist() == [t for t in range(answer, answer + n) if t // 32 > (key_end - 1) // 32]
     assert targets.dtype == np.int16 and targets.max() == 2 * len(s.quizzes) + 2
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+def test_coined_keys_are_new_words_distinct_and_keep_the_task_exact(tokenizer):
+    from farsight.data.tasks.ruler import ADJECTIVES, NOUNS
+
+    listed = {f"{a}-{n}" for a in ADJECTIVES for n in NOUNS}
+    (task,) = make_ruler_tasks(
+        ["niah_multikey_2"], tokenizer, 32, options={"key_kind": "coined", "wording": "composed", "quizzes": 0.3}
+    )
+    seen = []
+    for seed in range(3):
+        s = task.sample(3001, 0.5, rng(seed))
+        prompt = text(tokenizer, s.prompt)
+        assert len(s.input_ids) == 3001 and tokenizer.encode(prompt) == s.prompt.tolist()
+        needle = s.info["needle"]
+        keys = {k for k in re.findall(r"\b([a-z]+-[a-z]+)\b", prompt) if needle.format(key=k) in prompt}
+        assert len(keys) > 15 and s.info["keys"][0] in keys
+        assert all(prompt.count(needle.format(key=k)) == 1 for k in keys)  # each key has one needle
+        seen += keys
+        assert prompt.count(needle.format(key=s.info["keys"][0]) + " " + s.info["references"][0] + ".") == 1
+    assert not set(seen) & listed
+    words = [w for k in seen for w in k.split("-")]
+    assert len(set(words)) > 0.9 * len(words)  # not a list the model could learn by heart
+    assert 1 < np.mean([len(k) for k in seen]) / np.mean([len(k) for k in listed]) < 1.5

@@ -6,9 +6,10 @@ heatmaps run them unchanged:
 
 - NIAH (`NIAHTask`): needles "The special magic {kind} for {key} is: {value}." in a haystack;
   one key asked (single), one of several keys asked (multikey), one key with several values
-  (multivalue), or several keys asked (multiquery). Keys and values are words, numbers or uuids.
-  The haystack is filler text (RULER's repeated "noise" sentences or real text from a prepared
-  corpus) or, as in RULER's multikey 2 and 3, nothing but distractor needles.
+  (multivalue), or several keys asked (multiquery). Keys and values are words (listed or
+  coined), numbers or uuids. The haystack is filler text (RULER's repeated "noise" sentences or
+  real text from a prepared corpus) or, as in RULER's multikey 2 and 3, nothing but distractor
+  needles.
 - variable tracking (`VariableTrackingTask`): chains "VAR A = 12345." "VAR B = A." ...; answer:
   every variable of the chain holding the asked value.
 - common words (`CommonWordsTask`): a list of words where a few appear far more often than the
@@ -46,7 +47,7 @@ from farsight.data.tasks.needles import NeedleSample, NeedleTask, round_up, too_
 from farsight.errors import InputError
 
 ANSWER_SEPARATOR = ", "
-VALUE_KINDS = ("words", "numbers", "uuids")
+VALUE_KINDS = ("words", "coined", "numbers", "uuids")
 HAYSTACKS = ("noise", "corpus")  # the filler texts a task can read; see make_ruler_tasks
 SNAP_RADIUS = 64  # tokens searched on each side of a needle's position for a clean boundary
 
@@ -273,6 +274,30 @@ def _word_pair(rng: np.random.Generator) -> str:
     return f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{NOUNS[int(rng.integers(len(NOUNS)))]}"
 
 
+# Coined words: 1 to 3 syllables (2 most often), each an onset, a vowel (a single letter 4 times
+# in 5) and, 2 times in 5, a coda ("brimo", "talsheb"). Keys of kind "coined" pair two of them:
+# no word list holds them, so a model trained on them cannot learn its keys by heart and has to
+# match each key letter by letter, as it must for the keys of a benchmark whose word lists it
+# never saw. Pairs are about as long as lm-eval's RULER keys (13 bytes against 12).
+ONSETS = "b c d f g h j k l m n p r s t v w z bl br ch cl cr dr fl fr gl gr pl pr sh sl sp st th tr".split()
+VOWELS = "a e i o u ai au ea ee oa oo ou".split()  # the single letters first
+CODAS = "b ck d g l m n nd ng nt p r s sh st t x".split()
+SYLLABLES = len(ONSETS) * len(VOWELS) * (len(CODAS) + 1)
+
+
+def _coined_word(rng: np.random.Generator) -> str:
+    word = ""
+    for _ in range(1 + int(rng.binomial(2, 0.5))):
+        vowels = 5 if rng.random() < 0.8 else len(VOWELS)
+        coda = CODAS[int(rng.integers(len(CODAS)))] if rng.random() < 0.4 else ""
+        word += ONSETS[int(rng.integers(len(ONSETS)))] + VOWELS[int(rng.integers(vowels))] + coda
+    return word
+
+
+def _coined_pair(rng: np.random.Generator) -> str:
+    return f"{_coined_word(rng)}-{_coined_word(rng)}"
+
+
 def _number(rng: np.random.Generator) -> str:
     return str(int(rng.integers(1_000_000, 10_000_000)))
 
@@ -283,10 +308,12 @@ def _uuid(rng: np.random.Generator) -> str:
 
 MAKERS: dict[str, tuple[Callable[[np.random.Generator], str], int]] = {
     "words": (_word_pair, len(ADJECTIVES) * len(NOUNS)),
+    # a lower bound: syllables spell themselves apart in a one-syllable word, not always in longer ones
+    "coined": (_coined_pair, SYLLABLES**2),
     "numbers": (_number, 9_000_000),
     "uuids": (_uuid, 1 << 122),
 }
-NOUN = {"words": "word", "numbers": "number", "uuids": "uuid"}
+NOUN = {"words": "word", "coined": "word", "numbers": "number", "uuids": "uuid"}
 
 
 def _choice(task: str, option: str, value: Any, choices: Iterable[str]) -> str:
@@ -441,8 +468,9 @@ class NIAHTask(RulerTask):
 
     keys: how many keys have needles (RULER's num_needle_k); values: needles per key, all asked
     for an asked key (num_needle_v); queries: how many of the keys are asked (num_needle_q, at
-    most keys); key_kind / value_kind: "words" (adjective-noun pairs), "numbers" (7 digits) or
-    "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
+    most keys); key_kind / value_kind: "words" (adjective-noun pairs from
+    ADJECTIVES and NOUNS), "coined" (pairs of made-up words, never the same list twice), "numbers"
+    (7 digits) or "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
     distractor needles with other keys, RULER's needle haystack). The first value of the first
     asked key sits at `depth`; the other needles anywhere.
 
