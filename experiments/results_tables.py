@@ -1027,6 +1027,74 @@ def ruler_quizzes_lengths() -> list[str]:
     return lines
 
 
+# Keys the model cannot learn by heart (configs/lm/ruler/keys/, experiments/ruler-keys.sh): the
+# first two longer quizzes runs (keys from farsight's short word lists) beside runs with coined
+# and with English keys, named KIND-STAGE
+KEYS = "results/ruler-keys"
+KEYS_RUNS = ("coined-long", "coined-16k", "english-long")
+KEYS_LISTED = QUIZZES_LONG_RUNS[:2]
+KEYS_LENGTHS = (4096,)  # lm-eval's
+# lm-eval's niah_multikey_2 items with their keys swapped for farsight's (experiments/lm-eval-keys/)
+KEYS_SWAPPED = ("words", "english", "coined")
+
+
+@table(
+    "ruler-keys",
+    f"results/ruler-quizzes/{{{','.join(KEYS_LISTED)}}}{{.json,-lm-eval-4096.json}}, "
+    f"results/ruler-keys/{{{','.join(KEYS_RUNS)}}}{{.json,-coined.json,-english.json,-lm-eval-4096.json,-lm-eval-swapped-4096.json}}, "
+    f"results/runs/lm/ruler/{{quizzes/{{{','.join(KEYS_LISTED)}}},keys/{{{','.join(KEYS_RUNS)}}}}}/config.yaml",
+)
+def ruler_keys() -> list[str]:
+    rows = [(f"{QUIZZES}/{name}", f"`quizzes/{name}`", f"lm/ruler/quizzes/{name}") for name in KEYS_LISTED]
+    rows += [(f"{KEYS}/{name}", f"`keys/{name}`", f"lm/ruler/keys/{name}") for name in KEYS_RUNS]
+    lengths = multikey_lengths(f"{QUIZZES}/{KEYS_LISTED[0]}.json")
+    lines = header(
+        "`drt-x2`",
+        "steps",
+        "training lengths",
+        "needle haystack keys",
+        "passkey weight",
+        *(f"`multikey_2` {length_name(n)}, listed keys" for n in lengths),
+        *(f"`multikey_2` {length_name(n)}, the run's keys" for n in lengths),
+        *(f"lm-eval `niah_multikey_2` {length_name(n)}" for n in KEYS_LENGTHS),
+        *(f"lm-eval `niah_single_1` {length_name(n)}" for n in KEYS_LENGTHS),
+        *(f"lm-eval's `niah_multikey_2` 4K, keys swapped for {kind}" for kind in KEYS_SWAPPED),
+    )
+    for prefix, label, run in rows:
+        if not (ROOT / f"{prefix}.json").exists():
+            lines.append(row(label, *["not run"] * (2 * len(lengths) + 4 + 2 * len(KEYS_LENGTHS) + len(KEYS_SWAPPED))))
+            continue
+        config = run_config(run)
+        data = config["data"]
+        kind = data["task_options"]["niah_multikey_2"].get("key_kind", "words")
+        own = f"{prefix}-{kind}.json"
+        own_grid = (
+            {int(n): v for n, v in record(own)["tasks"]["niah_multikey_2"]["by_length"].items()}
+            if kind != "words" and (ROOT / own).exists()
+            else {}
+        )
+        listed = multikey_cells(f"{prefix}.json", lengths)[0]
+        harness = [f"{prefix}-lm-eval-{n}.json" for n in KEYS_LENGTHS]
+        lines.append(
+            row(
+                label,
+                str(config["train"]["steps"]),
+                training_lengths_cell(data),
+                "listed" if kind == "words" else kind,
+                f"{data['mix']['passkey']:g} of {sum(data['mix'].values()):g}",
+                *(cell.split(";")[0] for cell in listed),
+                *(("same" if kind == "words" else rate_cell(own_grid.get(n))) for n in lengths),
+                *(lm_eval_cell(path, "niah_multikey_2", n) or "not run" for path, n in zip(harness, KEYS_LENGTHS)),
+                *(lm_eval_cell(path, "niah_single_1", n) or "not run" for path, n in zip(harness, KEYS_LENGTHS)),
+                *(
+                    lm_eval_cell(f"{prefix}-lm-eval-swapped-4096.json", f"niah_multikey_2_{kind}", 4096) or "not run"
+                    for kind in KEYS_SWAPPED
+                ),
+            )
+        )
+    return lines
+
+
 def ruler_file(model: str, task: str, length: int) -> str:
     """The lm-eval results file of experiments/ruler.sh that holds `task` for `model` at `length`."""
     name = "lm-eval" if task in RULER_GATED else "lm-eval-others"
