@@ -1,6 +1,10 @@
-# Sourced by experiments/ruler-quizzes.sh and experiments/ruler-coined.sh, which set F (the
-# farsight command) and OUT (the results folder). Every measurement reads 2 chunks as make ruler's
-# models do, in bf16, and is skipped where its record exists.
+# Sourced by experiments/ruler-quizzes.sh and experiments/ruler-keys.sh, which set F (the
+# farsight command) and OUT (the results folder): prepares the corpus and checks that make ruler's
+# models/ruler-drt-x2, where their runs start, is there. Every measurement reads 2 chunks as make
+# ruler's models do, in bf16, and is skipped where its record exists.
+mkdir -p "$OUT"
+bash experiments/lm-data.sh
+[ -f models/ruler-drt-x2/config.json ] || { echo "models/ruler-drt-x2 is missing: run make ruler first" >&2; exit 1; }
 READING=(--retrieval-top-k 2)
 GRID=(--tasks niah_multikey_2,niah_single_1 --lengths 1k,4k,16k --depths 0.1,0.5,0.9 --trials 8 --corpus data/lm-byte
     --dtype bf16)

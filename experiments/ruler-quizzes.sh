@@ -15,9 +15,6 @@
 set -euo pipefail
 F=.venv/bin/farsight
 OUT=results/ruler-quizzes
-mkdir -p "$OUT"
-bash experiments/lm-data.sh
-[ -f models/ruler-drt-x2/config.json ] || { echo "models/ruler-drt-x2 is missing: run make ruler first" >&2; exit 1; }
 source experiments/ruler-measure.sh
 
 measure models/ruler-drt-x2 shipped
