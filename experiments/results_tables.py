@@ -851,10 +851,10 @@ def multikey_headers(lengths: list[int]) -> list[str]:
 
 def multikey_cells(path: str, lengths: list[int]) -> tuple[list[str], dict[int, dict]]:
     """A record's niah_multikey_2 cells (exact, needle retrieved) at `lengths`, and its
-    niah_single_1 entries by length."""
+    niah_single_1 entries by length (none where the record holds no niah_single_1)."""
     tasks = record(path)["tasks"]
     multikey = {int(n): v for n, v in tasks["niah_multikey_2"]["by_length"].items()}
-    single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()}
+    single = {int(n): v for n, v in tasks["niah_single_1"]["by_length"].items()} if "niah_single_1" in tasks else {}
     return [f"{rate_cell(multikey[n])}; {retrieved_cell(multikey[n])}" for n in lengths], single
 
 
@@ -1034,7 +1034,7 @@ KEYS = "results/ruler-keys"
 KEYS_RUNS = ("coined-long", "coined-16k", "english-long")
 KEYS_LISTED = QUIZZES_LONG_RUNS[:2]
 KEYS_LENGTHS = (4096,)  # lm-eval's
-# lm-eval's niah_multikey_2 items with their keys swapped for farsight's (experiments/lm-eval-keys/)
+# lm-eval's niah_multikey_2 items with their keys swapped for farsight's (experiments/lm-eval-variants/)
 KEYS_SWAPPED = ("words", "english", "coined")
 
 
@@ -1089,6 +1089,65 @@ def ruler_keys() -> list[str]:
                 *(
                     lm_eval_cell(f"{prefix}-lm-eval-swapped-4096.json", f"niah_multikey_2_{kind}", 4096) or "not run"
                     for kind in KEYS_SWAPPED
+                ),
+            )
+        )
+    return lines
+
+
+# Needles one to a line (configs/lm/ruler/lines/, experiments/ruler-lines.sh): the first longer
+# quizzes run beside the same recipe with half of its needle haystacks laid out one needle a line
+LINES = "results/ruler-lines"
+LINES_RUNS = ("lines-long",)
+LINES_BASE = QUIZZES_LONG_RUNS[0]
+LINES_LENGTHS = (4096, 16384)  # lm-eval's
+# lm-eval's niah_multikey_2 items laid out or worded as farsight's (experiments/lm-eval-variants/)
+LINES_VARIANTS = (("spaced", "needles joined by spaces"), ("needle", "farsight's needle"), ("spaced_needle", "both"))
+
+
+@table(
+    "ruler-lines",
+    f"results/ruler-quizzes/{LINES_BASE}{{.json,-lm-eval-4096.json,-lm-eval-16384.json}}, "
+    f"results/ruler-lines/{{{','.join(LINES_RUNS)}}}{{.json,-lines.json,-lm-eval-4096.json,-lm-eval-16384.json,"
+    "-lm-eval-layout-4096.json}, "
+    f"results/runs/lm/ruler/{{quizzes/{LINES_BASE},lines/{{{','.join(LINES_RUNS)}}}}}/config.yaml",
+)
+def ruler_lines() -> list[str]:
+    rows = [(f"{QUIZZES}/{LINES_BASE}", f"`quizzes/{LINES_BASE}`", f"lm/ruler/quizzes/{LINES_BASE}")]
+    rows += [(f"{LINES}/{name}", f"`lines/{name}`", f"lm/ruler/lines/{name}") for name in LINES_RUNS]
+    lengths = multikey_lengths(f"{QUIZZES}/{LINES_BASE}.json")
+    lines = header(
+        "`drt-x2`",
+        "steps",
+        "training lengths",
+        "needle haystacks one needle a line",
+        *(f"`multikey_2` {length_name(n)}, as a paragraph" for n in lengths),
+        *(f"`multikey_2` {length_name(n)}, one a line" for n in lengths),
+        *(f"lm-eval `niah_multikey_2` {length_name(n)}" for n in LINES_LENGTHS),
+        "lm-eval `niah_single_1` 4K",
+        *(f"lm-eval's `niah_multikey_2` 4K, {what}" for _, what in LINES_VARIANTS),
+    )
+    for prefix, label, run in rows:
+        if not (ROOT / f"{prefix}.json").exists():
+            lines.append(row(label, *["not run"] * (2 * len(lengths) + 4 + len(LINES_LENGTHS) + len(LINES_VARIANTS))))
+            continue
+        config = run_config(run)
+        data = config["data"]
+        share = data["task_options"]["niah_multikey_2"].get("lines", 0)
+        laid = multikey_cells(f"{prefix}-lines.json", lengths)[0] if (ROOT / f"{prefix}-lines.json").exists() else []
+        lines.append(
+            row(
+                label,
+                str(config["train"]["steps"]),
+                training_lengths_cell(data),
+                f"{share:.0%}",
+                *(cell.split(";")[0] for cell in multikey_cells(f"{prefix}.json", lengths)[0]),
+                *([cell.split(";")[0] for cell in laid] or ["not run"] * len(lengths)),
+                *(lm_eval_cell(f"{prefix}-lm-eval-{n}.json", "niah_multikey_2", n) or "not run" for n in LINES_LENGTHS),
+                lm_eval_cell(f"{prefix}-lm-eval-4096.json", "niah_single_1", 4096) or "not run",
+                *(
+                    lm_eval_cell(f"{prefix}-lm-eval-layout-4096.json", f"niah_multikey_2_{variant}", 4096) or "not run"
+                    for variant, _ in LINES_VARIANTS
                 ),
             )
         )

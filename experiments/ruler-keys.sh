@@ -22,9 +22,9 @@ for name in coined-long coined-16k english-long; do
     [ -f "$OUT/$name-$kind.json" ] || $F eval ruler --model "runs/lm/ruler/keys/$name" "${READING[@]}" "${GRID[@]}" \
         --task-option "key_kind=$kind" --out "$OUT/$name-$kind.json"
 done
-# lm-eval's own niah_multikey_2 items with their keys swapped for farsight's kinds (experiments/lm-eval-keys/)
+# lm-eval's own niah_multikey_2 items with their keys swapped for farsight's kinds (experiments/lm-eval-variants/)
 [ -f "$OUT/coined-16k-lm-eval-swapped-4096.json" ] || $F eval harness --model runs/lm/ruler/keys/coined-16k \
-    "${READING[@]}" --include-path experiments/lm-eval-keys \
+    "${READING[@]}" --include-path experiments/lm-eval-variants \
     --tasks niah_multikey_2_words,niah_multikey_2_coined,niah_multikey_2_english --metadata '{"max_seq_lengths": [4096]}' \
     --limit 50 --dtype bf16 --out "$OUT/coined-16k-lm-eval-swapped-4096.json" \
     --samples "$OUT/coined-16k-lm-eval-swapped-4096-samples.jsonl"

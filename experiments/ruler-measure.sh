@@ -1,4 +1,4 @@
-# Sourced by experiments/ruler-quizzes.sh and experiments/ruler-keys.sh, which set F (the
+# Sourced by experiments/ruler-quizzes.sh, ruler-keys.sh and ruler-lines.sh, which set F (the
 # farsight command) and OUT (the results folder): prepares the corpus and checks that make ruler's
 # models/ruler-drt-x2, where their runs start, is there. Every measurement reads 2 chunks as make
 # ruler's models do, in bf16, and is skipped where its record exists.

@@ -298,7 +298,7 @@ def test_a_needle_haystack_without_quizzes_draws_as_before(tokenizer_name, wordi
     import hashlib
 
     tokenizer = BYTE if tokenizer_name == "byte" else GPT2
-    for options in ({"wording": wording}, {"wording": wording, "quizzes": 0}):
+    for options in ({"wording": wording}, {"wording": wording, "quizzes": 0, "lines": 0}):
         (task,) = make_ruler_tasks(["niah_multikey_2"], tokenizer, 32, options=options)
         s = task.sample(2000, 0.4, rng(7))
         assert hashlib.sha256(s.input_ids.tobytes()).hexdigest()[:16] == WITHOUT_QUIZZES[tokenizer_name, wording]
@@ -337,6 +337,55 @@ def test_quizzes_ask_earlier_distractors_once_and_answer_them(tokenizer, wording
         # the sample's own question and answer are as without quizzes
         assert prompt.count(needle.format(key=asked) + " " + s.info["references"][0] + ".") == 1
         assert split_answer(text(tokenizer, s.answer)) == s.info["references"]
+
+
+@pytest.mark.parametrize("tokenizer", [BYTE, GPT2], ids=["byte", "gpt2"])
+@pytest.mark.parametrize("wording", ["ruler", "composed"])
+@pytest.mark.parametrize("quizzes", [0.0, 0.4])
+def test_lines_put_each_needle_and_quiz_on_a_line_of_its_own(tokenizer, wording, quizzes):
+    options = {"wording": wording, "quizzes": quizzes, "lines": 1}
+    (task,) = make_ruler_tasks(["niah_multikey_2"], tokenizer, 32, options=options)
+    for seed in range(3):
+        s = task.sample(2500, seed / 2, rng(seed))
+        assert s.info["lines"] and s.info["needle"].startswith("\n")
+        prompt = text(tokenizer, s.prompt)
+        assert tokenizer.encode(prompt) == s.prompt.tolist()  # the text re-tokenizes to the same ids
+        asked, value = s.info["keys"][0], s.info["references"][0]
+        head = s.info["needle"].removeprefix("\n")
+        # the asked needle is a whole line, exactly once
+        assert prompt.split("\n").count(head.format(key=asked) + " " + value + ".") == 1
+        if wording == "ruler":
+            intro = "Special magic numbers are hidden in the text below. Memorize them: you will be asked about them.\n"
+            assert prompt.startswith(intro + "The special magic number for ")
+            assert text(tokenizer, s.input_ids[s.question_start :]).startswith("\nQuestion: What is the special")
+        # each quiz opens a line and ends where the next line opens (the last one may be followed
+        # by the filler that completes the budget)
+        for q, (start, _, answer, n, _) in enumerate(s.quizzes):
+            assert text(tokenizer, s.input_ids[start : start + 1]).startswith("\n")
+            after = text(tokenizer, s.input_ids[answer + n : answer + n + 2])
+            assert after.startswith(".\n") or (q == len(s.quizzes) - 1 and after.startswith(".")), after
+        assert bool(s.quizzes) == bool(quizzes)
+        # without the quizzes, every line between the instruction and the question is a needle, but
+        # for one needle followed by filler: the haystack's last tokens, short of a line, that fill the budget
+        kept = np.ones(s.question_start, dtype=bool)
+        for start, _, answer, n, _ in s.quizzes:
+            kept[start : answer + n + 1] = False
+        _, *body = text(tokenizer, s.input_ids[: s.question_start][kept]).split("\n")
+        needle = re.compile(re.escape(head).replace(re.escape("{key}"), "[a-z]+-[a-z]+") + r" \d{7}\.")
+        odd = [line for line in body if not needle.fullmatch(line)]
+        assert len(body) > 20 and len(odd) <= 1 and all(needle.match(line) for line in odd), odd
+        assert split_answer(text(tokenizer, s.answer)) == s.info["references"]
+
+
+def test_lines_are_drawn_per_sample_and_refused_outside_a_needle_haystack():
+    (task,) = make_ruler_tasks(["niah_multikey_2"], BYTE, 1, options={"lines": 0.5})
+    layouts = [task.sample(1000, 0.5, rng(seed)).info["lines"] for seed in range(40)]
+    assert 8 < sum(layouts) < 32
+    with pytest.raises(InputError, match="lines lay out distractor needles.*set haystack: needles or leave lines at 0"):
+        make_ruler_tasks(["niah_single_1"], BYTE, 1, haystack="noise", options={"lines": 0.5})
+    for bad in (-0.1, 1.5, "1", True):
+        with pytest.raises(InputError, match="option lines must be a number in \\[0, 1\\]"):
+            make_ruler_tasks(["niah_multikey_2"], BYTE, 1, options={"lines": bad})
 
 
 def test_quiz_answers_weigh_from_the_chunk_after_the_key_is_named():

@@ -190,7 +190,12 @@ class RulerTask(NeedleTask):
         """`budget` tokens of haystack with the needles inserted, and where each needle starts (the
         draw's quizzes move to context tokens too)."""
         haystack = self.haystack(budget - self.shortest_context(draw), draw, rng)
-        positions = [self._snap(haystack, p) for p in self.positions(len(draw.needles), len(haystack), depth, rng)]
+        starts = (
+            ("\n",) if draw.info.get("lines") else (" ",)
+        )  # what a needle, hence the text after a boundary, opens with
+        positions = [
+            self._snap(haystack, p, starts) for p in self.positions(len(draw.needles), len(haystack), depth, rng)
+        ]
         # a quiz's question ends a sentence, yet a needle goes before the quiz, not between its question and answer
         positions = [next((q for q, _, a, n, _ in draw.quizzes if q < p <= a + n), p) for p in positions]
 
@@ -218,21 +223,22 @@ class RulerTask(NeedleTask):
         """Where each needle goes in a haystack of n tokens: the first at `depth`, the others anywhere."""
         return [int(round(depth * n))] + [int(x) for x in rng.integers(0, n + 1, size=count - 1)]
 
-    def _snap(self, haystack: np.ndarray, p: int) -> int:
+    def _snap(self, haystack: np.ndarray, p: int, starts: tuple[str, ...] = (" ",)) -> int:
         """The boundary nearest p (within SNAP_RADIUS) after a sentence end, else before a word, else p.
 
-        A needle starts with a space and ends with ".", so at such a boundary the text reads
-        cleanly and re-tokenizes to the same ids."""
+        A needle starts with a space (with a newline when its haystack has a needle a line, the
+        `starts` then) and ends with ".", so at such a boundary the text reads cleanly and
+        re-tokenizes to the same ids."""
         text = self._token_text
         n = len(haystack)
 
         def sentence(q: int) -> bool:
             return q in (0, n) or (
-                text(haystack[q - 1]).endswith((".", "!", "?")) and text(haystack[q]).startswith(" ")
+                text(haystack[q - 1]).endswith((".", "!", "?")) and text(haystack[q]).startswith(starts)
             )
 
         def word(q: int) -> bool:
-            return q in (0, n) or (not text(haystack[q - 1])[-1:].isspace() and text(haystack[q]).startswith(" "))
+            return q in (0, n) or (not text(haystack[q - 1])[-1:].isspace() and text(haystack[q]).startswith(starts))
 
         for accept in (sentence, word):
             for d in range(SNAP_RADIUS + 1):
@@ -491,6 +497,11 @@ class NIAHTask(RulerTask):
     distractor needles with other keys, RULER's needle haystack). The first value of the first
     asked key sits at `depth`; the other needles anywhere.
 
+    lines (needle haystacks only): the chance that a sample puts each needle on a line of its own,
+    the needles joined by newlines as in RULER's needle haystack, instead of one after another
+    like sentences of a paragraph; the instruction then ends without its newline, which the
+    first line brings. A model trained on one layout alone may key its retrieval on it.
+
     quizzes (training data, needle haystacks only): the chance, before each distractor needle,
     that the haystack first asks the task's question about an earlier distractor, answered at
     once ("... What is the number for KEY? ... is VALUE."). Each distractor is asked at most once
@@ -514,6 +525,7 @@ class NIAHTask(RulerTask):
         haystack: str = "filler",
         wording: str = "ruler",
         quizzes: float = 0.0,
+        lines: float = 0.0,
     ) -> None:
         super().__init__(tokenizer, filler, align)
         self.keys = whole_option(self.name, "keys", keys, 1)
@@ -527,14 +539,19 @@ class NIAHTask(RulerTask):
         self.value_kind = _choice(self.name, "value_kind", value_kind, VALUE_KINDS)
         self.haystack_kind = _choice(self.name, "haystack", haystack, ("filler", "needles"))
         self.wording = _choice(self.name, "wording", wording, NIAH_WORDINGS)
-        if isinstance(quizzes, bool) or not isinstance(quizzes, (int, float)) or not 0 <= quizzes <= 1:
-            raise InputError(f"the {self.name} task's option quizzes must be a number in [0, 1], got {quizzes!r}")
-        if quizzes and self.haystack_kind != "needles":
-            raise InputError(
-                f"the {self.name} task's quizzes ask about distractor needles, and its haystack is {self.haystack_kind}; "
-                "set haystack: needles or leave quizzes at 0"
-            )
+        for option, value, what in (
+            ("quizzes", quizzes, "the quizzes ask about distractor needles"),
+            ("lines", lines, "lines lay out distractor needles"),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise InputError(f"the {self.name} task's option {option} must be a number in [0, 1], got {value!r}")
+            if value and self.haystack_kind != "needles":
+                raise InputError(
+                    f"the {self.name} task's {what}, and its haystack is {self.haystack_kind}; "
+                    f"set haystack: needles or leave {option} at 0"
+                )
         self.quizzes = float(quizzes)
+        self.lines = float(lines)
 
     def _needle(self, key: str, value: str, head: str) -> tuple[np.ndarray, int, int]:
         """A needle's ids with the head `head` ({key} left to fill), and the offset and length of its value."""
@@ -565,6 +582,11 @@ class NIAHTask(RulerTask):
             question_text = (plural_question if several else single).format(
                 kind=kind + "s" if several else kind, key="{key}"
             )
+        # no draw without lines, so that the samples of a task without them stay as they were
+        lines = bool(self.lines) and rng.random() < self.lines
+        if lines:
+            head = "\n" + head.lstrip(" ")
+            intro_text = intro_text.removesuffix("\n")
         needles, evidence, references = [], [], []
         order = [(k, v) for k in asked for v in range(self.values)]
         order += [(k, v) for k in range(self.queries, self.keys) for v in range(self.values)]
@@ -579,7 +601,13 @@ class NIAHTask(RulerTask):
         question = question_text.format(key=asked_keys)
         link = self.encode(" are" if several else " is")
         answer = self._ids(" " + ANSWER_SEPARATOR.join(references))
-        info = {"keys": [keys[k] for k in asked], "values": references, "phrasing": phrasing, "needle": head}
+        info = {
+            "keys": [keys[k] for k in asked],
+            "values": references,
+            "phrasing": phrasing,
+            "needle": head,
+            "lines": lines,
+        }
         return RulerDraw(
             intro, needles, self._ids(question), link, answer, references, evidence, info, used, question_text
         )
