@@ -11,8 +11,9 @@ its question's and its answer prefix's) is replaced by a key of one of farsight'
 
 Layout (niah_multikey_2_spaced, _needle, _spaced_needle): lm-eval's needle haystack puts each
 needle on a line of its own, "One of the special magic numbers for KEY is: VALUE.", the lines
-joined by newlines. `spaced` runs the needles on like the sentences of a paragraph, joined by
-spaces (farsight's needle haystack without `lines`); `needle` words each needle "The special
+joined by newlines. `spaced` runs the needles on like the sentences of a paragraph: every
+newline before a needle, the one after the instruction too, becomes a space (farsight's needle
+haystack without `lines`, whose instruction does end in a newline); `needle` words each needle "The special
 magic number for KEY is: VALUE." (farsight's needle in RULER's wording), still one a line;
 `spaced_needle` does both. The instruction, the question and the answer prefix stay lm-eval's.
 """
@@ -66,7 +67,7 @@ niah_multikey_2_coined = partial(_variant, partial(_swapped, "coined"))
 
 # -- layout ---------------------------------------------------------------------------------------
 
-BREAK = re.compile(r"(?<=\.)\n(?=One of the special magic numbers for )")  # between two needles
+BREAK = re.compile(r"(?<=\.)\n(?=One of the special magic numbers for )")  # before a needle
 HEAD = re.compile(r"One of the special magic numbers for (\S+) is: ")
 
 
