@@ -1098,7 +1098,7 @@ def ruler_keys() -> list[str]:
 # Needles one to a line (configs/lm/ruler/lines/, experiments/ruler-lines.sh): the first longer
 # quizzes run beside the same recipe with half of its needle haystacks laid out one needle a line
 LINES = "results/ruler-lines"
-LINES_RUNS = ("lines-long",)
+LINES_RUNS = ("lines-long", "lines-16k")
 LINES_BASE = QUIZZES_LONG_RUNS[0]
 LINES_LENGTHS = (4096, 16384)  # lm-eval's
 # lm-eval's niah_multikey_2 items laid out or worded as farsight's (experiments/lm-eval-variants/)
