@@ -190,9 +190,8 @@ class RulerTask(NeedleTask):
         """`budget` tokens of haystack with the needles inserted, and where each needle starts (the
         draw's quizzes move to context tokens too)."""
         haystack = self.haystack(budget - self.shortest_context(draw), draw, rng)
-        starts = (
-            ("\n",) if draw.info.get("lines") else (" ",)
-        )  # what a needle, hence the text after a boundary, opens with
+        # needles go before text that opens as they do: a space, or a newline where they are one a line
+        starts = (self._token_text(draw.needles[0][0])[:1] or " ",) if draw.needles else (" ",)
         positions = [
             self._snap(haystack, p, starts) for p in self.positions(len(draw.needles), len(haystack), depth, rng)
         ]
@@ -226,9 +225,9 @@ class RulerTask(NeedleTask):
     def _snap(self, haystack: np.ndarray, p: int, starts: tuple[str, ...] = (" ",)) -> int:
         """The boundary nearest p (within SNAP_RADIUS) after a sentence end, else before a word, else p.
 
-        A needle starts with a space (with a newline when its haystack has a needle a line, the
-        `starts` then) and ends with ".", so at such a boundary the text reads cleanly and
-        re-tokenizes to the same ids."""
+        A needle starts with what `starts` holds (a space, or a newline where the needles are one a
+        line) and ends with ".", so at such a boundary the text reads cleanly and re-tokenizes to the
+        same ids."""
         text = self._token_text
         n = len(haystack)
 
