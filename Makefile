@@ -70,9 +70,12 @@ summarize: $(STAMP)
 # (experiments/ruler.sh): drt-x2, drt-x1 and baselm-2l from the shipped base models, a passkey stage,
 # the RULER mix, then the mix with single needles weighted up (configs/lm/ruler/stage1-<model>.yaml,
 # configs/lm/ruler/composed/, configs/lm/ruler/refresh/), exported to models/ruler-*, which every
-# measurement reads; finished runs, exports and result files are reused.
+# measurement reads; then drt-x2's multi-key stages with needles one to a line
+# (experiments/ruler-lines.sh, configs/lm/ruler/lines/), exported to models/ruler-drt-x2-lines;
+# finished runs, exports and result files are reused.
 ruler: $(STAMP)
 	bash experiments/ruler.sh
+	bash experiments/ruler-lines.sh
 
 # A BPE corpus of long real documents held out by package, page and book (experiments/code-corpus.sh):
 # Python source, the Python documentation and Gutenberg books, a 16K-entry BPE, token files.

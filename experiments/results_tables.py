@@ -1020,10 +1020,8 @@ def ruler_quizzes_lengths() -> list[str]:
     rows += [(f"`quizzes/{name}`", f"{QUIZZES}/{name}-lm-eval-{{}}.json") for name in QUIZZES_LONG_RUNS]
     lines = header("`drt-x2`", "lm-eval task", *(length_name(n) for n in RULER_LENGTHS), "items a cell")
     for label, pattern in rows:
-        files = [pattern.format(n) for n in RULER_LENGTHS]
-        for task in RULER_GATED:
-            cells = [lm_eval_cell(path, task, n) or "not run" for path, n in zip(files, RULER_LENGTHS)]
-            lines.append(row(label, code(task), *cells, items_cell(files, task)))
+        files = {n: pattern.format(n) for n in RULER_LENGTHS}
+        lines += [lm_eval_lengths_row((label,), task, files) for task in RULER_GATED]
     return lines
 
 
@@ -1154,6 +1152,71 @@ def ruler_lines() -> list[str]:
     return lines
 
 
+# The shipped models/ruler-drt-x2-lines (lines/lines-16k exported) from 4K to 128K, beside the
+# paragraph-only run of the same stages, and its passkey beside the shipped models/ruler-drt-x2's
+# and the 64K quizzes run's
+LINES_SHIPPED = "lines-16k"
+LINES_PARAGRAPH = QUIZZES_LONG_RUNS[1]
+LINES_PASSKEY = (
+    ("`models/ruler-drt-x2` (`make ruler`)", f"{RULER}/drt-x2-passkey.json"),
+    (f"`quizzes/{QUIZZES_LONG_RUNS[2]}`", f"{QUIZZES}/{QUIZZES_LONG_RUNS[2]}-passkey.json"),
+    ("`models/ruler-drt-x2-lines`", f"{LINES}/{LINES_SHIPPED}-passkey.json"),
+)
+
+
+@table(
+    "ruler-lines-lengths",
+    f"results/ruler-quizzes/{LINES_PARAGRAPH}-lm-eval-{{{RULER_LENGTH_NAMES}}}.json, "
+    f"results/ruler-lines/{LINES_SHIPPED}-lm-eval-{{,others-}}{{{RULER_LENGTH_NAMES}}}{{.json,-samples.jsonl}}, "
+    f"results/ruler-lines/{LINES_SHIPPED}-hf-{{{','.join(RULER_GATED)}}}-{{{RULER_LENGTH_NAMES}}}.json",
+)
+def ruler_lines_lengths() -> list[str]:
+    # (labels, file pattern by task and length, tasks): the shipped directory through farsight's
+    # harness answers lm-eval's other offline tasks too, in files of their own as make ruler's
+    rows = [
+        (
+            (f"`quizzes/{LINES_PARAGRAPH}`", "0%", "`farsight`"),
+            f"{QUIZZES}/{LINES_PARAGRAPH}-lm-eval-{{n}}.json",
+            RULER_GATED,
+        ),
+        (
+            ("`models/ruler-drt-x2-lines`", "50%", "`farsight`"),
+            f"{LINES}/{LINES_SHIPPED}-{{name}}-{{n}}.json",
+            RULER_TASKS,
+        ),
+        (
+            ("`models/ruler-drt-x2-lines`", "50%", "`hf`"),
+            f"{LINES}/{LINES_SHIPPED}-hf-{{task}}-{{n}}.json",
+            RULER_GATED,
+        ),
+    ]
+    lines = header(
+        "`drt-x2`",
+        "needle haystacks one needle a line",
+        "lm-eval model",
+        "lm-eval task",
+        *(length_name(n) for n in RULER_LENGTHS),
+        "items a cell",
+    )
+    for labels, pattern, tasks in rows:
+        for task in tasks:
+            name = "lm-eval" if task in RULER_GATED else "lm-eval-others"
+            files = {n: pattern.format(n=n, task=task, name=name) for n in RULER_LENGTHS}
+            lines.append(lm_eval_lengths_row(labels, task, files))
+    return lines
+
+
+@table("ruler-lines-passkey", ", ".join(path for _, path in LINES_PASSKEY))
+def ruler_lines_passkey() -> list[str]:
+    done = [(label, path) for label, path in LINES_PASSKEY if (ROOT / path).exists()]
+    lengths = sorted({n for _, path in done for n in by_length(path)})
+    lines = header("`drt-x2`", *(f"passkey {length_name(n)}" for n in lengths))
+    for label, path in done:
+        grid = by_length(path)
+        lines.append(row(label, *(rate_cell(grid.get(n)) for n in lengths)))
+    return lines
+
+
 def ruler_file(model: str, task: str, length: int) -> str:
     """The lm-eval results file of experiments/ruler.sh that holds `task` for `model` at `length`."""
     name = "lm-eval" if task in RULER_GATED else "lm-eval-others"
@@ -1215,12 +1278,17 @@ def chunks_read(paths: list[str]) -> str:
     return "-" if count is None else str(count)
 
 
-def ruler_row(model: str, harness: str, read: str, task: str, files: dict[int, str]) -> str:
-    """A row of ruler-lm-eval: `task` at each length from its results file in `files` (length ->
-    path), `not run` where that file is missing."""
+def lm_eval_lengths_row(labels: tuple[str, ...], task: str, files: dict[int, str]) -> str:
+    """A row of the cells `labels`, then `task` at each of RULER_LENGTHS from its lm-eval results
+    file in `files` (length -> path), `not run` where that file is missing, then its items a cell."""
     label = f"`{task}`" + (" (held out)" if task in RULER_HELD_OUT else "")
     cells = (lm_eval_cell(files[n], task, n) or "not run" for n in RULER_LENGTHS)
-    return row(code(model), f"`{harness}`", read, label, *cells, items_cell(list(files.values()), task))
+    return row(*labels, label, *cells, items_cell(list(files.values()), task))
+
+
+def ruler_row(model: str, harness: str, read: str, task: str, files: dict[int, str]) -> str:
+    """A row of ruler-lm-eval: `model` through lm-eval model `harness`, reading `read` chunks."""
+    return lm_eval_lengths_row((code(model), f"`{harness}`", read), task, files)
 
 
 def items_cell(paths: list[str], task: str) -> str:

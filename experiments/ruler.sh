@@ -99,33 +99,12 @@ done
 
 if [[ " ${MODELS[*]} " == *" drt-x2 "* ]]; then
     # the shipped directory through lm-eval's standard "hf" model (transformers + farsight's Auto
-    # classes), one task and length a call; written under a temporary name and renamed when whole
+    # classes), one task and length a call (experiments/lm_eval_hf.py)
     for length in ${HF_LENGTHS//,/ }; do
         for task in ${HF_TASKS//,/ }; do
             out=$OUT/drt-x2-hf-$task-$length.json
             [ -f "$out" ] && continue
-            .venv/bin/python - "$MODELS_DIR/ruler-drt-x2" "$task" "$length" "$LIMIT" "$READ_TOP_K" "$out.tmp" <<'EOF'
-import json, sys
-
-import lm_eval
-import torch
-
-import farsight.hf  # noqa: F401  (registers farsight's classes with transformers' Auto classes)
-
-directory, task, length, limit, top_k, out = sys.argv[1:]
-device = "cuda" if torch.cuda.is_available() else "cpu"  # lm-eval's hf model assumes CUDA otherwise
-result = lm_eval.simple_evaluate(
-    model="hf",
-    model_args=f"pretrained={directory},dtype=bfloat16,device={device},retrieval_top_k={top_k}",
-    tasks=[task], metadata={"max_seq_lengths": [int(length)]}, limit=int(limit),
-)
-with open(out, "w") as handle:
-    json.dump(
-        {"lm_eval": lm_eval.__version__, "retrieval_top_k": int(top_k), "results": result["results"]},
-        handle, indent=1, default=str,
-    )
-EOF
-            mv "$out.tmp" "$out"
+            .venv/bin/python experiments/lm_eval_hf.py "$MODELS_DIR/ruler-drt-x2" "$task" "$length" "$LIMIT" "$READ_TOP_K" "$out"
         done
     done
 fi
