@@ -18,7 +18,7 @@ OUT=results/ruler-lines
 SHIPPED=models/ruler-drt-x2-lines
 source experiments/ruler-measure.sh
 
-train() {  # NAME: configs/lm/ruler/lines/NAME.yaml, its config and metrics copied beside its records
+train() {  # NAME: configs/lm/ruler/lines/<name>.yaml, its config and metrics copied beside its records
     $F train "configs/lm/ruler/lines/$1.yaml" --no-progress
     mkdir -p "results/runs/lm/ruler/lines/$1"
     cp "runs/lm/ruler/lines/$1"/{config.yaml,metrics.jsonl} "results/runs/lm/ruler/lines/$1/"
